@@ -1,0 +1,115 @@
+// Device-side building blocks shared by the kernels: storage-type conversion, 16-byte
+// vectors, warp/block reductions, and the host-side dispatch from runtime enums to
+// template instantiations.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/common.h"
+
+namespace barqtrain::kernels {
+
+// ------------------------------------------------------------------ error checks
+inline void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("barqtrain: ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// ------------------------------------------------------------------ conversions
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Round-trip through the storage type: the rounding a framework applies when it stores
+// an intermediate in T.
+template <typename T> __device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// ------------------------------------------------------------------ vectors
+// kN elements of T moved as one access (16 bytes when kN * sizeof(T) == 16).
+template <typename T, int kN>
+struct alignas(sizeof(T) * kN) Vec {
+  T elems[kN];
+};
+
+template <typename T, int kN>
+__device__ __forceinline__ void load_as_float(const T* ptr, float (&out)[kN]) {
+  const Vec<T, kN> v = *reinterpret_cast<const Vec<T, kN>*>(ptr);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) out[i] = to_float(v.elems[i]);
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_from_float(T* ptr, const float (&in)[kN]) {
+  Vec<T, kN> v;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) v.elems[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Vec<T, kN>*>(ptr) = v;
+}
+
+// Elements of T in one 16-byte access.
+template <typename T> constexpr int kVec16 = 16 / sizeof(T);
+
+inline bool is_aligned(const void* ptr, int bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+// ------------------------------------------------------------------ reductions
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 2 x 32 floats in
+// shared memory; callers that reduce repeatedly alternate `parity` so one barrier per
+// reduction suffices (a warp can only overwrite a buffer after every warp has passed the
+// barrier of the reduction in between).
+__device__ __forceinline__ float block_sum(float v, float (*scratch)[32], int parity) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int num_warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[parity][warp] = v;
+  __syncthreads();
+  v = lane < num_warps ? scratch[parity][lane] : 0.0f;
+  return warp_sum(v);
+}
+
+// ------------------------------------------------------------------ dispatch
+template <typename F>
+void dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(float{}); return;
+    case DType::kFloat16: f(__half{}); return;
+    case DType::kBFloat16: f(__nv_bfloat16{}); return;
+  }
+  require(false, "unsupported dtype");
+}
+
+// Calls f(std::integral_constant<int, N>{}) for the N in kChoices equal to n.
+template <int... kChoices, typename F>
+void dispatch_int(int n, F&& f) {
+  const bool found = ((n == kChoices ? (f(std::integral_constant<int, kChoices>{}), true) : false) || ...);
+  require(found, "no kernel instantiation for " + std::to_string(n));
+}
+
+}  // namespace barqtrain::kernels

@@ -1,0 +1,151 @@
+// The one place where BarqTrain's kernels become PyTorch ops: torch.ops.barqtrain.*.
+//
+// This file declares every op's schema and binds the CUDA launchers of csrc/kernels.
+// The CPU implementations (the pure-PyTorch references) and the autograd formulas are
+// registered from python/barqtrain/ops/<op>.py; the fake kernels used by torch.compile
+// from python/barqtrain/ops/fake.py, the module named by set_python_module below.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#ifdef BARQTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/rmsnorm.h"
+#endif
+
+namespace barqtrain::ops {
+
+TORCH_LIBRARY(barqtrain, m) {
+  m.set_python_module("barqtrain.ops.fake");
+  // y = norm(x) * (weight_offset + weight); rstd (fp32, x.shape[:-1]) is kept for backward.
+  // casting: "llama" rounds norm(x) to x's dtype before the weight, "gemma" after.
+  m.def(
+      "rms_norm_forward(Tensor x, Tensor weight, float eps, float weight_offset, str casting)"
+      " -> (Tensor y, Tensor rstd)");
+  // dweight is an empty tensor when compute_dweight is false (frozen weight).
+  m.def(
+      "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float weight_offset,"
+      " bool compute_dweight) -> (Tensor dx, Tensor dweight)");
+}
+
+#ifdef BARQTRAIN_WITH_CUDA
+namespace {
+
+namespace k = barqtrain::kernels;
+
+k::DType kernel_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return k::DType::kFloat32;
+    case at::kHalf: return k::DType::kFloat16;
+    case at::kBFloat16: return k::DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "barqtrain: ", name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  TORCH_CHECK(a.device() == b.device(), "barqtrain: ", a_name, " is on ", a.device(), " but ", b_name,
+              " is on ", b.device());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "barqtrain: ", a_name, " is ", a.scalar_type(), " but ",
+              b_name, " is ", b.scalar_type(), "; they must match");
+}
+
+// [..., hidden] -> [rows, hidden] with unit stride along hidden (copies only if it must).
+at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {
+  at::Tensor rows = t.stride(-1) == 1 ? t : t.contiguous();
+  return rows.reshape({-1, hidden});
+}
+
+int64_t row_stride(const at::Tensor& rows) { return rows.size(0) > 1 ? rows.stride(0) : rows.size(1); }
+
+k::RMSNormCasting parse_casting(c10::string_view casting) {
+  if (casting == "llama") return k::RMSNormCasting::kLlama;
+  if (casting == "gemma") return k::RMSNormCasting::kGemma;
+  TORCH_CHECK(false, "barqtrain: rms_norm casting must be 'llama' or 'gemma', got '", std::string(casting), "'");
+}
+
+void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_cuda(), "barqtrain: x must be a CUDA tensor");
+  TORCH_CHECK(x.dim() >= 1, "barqtrain: x must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "barqtrain: weight must have shape [",
+              x.size(-1), "] to match x's last dimension, got ", weight.sizes());
+  check_same(x, "x", weight, "weight");
+  kernel_dtype(x, "x");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                         double eps, double weight_offset,
+                                                         c10::string_view casting) {
+  check_norm_inputs(x, weight);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hidden = x.size(-1);
+  const at::Tensor x_rows = as_rows(x, hidden);
+  const at::Tensor weight_c = weight.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+
+  k::RMSNormForwardParams p;
+  p.x = x_rows.data_ptr();
+  p.weight = weight_c.data_ptr();
+  p.y = y.data_ptr();
+  p.rstd = rstd.data_ptr<float>();
+  p.rows = x_rows.size(0);
+  p.hidden = hidden;
+  p.x_row_stride = row_stride(x_rows);
+  p.y_row_stride = hidden;
+  p.eps = static_cast<float>(eps);
+  p.weight_offset = static_cast<float>(weight_offset);
+  p.casting = parse_casting(casting);
+  p.dtype = kernel_dtype(x, "x");
+  k::rmsnorm_forward(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
+                                                          const at::Tensor& weight, const at::Tensor& rstd,
+                                                          double weight_offset, bool compute_dweight) {
+  check_norm_inputs(x, weight);
+  check_same(dy, "dy", x, "x");
+  TORCH_CHECK(dy.sizes() == x.sizes(), "barqtrain: dy has shape ", dy.sizes(), " but x has ", x.sizes());
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() * x.size(-1) == x.numel(),
+              "barqtrain: rstd must be the float32 tensor returned by rms_norm_forward for this x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hidden = x.size(-1);
+  const at::Tensor dy_rows = as_rows(dy, hidden);
+  const at::Tensor x_rows = as_rows(x, hidden);
+  const at::Tensor weight_c = weight.contiguous();
+  const at::Tensor rstd_c = rstd.contiguous();
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor dweight = compute_dweight ? at::empty({hidden}, weight.options()) : at::empty({0}, weight.options());
+
+  k::RMSNormBackwardParams p;
+  p.dy = dy_rows.data_ptr();
+  p.x = x_rows.data_ptr();
+  p.weight = weight_c.data_ptr();
+  p.rstd = rstd_c.data_ptr<float>();
+  p.dx = dx.data_ptr();
+  p.dweight = compute_dweight ? dweight.data_ptr() : nullptr;
+  p.rows = x_rows.size(0);
+  p.hidden = hidden;
+  p.dy_row_stride = row_stride(dy_rows);
+  p.x_row_stride = row_stride(x_rows);
+  p.dx_row_stride = hidden;
+  p.weight_offset = static_cast<float>(weight_offset);
+  p.dtype = kernel_dtype(x, "x");
+  const size_t workspace_bytes = k::rmsnorm_backward_workspace_bytes(p, x.device().index());
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
+  k::rmsnorm_backward(p, workspace_bytes ? workspace.data_ptr() : nullptr, workspace_bytes,
+                      c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return {dx, dweight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
+  m.impl("rms_norm_forward", &rms_norm_forward_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+}
+#endif  // BARQTRAIN_WITH_CUDA
+
+}  // namespace barqtrain::ops

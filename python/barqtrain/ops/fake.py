@@ -1,0 +1,21 @@
+"""Fake (meta) kernels of every barqtrain op: output shapes, dtypes and strides only.
+
+torch.compile traces through these; they live in one module because the C++ library
+names it (set_python_module in csrc/ops/registration.cpp), so that torch can import
+them before an op is first traced.
+"""
+
+import torch
+
+
+@torch.library.register_fake("barqtrain::rms_norm_forward")
+def rms_norm_forward(x, weight, eps, weight_offset, casting):
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], lambda: "weight must match x's last dim")
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("barqtrain::rms_norm_backward")
+def rms_norm_backward(dy, x, weight, rstd, weight_offset, compute_dweight):
+    dweight = torch.empty_like(weight) if compute_dweight else weight.new_empty(0)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), dweight
