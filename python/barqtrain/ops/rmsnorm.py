@@ -83,6 +83,7 @@ def _backward_cpu(dy, x, weight, rstd, weight_offset, compute_dweight):
 def _setup_context(ctx, inputs, output):
     x, weight, _eps, weight_offset, _casting = inputs
     _y, rstd = output
+    ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, weight, rstd)
     ctx.weight_offset = weight_offset
 
