@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU check: on a GPU machine with torch preinstalled and no network, build BarqTrain,
+# run the C++ kernel tests, the Python test suite (GPU tests must run: a skip is a
+# failure), compute-sanitizer, and the benchmarks. Logs and JSON land in OUTDIR.
+#
+#   scripts/gpu_check.sh OUTDIR            # every phase
+#   PHASES="build cpp python" scripts/gpu_check.sh OUTDIR
+#
+# Wheels the machine lacks (e.g. liger-kernel) are installed from .whl/ when present;
+# GoogleTest is built from .deps/googletest when no installed copy is found.
+set -uo pipefail
+
+OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
+PHASES=${PHASES:-"build cpp python sanitize bench-ops bench-e2e"}
+PYTHON=${PYTHON:-python3}
+CUDA_ARCHS=${CUDA_ARCHS:-"80;90a"}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu_check.log"
+SUMMARY=()
+FAILED=0
+export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+cd "$REPO"
+
+phase() {  # phase NAME COMMAND...: run, log, record the outcome
+  local name=$1; shift
+  [[ " $PHASES " == *" $name "* ]] || return 0
+  local start=$SECONDS
+  echo "=== $name: $*" | tee -a "$LOG"
+  if "$@" >>"$LOG" 2>&1; then
+    SUMMARY+=("PASS  $name ($((SECONDS - start)) s)")
+  else
+    SUMMARY+=("FAIL  $name ($((SECONDS - start)) s), see gpu_check.log")
+    FAILED=1
+  fi
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} | tee "$LOG"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/barqtrain_wheels .whl/*.whl >>"$LOG" 2>&1
+  export PYTHONPATH=/tmp/barqtrain_wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+build_package() {
+  $PYTHON -m pip install -v --no-build-isolation --no-deps --no-index \
+    -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" . &&
+    (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._native as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'")
+}
+
+build_and_run_cpp_tests() {
+  local gtest_args=()
+  [[ -d .deps/googletest ]] && gtest_args=(-DBARQTRAIN_GTEST_SOURCE_DIR="$REPO/.deps/googletest")
+  cmake -S . -B build/gpu-cpp -G Ninja -DBARQTRAIN_BUILD_TESTS=ON \
+    -DBARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${gtest_args[@]}" &&
+    cmake --build build/gpu-cpp -j "$(nproc)" &&
+    build/gpu-cpp/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
+}
+
+run_python_tests() {
+  (cd /tmp && $PYTHON -m pytest -q -p no:cacheprovider "$REPO/tests/python" --junitxml="$OUTDIR/pytest.xml")
+}
+
+# memcheck and racecheck over a representative subset (every tiling path, both kernels).
+run_sanitizers() {
+  local filter='*bfloat16_rows37_hidden4096*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*'
+  compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
+    compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
+}
+
+phase build build_package
+phase cpp build_and_run_cpp_tests
+phase python run_python_tests
+phase sanitize run_sanitizers
+phase bench-ops bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench ops --out '$OUTDIR/bench'"
+phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e --out '$OUTDIR/bench'"
+
+echo "=== summary" | tee -a "$LOG"
+printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
+exit $FAILED
