@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -70,6 +71,22 @@ template <typename T> constexpr int kVec16 = 16 / sizeof(T);
 
 inline bool is_aligned(const void* ptr, int bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+// True when every row of every [rows, cols] tensor starts 16-byte aligned, so a kernel may
+// move kVec16<T> elements per access (null pointers are ignored: optional outputs).
+template <typename T>
+bool rows_vectorizable(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> row_strides,
+                       int64_t cols) {
+  constexpr int kVec = kVec16<T>;
+  if (cols % kVec != 0) return false;
+  for (const void* ptr : ptrs) {
+    if (ptr != nullptr && !is_aligned(ptr, 16)) return false;
+  }
+  for (int64_t stride : row_strides) {
+    if (stride % kVec != 0) return false;
+  }
+  return true;
 }
 
 // ------------------------------------------------------------------ reductions

@@ -173,20 +173,6 @@ reduce_partials_kernel(const float* partials, int num_partials, int64_t hidden, 
   }
 }
 
-template <typename T>
-bool rows_vectorizable(std::initializer_list<const void*> ptrs, std::initializer_list<int64_t> strides,
-                       int64_t hidden) {
-  constexpr int kVec = kVec16<T>;
-  if (hidden % kVec != 0) return false;
-  for (const void* ptr : ptrs) {
-    if (ptr != nullptr && !is_aligned(ptr, 16)) return false;
-  }
-  for (int64_t stride : strides) {
-    if (stride % kVec != 0) return false;
-  }
-  return true;
-}
-
 // Calls f(T{}, vec, vecs_per_thread) as compile-time constants.
 template <typename F>
 void dispatch_tiling(DType dtype, const RowTiling& tiling, F&& f) {
