@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/glu.h"
 #include "kernels/rmsnorm.h"
 #endif
 
@@ -27,6 +28,10 @@ TORCH_LIBRARY(barqtrain, m) {
   m.def(
       "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float weight_offset,"
       " bool compute_dweight) -> (Tensor dx, Tensor dweight)");
+  // h = act(gate) * up with act "silu" (SwiGLU) or "gelu_tanh" (GeGLU); gate and up may be
+  // strided views (the halves of a fused gate_up projection).
+  m.def("glu_forward(Tensor gate, Tensor up, str activation) -> Tensor");
+  m.def("glu_backward(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -140,11 +145,82 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy, 
   return {dx, dweight};
 }
 
+k::GluActivation parse_activation(c10::string_view activation) {
+  if (activation == "silu") return k::GluActivation::kSilu;
+  if (activation == "gelu_tanh") return k::GluActivation::kGeluTanh;
+  TORCH_CHECK(false, "barqtrain: glu activation must be 'silu' or 'gelu_tanh', got '", std::string(activation), "'");
+}
+
+void check_glu_operand(const at::Tensor& t, const char* name, const at::Tensor& gate) {
+  TORCH_CHECK(t.is_cuda(), "barqtrain: ", name, " must be a CUDA tensor");
+  check_same(t, name, gate, "gate");
+  TORCH_CHECK(t.sizes() == gate.sizes(), "barqtrain: ", name, " has shape ", t.sizes(), " but gate has ",
+              gate.sizes());
+}
+
+at::Tensor glu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+  TORCH_CHECK(gate.dim() >= 1 && gate.numel() > 0, "barqtrain: gate must be a non-empty tensor");
+  check_glu_operand(up, "up", gate);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const int64_t cols = gate.size(-1);
+  const at::Tensor gate_rows = as_rows(gate, cols);
+  const at::Tensor up_rows = as_rows(up, cols);
+  at::Tensor h = at::empty(gate.sizes(), gate.options());
+
+  k::GluForwardParams p;
+  p.gate = gate_rows.data_ptr();
+  p.up = up_rows.data_ptr();
+  p.h = h.data_ptr();
+  p.rows = gate_rows.size(0);
+  p.cols = cols;
+  p.gate_row_stride = row_stride(gate_rows);
+  p.up_row_stride = row_stride(up_rows);
+  p.h_row_stride = cols;
+  p.activation = parse_activation(activation);
+  p.dtype = kernel_dtype(gate, "gate");
+  k::glu_forward(p, c10::cuda::getCurrentCUDAStream(gate.device().index()).stream());
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const at::Tensor& gate,
+                                                     const at::Tensor& up, c10::string_view activation) {
+  TORCH_CHECK(gate.dim() >= 1 && gate.numel() > 0, "barqtrain: gate must be a non-empty tensor");
+  check_glu_operand(up, "up", gate);
+  check_glu_operand(dh, "dh", gate);
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const int64_t cols = gate.size(-1);
+  const at::Tensor dh_rows = as_rows(dh, cols);
+  const at::Tensor gate_rows = as_rows(gate, cols);
+  const at::Tensor up_rows = as_rows(up, cols);
+  at::Tensor dgate = at::empty(gate.sizes(), gate.options());
+  at::Tensor dup = at::empty(gate.sizes(), gate.options());
+
+  k::GluBackwardParams p;
+  p.dh = dh_rows.data_ptr();
+  p.gate = gate_rows.data_ptr();
+  p.up = up_rows.data_ptr();
+  p.dgate = dgate.data_ptr();
+  p.dup = dup.data_ptr();
+  p.rows = gate_rows.size(0);
+  p.cols = cols;
+  p.dh_row_stride = row_stride(dh_rows);
+  p.gate_row_stride = row_stride(gate_rows);
+  p.up_row_stride = row_stride(up_rows);
+  p.dgate_row_stride = cols;
+  p.dup_row_stride = cols;
+  p.activation = parse_activation(activation);
+  p.dtype = kernel_dtype(gate, "gate");
+  k::glu_backward(p, c10::cuda::getCurrentCUDAStream(gate.device().index()).stream());
+  return {dgate, dup};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("rms_norm_forward", &rms_norm_forward_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+  m.impl("glu_forward", &glu_forward_cuda);
+  m.impl("glu_backward", &glu_backward_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

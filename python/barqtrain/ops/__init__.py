@@ -11,6 +11,16 @@ from barqtrain import _native
 _native.load()
 
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
+from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
 from barqtrain.ops.rmsnorm import rms_norm, rms_norm_backward_reference, rms_norm_reference  # noqa: E402
 
-__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_backward_reference"]
+__all__ = [
+    "glu",
+    "swiglu",
+    "geglu",
+    "glu_reference",
+    "glu_backward_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rms_norm_backward_reference",
+]

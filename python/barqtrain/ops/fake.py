@@ -19,3 +19,15 @@ def rms_norm_forward(x, weight, eps, weight_offset, casting):
 def rms_norm_backward(dy, x, weight, rstd, weight_offset, compute_dweight):
     dweight = torch.empty_like(weight) if compute_dweight else weight.new_empty(0)
     return torch.empty_like(x, memory_format=torch.contiguous_format), dweight
+
+
+@torch.library.register_fake("barqtrain::glu_forward")
+def glu_forward(gate, up, activation):
+    torch._check(gate.shape == up.shape, lambda: "gate and up must have the same shape")
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("barqtrain::glu_backward")
+def glu_backward(dh, gate, up, activation):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
