@@ -1,0 +1,111 @@
+"""Instance-level patching: patch_model / unpatch_model.
+
+Only the module instances of one model change: each matched module gets an instance
+attribute `forward`, a BarqTrain function bound to it, which shadows its class's forward.
+Hugging Face classes are never modified, so other models in the process are unaffected,
+and deleting the attribute brings back the class's forward exactly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import MethodType
+
+from torch import nn
+
+from barqtrain.patch.families import OP_DETECTORS, REPLACEMENT_FORWARDS, family_for
+from barqtrain.patch.report import (
+    ALREADY_PATCHED,
+    FORWARD_OVERRIDDEN,
+    UNRECOGNIZED_CLASS,
+    NotPatched,
+    PatchedOp,
+    PatchReport,
+)
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model itself: `model`, or the one a PEFT model wraps."""
+    get_base_model = getattr(model, "get_base_model", None)
+    hf_model = get_base_model() if callable(get_base_model) else model
+    if not isinstance(getattr(getattr(hf_model, "config", None), "model_type", None), str):
+        raise TypeError(
+            "barqtrain: patch_model expects a Hugging Face PreTrainedModel or a PEFT model wrapping one "
+            f"(something with config.model_type); got {type(model).__name__}"
+        )
+    return hf_model
+
+
+def _qualified_class_name(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _is_barqtrain_forward(forward: object) -> bool:
+    return isinstance(forward, MethodType) and forward.__func__ in REPLACEMENT_FORWARDS
+
+
+def _detected_op(module: nn.Module) -> str | None:
+    return next((op for op, looks_like in OP_DETECTORS.items() if looks_like(module)), None)
+
+
+def patch_model(model: nn.Module) -> PatchReport:
+    """Route the modules of `model` that BarqTrain implements through its fused ops.
+
+    `model` is a Hugging Face PreTrainedModel or a PEFT model wrapping one; it is changed in
+    place and keeps its parameters, so optimizers and checkpoints made before still apply.
+    Calling it again does nothing new. Raises UnsupportedModelError (a ValueError) for a
+    model family with no BarqTrain patches.
+    """
+    hf_model = _hf_model(model)
+    model_type = hf_model.config.model_type
+    model_class = type(hf_model).__name__
+    if hf_model is not model:
+        model_class = f"{type(model).__name__}({model_class})"
+    family = family_for(model_type, model_class)
+    replacement_for_class = {row.module_class: row for row in family.replacements}
+
+    patched: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # op -> class -> names
+    not_patched: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (op, class, reason) -> names
+    for name, module in model.named_modules():
+        class_name = type(module).__name__
+        replacement = replacement_for_class.get(_qualified_class_name(module))
+        if replacement is None:
+            op = _detected_op(module)
+            if op is not None:
+                not_patched[op, class_name, UNRECOGNIZED_CLASS].append(name)
+            continue
+        instance_forward = vars(module).get("forward")
+        if _is_barqtrain_forward(instance_forward):
+            not_patched[replacement.op, class_name, ALREADY_PATCHED].append(name)
+        elif instance_forward is not None:
+            # Our forward computes the op itself and would silently drop the other wrapper.
+            not_patched[replacement.op, class_name, FORWARD_OVERRIDDEN].append(name)
+        else:
+            module.forward = MethodType(replacement.forward, module)
+            patched[replacement.op][class_name].append(name)
+
+    return PatchReport(
+        family=family.name,
+        model_type=model_type,
+        model_class=model_class,
+        patched={
+            op: PatchedOp(op, tuple(by_class), tuple(name for names in by_class.values() for name in names))
+            for op, by_class in patched.items()
+        },
+        not_patched=tuple(
+            NotPatched(op, class_name, reason, tuple(names)) for (op, class_name, reason), names in not_patched.items()
+        ),
+    )
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """Give every module patched by patch_model its original forward back.
+
+    Returns how many modules were restored (0 for a model that was not patched).
+    """
+    restored = 0
+    for module in model.modules():
+        if _is_barqtrain_forward(vars(module).get("forward")):
+            del module.forward
+            restored += 1
+    return restored
