@@ -33,6 +33,10 @@ inline bool has_cuda_device() {
 
 // Host-side storage type for a kernels::DType.
 template <typename T> struct Storage;
+template <> struct Storage<double> {
+  static double from_double(double v) { return v; }
+  static double to_double(double v) { return v; }
+};
 template <> struct Storage<float> {
   static float from_double(double v) { return static_cast<float>(v); }
   static double to_double(float v) { return v; }
