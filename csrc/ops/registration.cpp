@@ -13,6 +13,7 @@
 
 #include "kernels/glu.h"
 #include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
 #endif
 
 namespace barqtrain::ops {
@@ -32,6 +33,11 @@ TORCH_LIBRARY(barqtrain, m) {
   // strided views (the halves of a fused gate_up projection).
   m.def("glu_forward(Tensor gate, Tensor up, str activation) -> Tensor");
   m.def("glu_backward(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)");
+  // Rotary embedding of q and k ([B, H, S, D] with heads_dim=1, [B, S, H, D] with heads_dim=2)
+  // by the tables cos, sin ([B or 1, S, rotary_dim]); inverse rotates back (the backward).
+  m.def(
+      "rope_forward(Tensor q, Tensor k, Tensor cos, Tensor sin, int heads_dim, bool inverse)"
+      " -> (Tensor q_out, Tensor k_out)");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -214,6 +220,63 @@ std::tuple<at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const
   return {dgate, dup};
 }
 
+k::HeadStrides head_strides(const at::Tensor& t, int64_t heads_dim) {
+  const int64_t seq_dim = heads_dim == 1 ? 2 : 1;
+  return {t.stride(0), t.stride(seq_dim), t.stride(heads_dim)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                     const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                                     int64_t heads_dim, bool inverse) {
+  TORCH_CHECK(heads_dim == 1 || heads_dim == 2, "barqtrain: rope heads_dim must be 1 ([B, H, S, D]) or 2 "
+              "([B, S, H, D]), got ", heads_dim);
+  TORCH_CHECK(q_in.is_cuda() && q_in.dim() == 4 && k_in.dim() == 4, "barqtrain: rope q and k must be 4-D CUDA tensors");
+  check_same(k_in, "k", q_in, "q");
+  check_same(cos_in, "cos", q_in, "q");
+  check_same(sin_in, "sin", q_in, "q");
+  const int64_t seq_dim = heads_dim == 1 ? 2 : 1;
+  const int64_t batch = q_in.size(0), seq = q_in.size(seq_dim), head_dim = q_in.size(3);
+  TORCH_CHECK(k_in.size(0) == batch && k_in.size(seq_dim) == seq && k_in.size(3) == head_dim,
+              "barqtrain: rope k has shape ", k_in.sizes(), " which does not match q's ", q_in.sizes());
+  TORCH_CHECK(cos_in.dim() == 3 && cos_in.sizes() == sin_in.sizes() && cos_in.size(1) == seq &&
+                  (cos_in.size(0) == 1 || cos_in.size(0) == batch),
+              "barqtrain: rope cos and sin must be [", batch, " or 1, ", seq, ", rotary_dim], got ", cos_in.sizes(),
+              " and ", sin_in.sizes());
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor cos = cos_in.stride(2) == 1 ? cos_in : cos_in.contiguous();
+  const at::Tensor sin = sin_in.stride(2) == 1 && sin_in.strides() == cos.strides() ? sin_in
+                                                                                       : sin_in.contiguous();
+  TORCH_CHECK(sin.strides() == cos.strides(), "barqtrain: rope cos and sin must share one layout");
+  at::Tensor q_out = at::empty_like(q);
+  at::Tensor k_out = at::empty_like(k);
+
+  k::RopeParams p;
+  p.q_in = q.data_ptr();
+  p.k_in = k.data_ptr();
+  p.q_out = q_out.data_ptr();
+  p.k_out = k_out.data_ptr();
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.q_in_strides = head_strides(q, heads_dim);
+  p.k_in_strides = head_strides(k, heads_dim);
+  p.q_out_strides = head_strides(q_out, heads_dim);
+  p.k_out_strides = head_strides(k_out, heads_dim);
+  p.table_batch_stride = cos.size(0) == 1 ? 0 : cos.stride(0);
+  p.table_seq_stride = cos.stride(1);
+  p.batch = batch;
+  p.seq = seq;
+  p.q_heads = static_cast<int>(q.size(heads_dim));
+  p.k_heads = static_cast<int>(k.size(heads_dim));
+  p.head_dim = static_cast<int>(head_dim);
+  p.rotary_dim = static_cast<int>(cos.size(2));
+  p.inverse = inverse;
+  p.dtype = kernel_dtype(q, "q");
+  k::rope_apply(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {q_out, k_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
@@ -221,6 +284,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
   m.impl("glu_forward", &glu_forward_cuda);
   m.impl("glu_backward", &glu_backward_cuda);
+  m.impl("rope_forward", &rope_forward_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

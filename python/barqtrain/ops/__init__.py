@@ -13,6 +13,7 @@ _native.load()
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
 from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
 from barqtrain.ops.rmsnorm import rms_norm, rms_norm_backward_reference, rms_norm_reference  # noqa: E402
+from barqtrain.ops.rope import apply_rope, rope_reference  # noqa: E402
 
 __all__ = [
     "glu",
@@ -23,4 +24,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "rms_norm_backward_reference",
+    "apply_rope",
+    "rope_reference",
 ]
