@@ -65,9 +65,9 @@ run_python_tests() {
   (cd /tmp && $PYTHON -m pytest -q -p no:cacheprovider "$REPO/tests/python" --junitxml="$OUTDIR/pytest.xml")
 }
 
-# memcheck and racecheck over a representative subset (every tiling path, both kernels).
+# memcheck and racecheck over a representative subset (every tiling path of every kernel).
 run_sanitizers() {
-  local filter='*bfloat16_rows37_hidden4096*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*'
+  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*Glu*fused*:*Rope*inplace*'
   compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
     compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
 }

@@ -96,18 +96,18 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds 2 x 32 floats in
-// shared memory; callers that reduce repeatedly alternate `parity` so one barrier per
-// reduction suffices (a warp can only overwrite a buffer after every warp has passed the
-// barrier of the reduction in between).
-__device__ __forceinline__ float block_sum(float v, float (*scratch)[32], int parity) {
+// Sum over the block; every thread gets the result. `scratch` is 32 floats of shared
+// memory. One barrier per call: a caller that reduces repeatedly must rotate among at least
+// two scratch rows, so that no warp overwrites a row another warp may still be reading
+// (between two uses of a row every warp passes the barrier of the reduction in between).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int num_warps = (blockDim.x + 31) >> 5;
   v = warp_sum(v);
-  if (lane == 0) scratch[parity][warp] = v;
+  if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < num_warps ? scratch[parity][lane] : 0.0f;
+  v = lane < num_warps ? scratch[lane] : 0.0f;
   return warp_sum(v);
 }
 

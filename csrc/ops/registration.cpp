@@ -12,7 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "kernels/glu.h"
-#include "kernels/rmsnorm.h"
+#include "kernels/norm.h"
 #include "kernels/rope.h"
 #endif
 
@@ -20,15 +20,26 @@ namespace barqtrain::ops {
 
 TORCH_LIBRARY(barqtrain, m) {
   m.set_python_module("barqtrain.ops.fake");
-  // y = norm(x) * (weight_offset + weight); rstd (fp32, x.shape[:-1]) is kept for backward.
-  // casting: "llama" rounds norm(x) to x's dtype before the weight, "gemma" after.
+  // y = rmsnorm(x) * (weight_offset + weight); rstd (fp32, x.shape[:-1]) is kept for backward.
+  // casting: "llama" rounds rmsnorm(x) to x's dtype before the weight, "gemma" after.
   m.def(
       "rms_norm_forward(Tensor x, Tensor weight, float eps, float weight_offset, str casting)"
       " -> (Tensor y, Tensor rstd)");
-  // dweight is an empty tensor when compute_dweight is false (frozen weight).
+  // The residual add before a norm, fused: residual_out = x + residual (rounded to the
+  // dtype, as the unfused add), y = rms_norm(residual_out).
+  m.def(
+      "add_rms_norm_forward(Tensor x, Tensor residual, Tensor weight, float eps, float weight_offset,"
+      " str casting) -> (Tensor y, Tensor residual_out, Tensor rstd)");
+  // dweight is an empty tensor when compute_dweight is false (frozen weight); with
+  // d_residual_out (the fused add's other gradient) dx is the gradient of x and residual.
   m.def(
       "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float weight_offset,"
-      " bool compute_dweight) -> (Tensor dx, Tensor dweight)");
+      " bool compute_dweight, Tensor? d_residual_out=None) -> (Tensor dx, Tensor dweight)");
+  // LayerNorm over the last dimension, one rounding (as torch.nn.LayerNorm).
+  m.def("layer_norm_forward(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor y, Tensor mean, Tensor rstd)");
+  m.def(
+      "layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, bool compute_dweight,"
+      " bool compute_dbias) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   // h = act(gate) * up with act "silu" (SwiGLU) or "gelu_tanh" (GeGLU); gate and up may be
   // strided views (the halves of a fused gate_up projection).
   m.def("glu_forward(Tensor gate, Tensor up, str activation) -> Tensor");
@@ -70,9 +81,9 @@ at::Tensor as_rows(const at::Tensor& t, int64_t hidden) {
 
 int64_t row_stride(const at::Tensor& rows) { return rows.size(0) > 1 ? rows.stride(0) : rows.size(1); }
 
-k::RMSNormCasting parse_casting(c10::string_view casting) {
-  if (casting == "llama") return k::RMSNormCasting::kLlama;
-  if (casting == "gemma") return k::RMSNormCasting::kGemma;
+k::NormCasting parse_casting(c10::string_view casting) {
+  if (casting == "llama") return k::NormCasting::kLlama;
+  if (casting == "gemma") return k::NormCasting::kGemma;
   TORCH_CHECK(false, "barqtrain: rms_norm casting must be 'llama' or 'gemma', got '", std::string(casting), "'");
 }
 
@@ -85,70 +96,161 @@ void check_norm_inputs(const at::Tensor& x, const at::Tensor& weight) {
   kernel_dtype(x, "x");
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
-                                                         double eps, double weight_offset,
-                                                         c10::string_view casting) {
+void check_row_tensor(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  check_same(t, name, x, "x");
+  TORCH_CHECK(t.sizes() == x.sizes(), "barqtrain: ", name, " has shape ", t.sizes(), " but x has ", x.sizes());
+}
+
+void check_stats(const at::Tensor& stats, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.numel() * x.size(-1) == x.numel(), "barqtrain: ", name,
+              " must be the float32 tensor the forward returned for this input");
+}
+
+// Output tensors of a norm forward; residual_out and mean only where the variant has them.
+struct NormOutputs {
+  at::Tensor y, residual_out, mean, rstd;
+};
+
+NormOutputs run_norm_forward(k::NormKind kind, const at::Tensor& x, const at::Tensor* residual,
+                             const at::Tensor& weight, const at::Tensor* bias, double eps, double weight_offset,
+                             k::NormCasting casting) {
   check_norm_inputs(x, weight);
+  if (residual != nullptr) check_row_tensor(*residual, "residual", x);
+  if (bias != nullptr) check_same(*bias, "bias", weight, "weight");
+  TORCH_CHECK(bias == nullptr || bias->sizes() == weight.sizes(), "barqtrain: bias must have shape ", weight.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t hidden = x.size(-1);
   const at::Tensor x_rows = as_rows(x, hidden);
+  const at::Tensor residual_rows = residual != nullptr ? as_rows(*residual, hidden) : at::Tensor();
   const at::Tensor weight_c = weight.contiguous();
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  const at::Tensor bias_c = bias != nullptr ? bias->contiguous() : at::Tensor();
+  const auto stats_shape = x.sizes().slice(0, x.dim() - 1);
+  NormOutputs out;
+  out.y = at::empty(x.sizes(), x.options());
+  out.rstd = at::empty(stats_shape, x.options().dtype(at::kFloat));
+  if (kind == k::NormKind::kLayerNorm) out.mean = at::empty(stats_shape, x.options().dtype(at::kFloat));
+  if (residual != nullptr) out.residual_out = at::empty(x.sizes(), x.options());
 
-  k::RMSNormForwardParams p;
+  k::NormForwardParams p;
+  p.kind = kind;
   p.x = x_rows.data_ptr();
+  p.x_row_stride = row_stride(x_rows);
+  if (residual != nullptr) {
+    p.residual = residual_rows.data_ptr();
+    p.residual_row_stride = row_stride(residual_rows);
+    p.residual_out = out.residual_out.data_ptr();
+    p.residual_out_row_stride = hidden;
+  }
   p.weight = weight_c.data_ptr();
-  p.y = y.data_ptr();
-  p.rstd = rstd.data_ptr<float>();
+  p.bias = bias != nullptr ? bias_c.data_ptr() : nullptr;
+  p.y = out.y.data_ptr();
+  p.y_row_stride = hidden;
+  p.rstd = out.rstd.data_ptr<float>();
+  p.mean = out.mean.defined() ? out.mean.data_ptr<float>() : nullptr;
   p.rows = x_rows.size(0);
   p.hidden = hidden;
-  p.x_row_stride = row_stride(x_rows);
-  p.y_row_stride = hidden;
   p.eps = static_cast<float>(eps);
   p.weight_offset = static_cast<float>(weight_offset);
-  p.casting = parse_casting(casting);
+  p.casting = casting;
   p.dtype = kernel_dtype(x, "x");
-  k::rmsnorm_forward(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-  return {y, rstd};
+  k::norm_forward(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return out;
+}
+
+struct NormGrads {
+  at::Tensor dx, dweight, dbias;
+};
+
+NormGrads run_norm_backward(k::NormKind kind, const at::Tensor& dy, const at::Tensor* d_residual_out,
+                            const at::Tensor& x, const at::Tensor& weight, const at::Tensor* mean,
+                            const at::Tensor& rstd, double weight_offset, bool compute_dweight, bool compute_dbias) {
+  check_norm_inputs(x, weight);
+  check_row_tensor(dy, "dy", x);
+  if (d_residual_out != nullptr) check_row_tensor(*d_residual_out, "d_residual_out", x);
+  check_stats(rstd, "rstd", x);
+  if (mean != nullptr) check_stats(*mean, "mean", x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t hidden = x.size(-1);
+  const at::Tensor dy_rows = as_rows(dy, hidden);
+  const at::Tensor dres_rows = d_residual_out != nullptr ? as_rows(*d_residual_out, hidden) : at::Tensor();
+  const at::Tensor x_rows = as_rows(x, hidden);
+  const at::Tensor weight_c = weight.contiguous();
+  const at::Tensor rstd_c = rstd.contiguous();
+  const at::Tensor mean_c = mean != nullptr ? mean->contiguous() : at::Tensor();
+  NormGrads grads;
+  grads.dx = at::empty(x.sizes(), x.options());
+  grads.dweight = at::empty({compute_dweight ? hidden : 0}, weight.options());
+  grads.dbias = at::empty({compute_dbias ? hidden : 0}, weight.options());
+
+  k::NormBackwardParams p;
+  p.kind = kind;
+  p.dy = dy_rows.data_ptr();
+  p.dy_row_stride = row_stride(dy_rows);
+  if (d_residual_out != nullptr) {
+    p.d_residual_out = dres_rows.data_ptr();
+    p.d_residual_out_row_stride = row_stride(dres_rows);
+  }
+  p.x = x_rows.data_ptr();
+  p.x_row_stride = row_stride(x_rows);
+  p.weight = weight_c.data_ptr();
+  p.rstd = rstd_c.data_ptr<float>();
+  p.mean = mean != nullptr ? mean_c.data_ptr<float>() : nullptr;
+  p.dx = grads.dx.data_ptr();
+  p.dx_row_stride = hidden;
+  p.dweight = compute_dweight ? grads.dweight.data_ptr() : nullptr;
+  p.dbias = compute_dbias ? grads.dbias.data_ptr() : nullptr;
+  p.rows = x_rows.size(0);
+  p.hidden = hidden;
+  p.weight_offset = static_cast<float>(weight_offset);
+  p.dtype = kernel_dtype(x, "x");
+  const size_t workspace_bytes = k::norm_backward_workspace_bytes(p, x.device().index());
+  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
+  k::norm_backward(p, workspace_bytes ? workspace.data_ptr() : nullptr, workspace_bytes,
+                   c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return grads;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                         double weight_offset, c10::string_view casting) {
+  NormOutputs out =
+      run_norm_forward(k::NormKind::kRMSNorm, x, nullptr, weight, nullptr, eps, weight_offset, parse_casting(casting));
+  return {out.y, out.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_forward_cuda(const at::Tensor& x,
+                                                                         const at::Tensor& residual,
+                                                                         const at::Tensor& weight, double eps,
+                                                                         double weight_offset,
+                                                                         c10::string_view casting) {
+  NormOutputs out = run_norm_forward(k::NormKind::kRMSNorm, x, &residual, weight, nullptr, eps, weight_offset,
+                                     parse_casting(casting));
+  return {out.y, out.residual_out, out.rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
                                                           const at::Tensor& weight, const at::Tensor& rstd,
-                                                          double weight_offset, bool compute_dweight) {
-  check_norm_inputs(x, weight);
-  check_same(dy, "dy", x, "x");
-  TORCH_CHECK(dy.sizes() == x.sizes(), "barqtrain: dy has shape ", dy.sizes(), " but x has ", x.sizes());
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() * x.size(-1) == x.numel(),
-              "barqtrain: rstd must be the float32 tensor returned by rms_norm_forward for this x");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t hidden = x.size(-1);
-  const at::Tensor dy_rows = as_rows(dy, hidden);
-  const at::Tensor x_rows = as_rows(x, hidden);
-  const at::Tensor weight_c = weight.contiguous();
-  const at::Tensor rstd_c = rstd.contiguous();
-  at::Tensor dx = at::empty(x.sizes(), x.options());
-  at::Tensor dweight = compute_dweight ? at::empty({hidden}, weight.options()) : at::empty({0}, weight.options());
+                                                          double weight_offset, bool compute_dweight,
+                                                          const std::optional<at::Tensor>& d_residual_out) {
+  NormGrads grads = run_norm_backward(k::NormKind::kRMSNorm, dy, d_residual_out ? &*d_residual_out : nullptr, x,
+                                      weight, nullptr, rstd, weight_offset, compute_dweight, false);
+  return {grads.dx, grads.dweight};
+}
 
-  k::RMSNormBackwardParams p;
-  p.dy = dy_rows.data_ptr();
-  p.x = x_rows.data_ptr();
-  p.weight = weight_c.data_ptr();
-  p.rstd = rstd_c.data_ptr<float>();
-  p.dx = dx.data_ptr();
-  p.dweight = compute_dweight ? dweight.data_ptr() : nullptr;
-  p.rows = x_rows.size(0);
-  p.hidden = hidden;
-  p.dy_row_stride = row_stride(dy_rows);
-  p.x_row_stride = row_stride(x_rows);
-  p.dx_row_stride = hidden;
-  p.weight_offset = static_cast<float>(weight_offset);
-  p.dtype = kernel_dtype(x, "x");
-  const size_t workspace_bytes = k::rmsnorm_backward_workspace_bytes(p, x.device().index());
-  at::Tensor workspace = at::empty({static_cast<int64_t>(workspace_bytes)}, x.options().dtype(at::kByte));
-  k::rmsnorm_backward(p, workspace_bytes ? workspace.data_ptr() : nullptr, workspace_bytes,
-                      c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-  return {dx, dweight};
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                                       const std::optional<at::Tensor>& bias,
+                                                                       double eps) {
+  NormOutputs out = run_norm_forward(k::NormKind::kLayerNorm, x, nullptr, weight, bias ? &*bias : nullptr, eps, 0.0,
+                                     k::NormCasting::kGemma);
+  return {out.y, out.mean, out.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
+                                                                        const at::Tensor& weight,
+                                                                        const at::Tensor& mean, const at::Tensor& rstd,
+                                                                        bool compute_dweight, bool compute_dbias) {
+  NormGrads grads = run_norm_backward(k::NormKind::kLayerNorm, dy, nullptr, x, weight, &mean, rstd, 0.0,
+                                      compute_dweight, compute_dbias);
+  return {grads.dx, grads.dweight, grads.dbias};
 }
 
 k::GluActivation parse_activation(c10::string_view activation) {
@@ -281,7 +383,10 @@ std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q_in, con
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("rms_norm_forward", &rms_norm_forward_cuda);
+  m.impl("add_rms_norm_forward", &add_rms_norm_forward_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+  m.impl("layer_norm_forward", &layer_norm_forward_cuda);
+  m.impl("layer_norm_backward", &layer_norm_backward_cuda);
   m.impl("glu_forward", &glu_forward_cuda);
   m.impl("glu_backward", &glu_backward_cuda);
   m.impl("rope_forward", &rope_forward_cuda);

@@ -1,9 +1,9 @@
 """BarqTrain's ops: torch.ops.barqtrain.* with autograd, fake kernels and references.
 
-Each op module registers, for an op whose schema lives in csrc/ops/registration.cpp:
-its CPU implementation (the pure-PyTorch reference, also the tests' oracle), its fake
-kernel for torch.compile, and its autograd formula; and exposes a differentiable
-Python function.
+Each op module registers, for ops whose schemas live in csrc/ops/registration.cpp,
+their CPU implementation (the pure-PyTorch reference, also the tests' oracle) and
+autograd formula, and exposes differentiable Python functions; fake.py holds the fake
+kernels for torch.compile.
 """
 
 from barqtrain import _native
@@ -12,8 +12,18 @@ _native.load()
 
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
 from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
-from barqtrain.ops.rmsnorm import rms_norm, rms_norm_backward_reference, rms_norm_reference  # noqa: E402
+from barqtrain.ops.norm import (  # noqa: E402
+    add_rms_norm,
+    add_rms_norm_reference,
+    layer_norm,
+    layer_norm_backward_reference,
+    layer_norm_reference,
+    rms_norm,
+    rms_norm_backward_reference,
+    rms_norm_reference,
+)
 from barqtrain.ops.rope import apply_rope, rope_reference  # noqa: E402
+from barqtrain.ops.rope_tables import RopeScaling, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 __all__ = [
     "glu",
@@ -24,6 +34,14 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "rms_norm_backward_reference",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "layer_norm_backward_reference",
     "apply_rope",
     "rope_reference",
+    "RopeScaling",
+    "rope_inv_freq",
+    "rope_cos_sin",
 ]

@@ -15,10 +15,31 @@ def rms_norm_forward(x, weight, eps, weight_offset, casting):
     return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.register_fake("barqtrain::add_rms_norm_forward")
+def add_rms_norm_forward(x, residual, weight, eps, weight_offset, casting):
+    torch._check(residual.shape == x.shape, lambda: "residual must match x")
+    rows_like = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return rows_like, torch.empty_like(rows_like), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.register_fake("barqtrain::rms_norm_backward")
-def rms_norm_backward(dy, x, weight, rstd, weight_offset, compute_dweight):
+def rms_norm_backward(dy, x, weight, rstd, weight_offset, compute_dweight, d_residual_out=None):
     dweight = torch.empty_like(weight) if compute_dweight else weight.new_empty(0)
     return torch.empty_like(x, memory_format=torch.contiguous_format), dweight
+
+
+@torch.library.register_fake("barqtrain::layer_norm_forward")
+def layer_norm_forward(x, weight, bias, eps):
+    torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1], lambda: "weight must match x's last dim")
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.register_fake("barqtrain::layer_norm_backward")
+def layer_norm_backward(dy, x, weight, mean, rstd, compute_dweight, compute_dbias):
+    dweight = torch.empty_like(weight) if compute_dweight else weight.new_empty(0)
+    dbias = torch.empty_like(weight) if compute_dbias else weight.new_empty(0)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), dweight, dbias
 
 
 @torch.library.register_fake("barqtrain::glu_forward")

@@ -1,4 +1,4 @@
-"""RMSNorm op: references, registration (opcheck, torch.compile), CUDA kernel parity."""
+"""Norm ops (RMSNorm, residual-add + RMSNorm, LayerNorm): references, registration, CUDA parity."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import torch
 from op_testing import assert_no_worse_than_torch, poison_cuda_allocator, relative_error
 
 import barqtrain
-from barqtrain.ops import rms_norm, rms_norm_backward_reference, rms_norm_reference
+import torch.nn.functional as F
+
+from barqtrain.ops import (
+    add_rms_norm,
+    layer_norm,
+    rms_norm,
+    rms_norm_backward_reference,
+    rms_norm_reference,
+)
 
 # (casting, weight_offset) pairs the model families use.
 MODES = [("llama", 0.0), ("gemma", 1.0)]
@@ -179,3 +187,126 @@ def test_cuda_errors_name_the_problem():
         torch.ops.barqtrain.rms_norm_forward(x.double(), torch.ones(16, device="cuda").double(), 1e-6, 0.0, "llama")
     with pytest.raises(RuntimeError, match="casting must be 'llama' or 'gemma'"):
         torch.ops.barqtrain.rms_norm_forward(x, torch.ones(16, device="cuda"), 1e-6, 0.0, "phi")
+
+
+# ------------------------------------------------------------------ residual add + RMSNorm
+
+
+def hf_eager_add_rms_norm(x, residual, weight, eps, weight_offset, casting):
+    """A decoder layer's `residual = residual + hidden; hidden = norm(residual)`."""
+    residual_out = residual + x
+    return hf_eager_rms_norm(residual_out, weight, eps, weight_offset, casting), residual_out
+
+
+@pytest.mark.parametrize("casting,weight_offset", MODES)
+def test_add_rms_norm_cpu_matches_unfused_bitwise_and_gradcheck(casting, weight_offset):
+    x, weight = random_inputs((3, 5, 32), torch.bfloat16, "cpu", weight_offset)
+    residual = torch.randn_like(x)
+    y, residual_out = add_rms_norm(x, residual, weight, 1e-6, weight_offset, casting)
+    expected_y, expected_residual = hf_eager_add_rms_norm(x, residual, weight, 1e-6, weight_offset, casting)
+    assert torch.equal(y, expected_y) and torch.equal(residual_out, expected_residual)
+
+    x64, w64 = random_inputs((2, 3, 8), torch.float64, "cpu", weight_offset)
+    r64 = torch.randn_like(x64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, r, w: add_rms_norm(a, r, w, 1e-5, weight_offset, casting), (x64, r64, w64)
+    )
+
+
+def test_add_rms_norm_opcheck_cpu():
+    x, weight = random_inputs((2, 7, 24), torch.float32, "cpu", 0.0)
+    residual = torch.randn_like(x).requires_grad_()
+    torch.library.opcheck(torch.ops.barqtrain.add_rms_norm_forward.default, (x, residual, weight, 1e-6, 0.0, "llama"))
+    _y, residual_out, rstd = torch.ops.barqtrain.add_rms_norm_forward(x, residual, weight, 1e-6, 0.0, "llama")
+    torch.library.opcheck(
+        torch.ops.barqtrain.rms_norm_backward.default,
+        (torch.randn_like(x), residual_out.detach(), weight.detach(), rstd, 0.0, True, torch.randn_like(x)),
+    )
+
+
+# ------------------------------------------------------------------ LayerNorm
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_cpu_matches_torch_and_gradcheck(with_bias):
+    x = torch.randn(3, 5, 40) + 0.5
+    weight, bias = 1 + 0.2 * torch.randn(40), (0.3 * torch.randn(40) if with_bias else None)
+    torch.testing.assert_close(layer_norm(x, weight, bias, 1e-5), F.layer_norm(x, (40,), weight, bias, 1e-5))
+
+    x64 = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    b64 = torch.randn(8, dtype=torch.float64, requires_grad=True) if with_bias else None
+    inputs = (x64, w64, b64) if with_bias else (x64, w64)
+    assert torch.autograd.gradcheck(lambda *t: layer_norm(t[0], t[1], t[2] if with_bias else None, 1e-5), inputs)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layer_norm_opcheck_cpu(with_bias):
+    x = torch.randn(2, 7, 24, requires_grad=True)
+    weight = torch.randn(24, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True) if with_bias else None
+    torch.library.opcheck(torch.ops.barqtrain.layer_norm_forward.default, (x, weight, bias, 1e-5))
+    _y, mean, rstd = torch.ops.barqtrain.layer_norm_forward(x, weight, bias, 1e-5)
+    torch.library.opcheck(
+        torch.ops.barqtrain.layer_norm_backward.default,
+        (torch.randn_like(x), x.detach(), weight.detach(), mean, rstd, True, with_bias),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 896), (3, 17, 1000), (2, 333, 4096), (5, 2048), (1, 8192), (2, 257, 3)])
+@pytest.mark.parametrize("casting,weight_offset", MODES)
+def test_cuda_add_rms_norm_no_worse_than_torch(dtype, shape, casting, weight_offset):
+    eps = 1e-5
+    x, weight = random_inputs(shape, dtype, "cuda", weight_offset)
+    residual = torch.randn_like(x).requires_grad_()
+    dy, d_res = torch.randn_like(x), torch.randn_like(x)
+
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, residual, weight))
+    # The add happens in the storage dtype in every implementation: the oracle starts from it.
+    s64 = (residual + x).detach().double().requires_grad_()
+    y64, _ = rms_norm_reference(s64, w64, eps, weight_offset, casting)
+    ds64, dw64 = torch.autograd.grad((y64, s64), (s64, w64), (dy.double(), d_res.double()))
+
+    torch_y, torch_res = hf_eager_add_rms_norm(x, residual, weight, eps, weight_offset, casting)
+    torch_dx, torch_dw = torch.autograd.grad((torch_y, torch_res), (x, weight), (dy, d_res))
+
+    poison_cuda_allocator(x, x, x)
+    y, residual_out = add_rms_norm(x, residual, weight, eps, weight_offset, casting)
+    poison_cuda_allocator(x, weight)
+    dx, dres, dw = torch.autograd.grad((y, residual_out), (x, residual, weight), (dy, d_res))
+
+    assert torch.equal(residual_out, torch_res)
+    assert torch.equal(dx, dres)
+    assert_no_worse_than_torch("y", y, torch_y, y64)
+    assert_no_worse_than_torch("dx", dx, torch_dx, ds64)
+    assert_no_worse_than_torch("dweight", dw, torch_dw, dw64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 896), (3, 17, 1000), (2, 333, 4096), (5, 2560), (2, 257, 3)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cuda_layer_norm_no_worse_than_torch(dtype, shape, with_bias):
+    hidden = shape[-1]
+    x = (torch.randn(shape, device="cuda") + 0.5).to(dtype).requires_grad_()
+    weight = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(dtype).requires_grad_()
+    bias = (0.3 * torch.randn(hidden, device="cuda")).to(dtype).requires_grad_() if with_bias else None
+    params = (x, weight, bias) if with_bias else (x, weight)
+    dy = torch.randn_like(x)
+
+    params64 = [t.detach().double().requires_grad_() for t in params]
+    y64 = F.layer_norm(params64[0], (hidden,), params64[1], params64[2] if with_bias else None, 1e-5)
+    grads64 = torch.autograd.grad(y64, params64, dy.double())
+    torch_y = F.layer_norm(x, (hidden,), weight, bias, 1e-5)
+    torch_grads = torch.autograd.grad(torch_y, params, dy)
+
+    poison_cuda_allocator(x)
+    y = layer_norm(x, weight, bias, 1e-5)
+    poison_cuda_allocator(x, weight, weight)
+    grads = torch.autograd.grad(y, params, dy)
+
+    assert_no_worse_than_torch("y", y, torch_y, y64)
+    for name, ours, theirs, ref in zip(("dx", "dweight", "dbias"), grads, torch_grads, grads64):
+        assert_no_worse_than_torch(name, ours, theirs, ref)

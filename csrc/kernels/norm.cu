@@ -1,0 +1,379 @@
+// RMSNorm / LayerNorm, optionally fused with the residual add before them: one read of
+// each input row, one write of each output row.
+//
+// Why this shape: normalization is a few flops per 2-byte element, so it is bandwidth
+// bound and the whole game is moving each byte once with wide accesses. A block owns one
+// row at a time and keeps it in registers (kVecsPerThread 16-byte vectors per thread), so
+// the reductions and the normalization need no second pass over memory. The backward runs
+// a persistent grid: each block walks many rows, accumulates its share of dweight/dbias in
+// registers, and writes one fp32 partial per block; a small second kernel sums the
+// partials in a fixed order (deterministic, no atomics). The residual add and LayerNorm
+// are compile-time switches of the same kernels, so each variant pays only for itself.
+//
+// Bytes at 16384 x 4096 bf16 (RMSNorm): forward reads x, writes y (256 MiB); backward
+// reads dy, x, writes dx (384 MiB). The fused add adds a read of residual and a write of
+// the sum forward, and a read of d_residual_out backward, and saves the separate add's
+// three passes and the gradient accumulation's three.
+#include "kernels/norm.h"
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/device_utils.cuh"
+
+namespace barqtrain::kernels {
+namespace {
+
+constexpr int kMaxThreads = 512;  // leaves 128 registers a thread for the row cache
+constexpr int kMaxVecsPerThread = 8;
+
+// How the hidden dimension is split over a block's threads.
+struct RowTiling {
+  int vec;              // elements per access: 16 bytes, or 1 when rows are unaligned
+  int vecs_per_thread;  // accesses each thread keeps in registers
+  int threads;          // multiple of 32
+};
+
+RowTiling choose_tiling(int64_t hidden, bool vectorizable, DType dtype) {
+  RowTiling t{};
+  t.vec = vectorizable ? 16 / dtype_size(dtype) : 1;
+  const int64_t num_vecs = hidden / t.vec;
+  for (t.vecs_per_thread = 1; t.vecs_per_thread < kMaxVecsPerThread; t.vecs_per_thread *= 2) {
+    if ((num_vecs + t.vecs_per_thread - 1) / t.vecs_per_thread <= kMaxThreads) break;
+  }
+  const int64_t threads = (num_vecs + t.vecs_per_thread - 1) / t.vecs_per_thread;
+  require(threads <= kMaxThreads,
+          "hidden size " + std::to_string(hidden) + " is larger than the norm kernels hold (" +
+              std::to_string(int64_t{kMaxThreads} * kMaxVecsPerThread * t.vec) + " for this dtype and alignment)");
+  t.threads = static_cast<int>((threads + 31) / 32 * 32);
+  return t;
+}
+
+// The v-th vector of this thread's share of a row, or -1 past the row's end.
+template <int kVec>
+__device__ __forceinline__ int vec_index(int i, int num_vecs) {
+  const int v = threadIdx.x + i * blockDim.x;
+  return v < num_vecs ? v : -1;
+}
+
+template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidual>
+__global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormForwardParams p) {
+  __shared__ float scratch[2][32];
+  const int64_t row = blockIdx.x;
+  const int num_vecs = static_cast<int>(p.hidden / kVec);
+  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+
+  float rx[kVecsPerThread][kVec];
+  float sum = 0.0f;  // of s for LayerNorm's mean, of s^2 for RMSNorm
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = vec_index<kVec>(i, num_vecs);
+    if (v < 0) continue;
+    load_as_float<T, kVec>(x + v * kVec, rx[i]);
+    if constexpr (kResidual) {
+      float rr[kVec];
+      load_as_float<T, kVec>(static_cast<const T*>(p.residual) + row * p.residual_row_stride + v * kVec, rr);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) rx[i][e] = round_to<T>(rx[i][e] + rr[e]);  // the add happens in T
+      store_from_float<T, kVec>(static_cast<T*>(p.residual_out) + row * p.residual_out_row_stride + v * kVec,
+                                rx[i]);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum += kLayerNorm ? rx[i][e] : rx[i][e] * rx[i][e];
+  }
+
+  float mean = 0.0f, rstd;
+  if constexpr (kLayerNorm) {
+    // Two passes over the registers: the variance of centered values keeps its precision.
+    mean = block_sum(sum, scratch[0]) * inv_hidden;
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (vec_index<kVec>(i, num_vecs) < 0) continue;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum_sq += (rx[i][e] - mean) * (rx[i][e] - mean);
+    }
+    rstd = rsqrtf(block_sum(sum_sq, scratch[1]) * inv_hidden + p.eps);
+    if (p.mean != nullptr && threadIdx.x == 0) p.mean[row] = mean;
+  } else {
+    rstd = rsqrtf(block_sum(sum, scratch[0]) * inv_hidden + p.eps);
+  }
+  if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
+
+  T* y = static_cast<T*>(p.y) + row * p.y_row_stride;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = vec_index<kVec>(i, num_vecs);
+    if (v < 0) continue;
+    float rw[kVec], rb[kVec] = {}, out[kVec];
+    load_as_float<T, kVec>(static_cast<const T*>(p.weight) + v * kVec, rw);
+    if (kLayerNorm && p.bias != nullptr) load_as_float<T, kVec>(static_cast<const T*>(p.bias) + v * kVec, rb);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float scale = p.weight_offset + rw[e];
+      const float normed = (rx[i][e] - mean) * rstd;
+      out[e] = (p.casting == NormCasting::kLlama ? round_to<T>(normed) : normed) * scale + rb[e];
+    }
+    store_from_float<T, kVec>(y + v * kVec, out);
+  }
+}
+
+template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad>
+__global__ void __launch_bounds__(kMaxThreads)
+norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
+  __shared__ float scratch[4][32];  // two reductions a row, two rows in rotation
+  const int num_vecs = static_cast<int>(p.hidden / kVec);
+  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  const T* weight = static_cast<const T*>(p.weight);
+
+  // The weight is re-read for every row (an L1 hit) rather than held: registers go to the
+  // row and the accumulators, which is what keeps wide rows spill-free.
+  float dweight_acc[kVecsPerThread][kVec] = {};
+  float dbias_acc[kLayerNorm ? kVecsPerThread : 1][kVec] = {};
+
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
+    const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+    const float rstd = p.rstd[row];
+    const float mean = kLayerNorm ? p.mean[row] : 0.0f;
+
+    float rg[kVecsPerThread][kVec], rxhat[kVecsPerThread][kVec];
+    float dot = 0.0f, sum_g = 0.0f;  // sum(g * xhat), sum(g)
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = vec_index<kVec>(i, num_vecs);
+      if (v < 0) continue;
+      float rw[kVec];
+      load_as_float<T, kVec>(dy + v * kVec, rg[i]);
+      load_as_float<T, kVec>(x + v * kVec, rxhat[i]);
+      load_as_float<T, kVec>(weight + v * kVec, rw);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        rxhat[i][e] = (rxhat[i][e] - mean) * rstd;
+        dweight_acc[i][e] += rg[i][e] * rxhat[i][e];
+        if constexpr (kLayerNorm) dbias_acc[i][e] += rg[i][e];
+        rg[i][e] *= p.weight_offset + rw[e];  // dy -> g
+        dot += rg[i][e] * rxhat[i][e];
+        sum_g += rg[i][e];
+      }
+    }
+    const float mean_dot = block_sum(dot, scratch[2 * parity]) * inv_hidden;
+    const float mean_g = kLayerNorm ? block_sum(sum_g, scratch[2 * parity + 1]) * inv_hidden : 0.0f;
+
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_row_stride;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = vec_index<kVec>(i, num_vecs);
+      if (v < 0) continue;
+      float out[kVec], rd[kVec];
+      if constexpr (kResidualGrad) {
+        load_as_float<T, kVec>(static_cast<const T*>(p.d_residual_out) + row * p.d_residual_out_row_stride +
+                                   v * kVec,
+                               rd);
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        out[e] = rstd * (rg[i][e] - rxhat[i][e] * mean_dot - mean_g);
+        if constexpr (kResidualGrad) out[e] += rd[e];
+      }
+      store_from_float<T, kVec>(dx + v * kVec, out);
+    }
+  }
+
+  const int64_t partial_offset = static_cast<int64_t>(blockIdx.x) * p.hidden;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = vec_index<kVec>(i, num_vecs);
+    if (v < 0) continue;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (dweight_partials != nullptr) dweight_partials[partial_offset + v * kVec + e] = dweight_acc[i][e];
+      if constexpr (kLayerNorm) {
+        if (dbias_partials != nullptr) dbias_partials[partial_offset + v * kVec + e] = dbias_acc[i][e];
+      }
+    }
+  }
+}
+
+// out[c] = sum_b partials[b, c], summed in a fixed order. Block (32, 16): a warp covers 32
+// consecutive columns (coalesced), 16 warps split the partial rows.
+constexpr int kReduceCols = 32;
+constexpr int kReduceRows = 16;
+
+template <typename T>
+__global__ void __launch_bounds__(kReduceCols * kReduceRows)
+reduce_partials_kernel(const float* partials, int num_partials, int64_t hidden, T* out) {
+  __shared__ float sums[kReduceRows][kReduceCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceCols + threadIdx.x;
+  float acc = 0.0f;
+  if (col < hidden) {
+    for (int b = threadIdx.y; b < num_partials; b += kReduceRows) acc += partials[b * hidden + col];
+  }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < hidden) {
+#pragma unroll
+    for (int r = 1; r < kReduceRows; ++r) acc += sums[r][threadIdx.x];
+    out[col] = from_float<T>(acc);
+  }
+}
+
+// Calls f(T{}, vec, vecs_per_thread, layer_norm, fused) with compile-time constants.
+template <typename F>
+void dispatch_norm(DType dtype, const RowTiling& tiling, NormKind kind, bool fused, F&& f) {
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    auto with_switches = [&](auto vec) {
+      dispatch_int<1, 2, 4, 8>(tiling.vecs_per_thread, [&](auto vpt) {
+        auto with_fused = [&](auto layer_norm) {
+          if (fused) {
+            f(type_tag, vec, vpt, layer_norm, std::true_type{});
+          } else {
+            f(type_tag, vec, vpt, layer_norm, std::false_type{});
+          }
+        };
+        if (kind == NormKind::kLayerNorm) {
+          with_fused(std::true_type{});
+        } else {
+          with_fused(std::false_type{});
+        }
+      });
+    };
+    if (tiling.vec == 1) {
+      with_switches(std::integral_constant<int, 1>{});
+    } else {
+      with_switches(std::integral_constant<int, kVec16<T>>{});
+    }
+  });
+}
+
+int device_multiprocessors(int device) {
+  int count = 0;
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "query SM count");
+  return count;
+}
+
+RowTiling backward_tiling(const NormBackwardParams& p) {
+  bool vectorizable = false;
+  dispatch_dtype(p.dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    vectorizable = rows_vectorizable<T>({p.dy, p.d_residual_out, p.x, p.weight, p.dx, p.dweight, p.dbias},
+                                        {p.dy_row_stride, p.d_residual_out_row_stride, p.x_row_stride,
+                                         p.dx_row_stride},
+                                        p.hidden);
+  });
+  return choose_tiling(p.hidden, vectorizable, p.dtype);
+}
+
+// Persistent grid of the backward: as many blocks as fit on the device at once.
+int backward_blocks(const NormBackwardParams& p, int device) {
+  const RowTiling tiling = backward_tiling(p);
+  int blocks_per_sm = 0;
+  dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
+                [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
+                  using T = decltype(type_tag);
+                  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &blocks_per_sm, norm_backward_kernel<T, vec, vpt, layer_norm, fused>,
+                                 tiling.threads, 0),
+                             "occupancy query");
+                });
+  const int64_t blocks = int64_t{std::max(blocks_per_sm, 1)} * device_multiprocessors(device);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, p.rows)));
+}
+
+int partial_buffers(const NormBackwardParams& p) {
+  return (p.dweight != nullptr ? 1 : 0) + (p.kind == NormKind::kLayerNorm && p.dbias != nullptr ? 1 : 0);
+}
+
+void check_common(int64_t rows, int64_t hidden) {
+  require(rows >= 0, "rows must be >= 0");
+  require(rows <= INT32_MAX, "rows must fit in 32 bits");
+  require(hidden > 0, "hidden size must be > 0");
+}
+
+}  // namespace
+
+void norm_forward(const NormForwardParams& p, cudaStream_t stream) {
+  check_common(p.rows, p.hidden);
+  require(p.x != nullptr && p.weight != nullptr && p.y != nullptr, "x, weight and y must be set");
+  require(p.x_row_stride >= p.hidden && p.y_row_stride >= p.hidden, "row strides must be >= hidden");
+  const bool fused = p.residual != nullptr;
+  require(!fused || (p.residual_out != nullptr && p.residual_row_stride >= p.hidden &&
+                     p.residual_out_row_stride >= p.hidden),
+          "a fused residual add needs residual_out and row strides >= hidden");
+  require(p.kind == NormKind::kLayerNorm || p.bias == nullptr, "bias is a LayerNorm option");
+  if (p.rows == 0) return;
+  bool vectorizable = false;
+  dispatch_dtype(p.dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    vectorizable = rows_vectorizable<T>({p.x, p.residual, p.residual_out, p.weight, p.bias, p.y},
+                                        {p.x_row_stride, p.residual_row_stride, p.residual_out_row_stride,
+                                         p.y_row_stride},
+                                        p.hidden);
+  });
+  const RowTiling tiling = choose_tiling(p.hidden, vectorizable, p.dtype);
+  dispatch_norm(p.dtype, tiling, p.kind, fused, [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto f) {
+    using T = decltype(type_tag);
+    norm_forward_kernel<T, vec, vpt, layer_norm, f>
+        <<<static_cast<unsigned>(p.rows), tiling.threads, 0, stream>>>(p);
+  });
+  check_cuda(cudaGetLastError(), "norm_forward launch");
+}
+
+size_t norm_backward_workspace_bytes(const NormBackwardParams& p, int device) {
+  check_common(p.rows, p.hidden);
+  if (partial_buffers(p) == 0 || p.rows == 0) return 0;
+  return static_cast<size_t>(partial_buffers(p)) * backward_blocks(p, device) * p.hidden * sizeof(float);
+}
+
+void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  check_common(p.rows, p.hidden);
+  require(p.dy != nullptr && p.x != nullptr && p.weight != nullptr && p.rstd != nullptr && p.dx != nullptr,
+          "dy, x, weight, rstd and dx must be set");
+  require(p.kind == NormKind::kRMSNorm || p.mean != nullptr, "LayerNorm backward needs mean");
+  require(p.dy_row_stride >= p.hidden && p.x_row_stride >= p.hidden && p.dx_row_stride >= p.hidden &&
+              (p.d_residual_out == nullptr || p.d_residual_out_row_stride >= p.hidden),
+          "row strides must be >= hidden");
+  const bool has_dbias = p.kind == NormKind::kLayerNorm && p.dbias != nullptr;
+  if (p.rows == 0) {
+    const size_t bytes = static_cast<size_t>(p.hidden) * dtype_size(p.dtype);
+    if (p.dweight != nullptr) check_cuda(cudaMemsetAsync(p.dweight, 0, bytes, stream), "zero dweight");
+    if (has_dbias) check_cuda(cudaMemsetAsync(p.dbias, 0, bytes, stream), "zero dbias");
+    return;
+  }
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const int blocks = backward_blocks(p, device);
+  const size_t partial_floats = static_cast<size_t>(blocks) * p.hidden;
+  const size_t needed = partial_buffers(p) * partial_floats * sizeof(float);
+  require(needed == 0 || (workspace != nullptr && workspace_bytes >= needed),
+          "norm_backward needs " + std::to_string(needed) + " bytes of workspace, got " +
+              std::to_string(workspace_bytes));
+  float* dweight_partials = p.dweight != nullptr ? static_cast<float*>(workspace) : nullptr;
+  float* dbias_partials = has_dbias ? static_cast<float*>(workspace) + (p.dweight != nullptr ? partial_floats : 0)
+                                    : nullptr;
+
+  const RowTiling tiling = backward_tiling(p);
+  dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
+                [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
+                  using T = decltype(type_tag);
+                  norm_backward_kernel<T, vec, vpt, layer_norm, fused>
+                      <<<blocks, tiling.threads, 0, stream>>>(p, dweight_partials, dbias_partials);
+                  check_cuda(cudaGetLastError(), "norm_backward launch");
+                  const dim3 block(kReduceCols, kReduceRows);
+                  const unsigned grid = static_cast<unsigned>((p.hidden + kReduceCols - 1) / kReduceCols);
+                  if (dweight_partials != nullptr) {
+                    reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dweight_partials, blocks, p.hidden,
+                                                                          static_cast<T*>(p.dweight));
+                  }
+                  if (dbias_partials != nullptr) {
+                    reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dbias_partials, blocks, p.hidden,
+                                                                          static_cast<T*>(p.dbias));
+                  }
+                  check_cuda(cudaGetLastError(), "norm partial-sum launch");
+                });
+}
+
+}  // namespace barqtrain::kernels
