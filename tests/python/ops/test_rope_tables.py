@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config
@@ -114,9 +116,7 @@ def test_dynamic_ntk_depends_on_seq_len_past_max_positions(seq_len):
 @pytest.mark.parametrize("kwargs", [QWEN2_5_YARN, GPT_OSS_YARN, YARN_EXPLICIT_ATTENTION_FACTOR],
                          ids=["qwen2.5", "gpt-oss-untruncated", "explicit-attention-factor"])
 def test_yarn(kwargs):
-    config = Qwen2Config(**kwargs)
-    assert_matches_hf(config)
-    assert RopeScaling.from_hf_config(config).rotary_dim(head_dim_of(config)) == head_dim_of(config)
+    assert_matches_hf(Qwen2Config(**kwargs))
 
 
 @pytest.mark.parametrize("mscale, mscale_all_dim", [(1.0, 1.0), (0.707, 0.707), (1.0, 0.707), (0.707, None)])
@@ -157,6 +157,15 @@ def test_per_layer_type_rope_gemma3():
     assert sliding.rope_type == "default" and sliding.theta == 10000.0
     with pytest.raises(ValueError, match="layer_type"):
         RopeScaling.from_hf_config(config)
+
+
+def test_transformers_4_attributes():
+    """4.x configs keep theta beside a rope_scaling dict that spells rope_type "type"."""
+    rope_scaling = dict(LLAMA_3_1_8B["rope_parameters"])
+    rope_theta = rope_scaling.pop("rope_theta")
+    rope_scaling["type"] = rope_scaling.pop("rope_type")
+    legacy = SimpleNamespace(rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=131072)
+    assert RopeScaling.from_hf_config(legacy) == RopeScaling.from_hf_config(LlamaConfig(**LLAMA_3_1_8B))
 
 
 def test_device_argument_moves_the_table():
