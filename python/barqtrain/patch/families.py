@@ -1,36 +1,40 @@
 """The family table: which Hugging Face module classes each model family routes through
-which BarqTrain op.
+which BarqTrain op. Instance patching (patch_model) and class-level patching
+(apply_to_<family>) both read it.
 
-A new op (SwiGLU, RoPE, attention, ...) adds its replacement forwards in a module of its
-own, its name and detector to OP_DETECTORS, and a ModuleReplacement row to the families it
-serves; a new family adds one ModelFamily. Class-level patching (apply_to_<family>) can be
-built from the same rows.
+A new op adds its replacement forwards in a module of its own, its name to OPS with a
+detector in OP_DETECTORS, and its rows to _family; a new family adds one _family(...) line,
+whose arguments say how it differs from Llama.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from torch import nn
 
-from barqtrain.patch import rmsnorm
+from barqtrain.patch import attention, decoder_layer, mlp, rmsnorm
+from barqtrain.patch.attention import AttentionVariant, config_sliding_window, layer_sliding_window
+from barqtrain.patch.replacement import ModuleReplacement, hf_class_path
+from barqtrain.patch.rmsnorm import GEMMA_STYLE, LLAMA_STYLE, RMSNormClass, RMSNormStyle
 
 
 class UnsupportedModelError(ValueError):
     """The model's family (config.model_type) has no BarqTrain patches."""
 
 
-@dataclass(frozen=True)
-class ModuleReplacement:
-    """One Hugging Face module class whose forward is replaced by a BarqTrain op."""
+# Every op that patching can route modules through, in report order.
+OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP)
 
-    op: str
-    # type(module).__module__ + "." + type(module).__qualname__: matching on the exact class
-    # leaves subclasses and remote-code look-alikes, which may compute differently, alone.
-    module_class: str
-    # A plain function of (self, ...) with the signature of the class's forward.
-    forward: Callable[..., object]
+# Per op: how to recognize a module of that kind that no row covers, so that it is
+# reported as not patched instead of passing unnoticed.
+OP_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {
+    rmsnorm.OP: rmsnorm.looks_like_rms_norm,
+    mlp.OP: mlp.looks_like_mlp,
+    attention.OP: attention.looks_like_attention,
+    decoder_layer.OP: decoder_layer.looks_like_decoder_layer,
+}
 
 
 @dataclass(frozen=True)
@@ -40,43 +44,80 @@ class ModelFamily:
     replacements: tuple[ModuleReplacement, ...]
 
 
-# Per op: how to recognize a module of that kind that no row covers, so that it is
-# reported as not patched instead of passing unnoticed.
-OP_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {
-    rmsnorm.OP: rmsnorm.looks_like_rms_norm,
-}
+_AS_LLAMA = AttentionVariant()
 
 
-def _hf_class(model_dir: str, class_name: str) -> str:
-    return f"transformers.models.{model_dir}.modeling_{model_dir}.{class_name}"
+def _family(
+    name: str,
+    class_prefix: str,
+    *,
+    model_types: tuple[str, ...] | None = None,
+    norm_style: RMSNormStyle = LLAMA_STYLE,
+    attention_variant: AttentionVariant = _AS_LLAMA,
+    fused_gate_up: bool = False,
+    residual_dropout: bool = False,
+    sandwich_norms: bool = False,
+) -> ModelFamily:
+    """The rows of a family whose classes are <class_prefix>RMSNorm, ...MLP, ...Attention and
+    ...DecoderLayer in transformers/models/<name>/modeling_<name>.py."""
 
+    def path(suffix: str) -> str:
+        return hf_class_path(name, class_prefix + suffix)
 
-def _llama_rms_norm(model_dir: str, class_name: str) -> ModuleReplacement:
-    return ModuleReplacement(rmsnorm.OP, _hf_class(model_dir, class_name), rmsnorm.llama_rms_norm_forward)
-
-
-def _gemma_rms_norm(model_dir: str, class_name: str) -> ModuleReplacement:
-    return ModuleReplacement(rmsnorm.OP, _hf_class(model_dir, class_name), rmsnorm.gemma_rms_norm_forward)
+    norm = RMSNormClass(path("RMSNorm"), norm_style)
+    if sandwich_norms:
+        layer = decoder_layer.sandwich_norm_layer(path("DecoderLayer"), norm)
+    else:
+        layer = decoder_layer.pre_norm_layer(path("DecoderLayer"), norm, residual_dropout=residual_dropout)
+    return ModelFamily(
+        name,
+        model_types or (name,),
+        (
+            norm.replacement(),
+            (mlp.fused_gate_up_mlp if fused_gate_up else mlp.gate_up_mlp)(path("MLP")),
+            attention.attention_with_rope(path("Attention"), attention_variant),
+            layer,
+        ),
+    )
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("llama", ("llama",), (_llama_rms_norm("llama", "LlamaRMSNorm"),)),
-    ModelFamily("mistral", ("mistral",), (_llama_rms_norm("mistral", "MistralRMSNorm"),)),
-    ModelFamily("qwen2", ("qwen2",), (_llama_rms_norm("qwen2", "Qwen2RMSNorm"),)),
+    _family("llama", "Llama"),
+    _family("mistral", "Mistral", attention_variant=AttentionVariant(sliding_window=config_sliding_window)),
+    _family("qwen2", "Qwen2", attention_variant=AttentionVariant(sliding_window=layer_sliding_window)),
     # Qwen3's q_norm/k_norm over head_dim are Qwen3RMSNorm instances too.
-    ModelFamily("qwen3", ("qwen3",), (_llama_rms_norm("qwen3", "Qwen3RMSNorm"),)),
-    ModelFamily("phi3", ("phi3",), (_llama_rms_norm("phi3", "Phi3RMSNorm"),)),
-    ModelFamily("gemma", ("gemma",), (_gemma_rms_norm("gemma", "GemmaRMSNorm"),)),
-    ModelFamily("gemma2", ("gemma2",), (_gemma_rms_norm("gemma2", "Gemma2RMSNorm"),)),
+    _family("qwen3", "Qwen3", attention_variant=AttentionVariant(qk_norm=True, sliding_window=layer_sliding_window)),
+    _family(
+        "phi3",
+        "Phi3",
+        attention_variant=AttentionVariant(fused_qkv=True, sliding_window=config_sliding_window),
+        fused_gate_up=True,
+        residual_dropout=True,
+    ),
+    _family("gemma", "Gemma", norm_style=GEMMA_STYLE),
+    _family(
+        "gemma2",
+        "Gemma2",
+        norm_style=GEMMA_STYLE,
+        attention_variant=AttentionVariant(sliding_window=layer_sliding_window, softcap=True),
+        sandwich_norms=True,
+    ),
     # gemma3_text is Gemma3ForCausalLM; the multimodal "gemma3" is not covered yet.
-    ModelFamily("gemma3", ("gemma3_text",), (_gemma_rms_norm("gemma3", "Gemma3RMSNorm"),)),
+    _family(
+        "gemma3",
+        "Gemma3",
+        model_types=("gemma3_text",),
+        norm_style=GEMMA_STYLE,
+        attention_variant=AttentionVariant(qk_norm=True, sliding_window=layer_sliding_window),
+        sandwich_norms=True,
+    ),
 )
 
 _FAMILY_BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILY_BY_MODEL_TYPE))
 
-# Every replacement forward, so that a patched instance is recognized as BarqTrain's.
+# Every replacement forward, so that a patched instance or class is recognized as BarqTrain's.
 REPLACEMENT_FORWARDS = frozenset(row.forward for family in FAMILIES for row in family.replacements)
 
 
@@ -88,3 +129,13 @@ def family_for(model_type: str, model_class: str) -> ModelFamily:
             f"barqtrain: model_type {model_type!r} ({model_class}) is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         ) from None
+
+
+def checked_ops(ops: Collection[str]) -> frozenset[str]:
+    """The ops a caller asked for, validated against OPS."""
+    if isinstance(ops, str):
+        raise TypeError(f"barqtrain: ops must be a collection of op names such as ({ops!r},), not a string")
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        raise ValueError(f"barqtrain: unknown op(s) {', '.join(map(repr, unknown))}; the ops are {', '.join(OPS)}")
+    return frozenset(ops)

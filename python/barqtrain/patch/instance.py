@@ -9,14 +9,17 @@ and deleting the attribute brings back the class's forward exactly.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from types import MethodType
 
 from torch import nn
 
-from barqtrain.patch.families import OP_DETECTORS, REPLACEMENT_FORWARDS, family_for
+from barqtrain.patch.families import OP_DETECTORS, OPS, REPLACEMENT_FORWARDS, checked_ops, family_for
+from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
     FORWARD_OVERRIDDEN,
+    NOT_REQUESTED,
     UNRECOGNIZED_CLASS,
     NotPatched,
     PatchedOp,
@@ -36,10 +39,6 @@ def _hf_model(model: nn.Module) -> nn.Module:
     return hf_model
 
 
-def _qualified_class_name(module: nn.Module) -> str:
-    return f"{type(module).__module__}.{type(module).__qualname__}"
-
-
 def _is_barqtrain_forward(forward: object) -> bool:
     return isinstance(forward, MethodType) and forward.__func__ in REPLACEMENT_FORWARDS
 
@@ -48,14 +47,30 @@ def _detected_op(module: nn.Module) -> str | None:
     return next((op for op, looks_like in OP_DETECTORS.items() if looks_like(module)), None)
 
 
-def patch_model(model: nn.Module) -> PatchReport:
+def _reason_not_to_patch(module: nn.Module, replacement: ModuleReplacement, ops: Collection[str]) -> str | None:
+    instance_forward = vars(module).get("forward")
+    if _is_barqtrain_forward(instance_forward):
+        return ALREADY_PATCHED
+    if replacement.op not in ops:
+        return NOT_REQUESTED
+    if instance_forward is not None:
+        # Our forward computes the op itself and would silently drop the other wrapper.
+        return FORWARD_OVERRIDDEN
+    if replacement.unsupported_reason is not None:
+        return replacement.unsupported_reason(module)
+    return None
+
+
+def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
     """Route the modules of `model` that BarqTrain implements through its fused ops.
 
     `model` is a Hugging Face PreTrainedModel or a PEFT model wrapping one; it is changed in
     place and keeps its parameters, so optimizers and checkpoints made before still apply.
-    Calling it again does nothing new. Raises UnsupportedModelError (a ValueError) for a
-    model family with no BarqTrain patches.
+    `ops` picks the ops to patch in, by name (default: all of barqtrain.patch.OPS), e.g.
+    `ops=("rms_norm", "glu")`. Calling it again does nothing new. Raises
+    UnsupportedModelError (a ValueError) for a model family with no BarqTrain patches.
     """
+    requested = checked_ops(ops)
     hf_model = _hf_model(model)
     model_type = hf_model.config.model_type
     model_class = type(hf_model).__name__
@@ -68,32 +83,31 @@ def patch_model(model: nn.Module) -> PatchReport:
     not_patched: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (op, class, reason) -> names
     for name, module in model.named_modules():
         class_name = type(module).__name__
-        replacement = replacement_for_class.get(_qualified_class_name(module))
+        replacement = replacement_for_class.get(qualified_name(type(module)))
         if replacement is None:
             op = _detected_op(module)
             if op is not None:
                 not_patched[op, class_name, UNRECOGNIZED_CLASS].append(name)
             continue
-        instance_forward = vars(module).get("forward")
-        if _is_barqtrain_forward(instance_forward):
-            not_patched[replacement.op, class_name, ALREADY_PATCHED].append(name)
-        elif instance_forward is not None:
-            # Our forward computes the op itself and would silently drop the other wrapper.
-            not_patched[replacement.op, class_name, FORWARD_OVERRIDDEN].append(name)
-        else:
+        reason = _reason_not_to_patch(module, replacement, requested)
+        if reason is None:
             module.forward = MethodType(replacement.forward, module)
             patched[replacement.op][class_name].append(name)
+        else:
+            not_patched[replacement.op, class_name, reason].append(name)
 
     return PatchReport(
         family=family.name,
         model_type=model_type,
         model_class=model_class,
+        ops=OPS,
         patched={
             op: PatchedOp(op, tuple(by_class), tuple(name for names in by_class.values() for name in names))
-            for op, by_class in patched.items()
+            for op, by_class in sorted(patched.items(), key=lambda item: OPS.index(item[0]))
         },
         not_patched=tuple(
-            NotPatched(op, class_name, reason, tuple(names)) for (op, class_name, reason), names in not_patched.items()
+            NotPatched(op, class_name, reason, tuple(names))
+            for (op, class_name, reason), names in sorted(not_patched.items(), key=lambda item: OPS.index(item[0][0]))
         ),
     )
 

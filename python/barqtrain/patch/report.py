@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ALREADY_PATCHED = "already patched by BarqTrain"
+NOT_REQUESTED = "not among the requested ops"
 UNRECOGNIZED_CLASS = "unrecognized class: no verified BarqTrain replacement for it"
 FORWARD_OVERRIDDEN = "forward already replaced on this instance by another library (e.g. accelerate hooks)"
+NO_MODULE_OF_THIS_KIND = "no module of this kind in the model"
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,24 @@ class NotPatched:
         return len(self.module_names)
 
 
+def _table(title: str, header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
+    """Left-aligned columns, the last one free-form."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+
+    def line(row: tuple[str, ...]) -> str:
+        *aligned, last = row
+        return "  " + "  ".join([*(cell.ljust(width) for cell, width in zip(aligned, widths, strict=True)), last])
+
+    return "\n".join([title, line(header), *(line(row) for row in rows)])
+
+
 @dataclass(frozen=True)
 class PatchReport:
     family: str
     model_type: str
     model_class: str
+    # Every op kind patching knows, in report order: each appears in the table.
+    ops: tuple[str, ...]
     patched: dict[str, PatchedOp] = field(default_factory=dict)
     not_patched: tuple[NotPatched, ...] = ()
 
@@ -53,16 +69,14 @@ class PatchReport:
         return not self.patched and any(entry.reason == ALREADY_PATCHED for entry in self.not_patched)
 
     def __str__(self) -> str:
-        header = ("op", "module class", "modules", "result")
-        rows = [(p.op, ", ".join(p.class_names), str(p.count), "patched") for p in self.patched.values()]
-        rows += [(n.op, n.class_name, str(n.count), f"not patched: {n.reason}") for n in self.not_patched]
+        rows = []
+        for op in self.ops:
+            if op in self.patched:
+                patched = self.patched[op]
+                rows.append((op, ", ".join(patched.class_names), str(patched.count), "patched"))
+            entries = [entry for entry in self.not_patched if entry.op == op]
+            rows += [(op, entry.class_name, str(entry.count), f"not patched: {entry.reason}") for entry in entries]
+            if op not in self.patched and not entries:
+                rows.append((op, "-", "0", NO_MODULE_OF_THIS_KIND))
         title = f"BarqTrain patch report: {self.model_class} (family {self.family}, model_type {self.model_type})"
-        if not rows:
-            return f"{title}\n  no module of a patchable kind found"
-        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
-
-        def line(row: tuple[str, ...]) -> str:
-            op, class_name, count, result = row
-            return f"  {op:<{widths[0]}}  {class_name:<{widths[1]}}  {count:>{widths[2]}}  {result}"
-
-        return "\n".join([title, line(header), *(line(row) for row in rows)])
+        return _table(title, ("op", "module class", "modules", "result"), rows)

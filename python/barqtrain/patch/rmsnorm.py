@@ -7,22 +7,36 @@ model computes with the copy's own weights.
 
 from __future__ import annotations
 
-import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from barqtrain import ops
+from barqtrain.patch.fallback import fall_back, fused_ops_support
+from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 
 OP = "rms_norm"
 
-# What the fused op implements; any other call runs the module's original forward, whose
-# output dtype (e.g. float32 for a float32 weight on bfloat16 input) the op cannot match.
-_FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-_FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
-# One warning per (class, input dtype, weight dtype, device), not one per layer and step.
-_warned_fallbacks: set[tuple[str, torch.dtype, torch.dtype, str]] = set()
+@dataclass(frozen=True)
+class RMSNormStyle:
+    """How one kind of Hugging Face RMSNorm computes, as arguments of the fused ops."""
+
+    eps_attribute: str
+    weight_offset: float
+    casting: str
+
+    def op_arguments(self, norm: nn.Module) -> tuple[torch.Tensor, float, float, str]:
+        """(weight, eps, weight_offset, casting) of ops.rms_norm / ops.add_rms_norm."""
+        return norm.weight, getattr(norm, self.eps_attribute), self.weight_offset, self.casting
+
+
+# LlamaRMSNorm and its copies (Mistral, Qwen2, Qwen3, Phi-3): normalize in fp32, round to
+# the input dtype, then multiply by the weight.
+LLAMA_STYLE = RMSNormStyle(eps_attribute="variance_epsilon", weight_offset=0.0, casting="llama")
+# GemmaRMSNorm (Gemma 1/2/3): x_norm * (1 + weight) in fp32, rounded once at the end.
+GEMMA_STYLE = RMSNormStyle(eps_attribute="eps", weight_offset=1.0, casting="gemma")
 
 
 def looks_like_rms_norm(module: nn.Module) -> bool:
@@ -30,31 +44,44 @@ def looks_like_rms_norm(module: nn.Module) -> bool:
     return "rmsnorm" in type(module).__name__.lower()
 
 
-def _fused_op_applies(module: nn.Module, x: torch.Tensor) -> bool:
-    weight = module.weight
-    if x.dtype == weight.dtype and x.dtype in _FUSED_DTYPES and x.device.type in _FUSED_DEVICE_TYPES:
-        return True
-    key = (type(module).__name__, x.dtype, weight.dtype, x.device.type)
-    if key not in _warned_fallbacks:
-        _warned_fallbacks.add(key)
-        warnings.warn(
-            f"barqtrain: {type(module).__name__} got a {x.dtype} input on {x.device.type} with a "
-            f"{weight.dtype} weight; the fused RMSNorm needs one dtype of float32/float16/bfloat16 "
-            "on CPU or CUDA, so these calls run the original Hugging Face forward"
+def _rms_norm(norm: nn.Module, x: torch.Tensor, style: RMSNormStyle) -> torch.Tensor:
+    # A float32 weight on bfloat16 input (Qwen3's q_norm under autocast) makes Hugging Face
+    # return float32, which the fused op, computing in x's dtype, cannot.
+    if not fused_ops_support(x, norm.weight):
+        why = (
+            f"a {x.dtype} input on {x.device.type} with a {norm.weight.dtype} weight; the fused RMSNorm "
+            "needs one dtype of float32/float16/bfloat16 on CPU or CUDA"
         )
-    return False
+        return fall_back(norm, why)(x)
+    return ops.rms_norm(x, *style.op_arguments(norm))
 
 
 def llama_rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm and its copies (Mistral, Qwen2, Qwen3, Phi-3): normalize in fp32,
-    round to the input dtype, then multiply by the weight."""
-    if not _fused_op_applies(self, hidden_states):
-        return type(self).forward(self, hidden_states)
-    return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="llama")
+    return _rms_norm(self, hidden_states, LLAMA_STYLE)
 
 
 def gemma_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """GemmaRMSNorm (Gemma 1/2/3): x_norm * (1 + weight) in fp32, rounded once at the end."""
-    if not _fused_op_applies(self, x):
-        return type(self).forward(self, x)
-    return ops.rms_norm(x, self.weight, self.eps, weight_offset=1.0, casting="gemma")
+    return _rms_norm(self, x, GEMMA_STYLE)
+
+
+_FORWARD_OF_STYLE = {LLAMA_STYLE: llama_rms_norm_forward, GEMMA_STYLE: gemma_rms_norm_forward}
+
+
+@dataclass(frozen=True)
+class RMSNormClass:
+    """One family's RMSNorm class and how it computes."""
+
+    path: str  # qualified_name() of the class
+    style: RMSNormStyle
+
+    def replacement(self) -> ModuleReplacement:
+        return ModuleReplacement(OP, self.path, _FORWARD_OF_STYLE[self.style])
+
+    def computes_plainly(self, norm: nn.Module) -> bool:
+        """True when calling `norm` would compute this class's RMSNorm and nothing else, so
+        that a fused op may compute it in its place: the exact class, no hooks, and no
+        forward swapped in on the instance other than BarqTrain's."""
+        if qualified_name(type(norm)) != self.path or norm._forward_hooks or norm._forward_pre_hooks:
+            return False
+        instance_forward = vars(norm).get("forward")
+        return instance_forward is None or getattr(instance_forward, "__func__", None) is _FORWARD_OF_STYLE[self.style]

@@ -1,0 +1,43 @@
+"""Handing a call back to Hugging Face: for inputs a fused op does not compute, a
+replacement forward runs the forward it replaced, its class's, with one warning."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from types import MethodType
+
+import torch
+from torch import nn
+
+# What the fused ops implement (besides float64 on the CPU reference, which training does
+# not use): anything else goes back to Hugging Face's forward.
+_FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+_FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+# One warning per distinct message (class, dtypes, device, ...), not one per layer and step.
+_warned: set[str] = set()
+
+
+def fused_ops_support(*tensors: torch.Tensor) -> bool:
+    """True when the tensors share one dtype and device type that the fused ops compute."""
+    first = tensors[0]
+    return (
+        first.dtype in _FUSED_DTYPES
+        and first.device.type in _FUSED_DEVICE_TYPES
+        and all(t.dtype == first.dtype and t.device == first.device for t in tensors[1:])
+    )
+
+
+def original_forward(module: nn.Module) -> Callable[..., object]:
+    """The Hugging Face forward of `module`'s class, bound to it."""
+    return MethodType(type(module).forward, module)
+
+
+def fall_back(module: nn.Module, why: str) -> Callable[..., object]:
+    """Warn once that calls like this one run Hugging Face's forward, and return it."""
+    message = f"barqtrain: {type(module).__name__}: {why}, so these calls run the original Hugging Face forward"
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+    return original_forward(module)
