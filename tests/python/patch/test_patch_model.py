@@ -1,121 +1,32 @@
-"""patch_model / unpatch_model on tiny random models of every supported family.
-
-Parity is checked against the same model unpatched: logits and every gradient, on CPU
-(the ops' reference path) in float32 and bfloat16, and on CUDA (the kernels) in bfloat16.
-"""
+"""patch_model / unpatch_model: what is patched and reported, the ops argument, modules
+left alone and why, and the calls handed back to Hugging Face."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import NamedTuple
 
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model
+from barqtrain.patch import OPS, UnsupportedModelError, fallback, patch_model, unpatch_model
+from barqtrain.patch.report import (
+    ALREADY_PATCHED,
+    FORWARD_OVERRIDDEN,
+    NO_MODULE_OF_THIS_KIND,
+    NOT_REQUESTED,
+    UNRECOGNIZED_CLASS,
+)
+from tiny_models import FAMILIES, VOCAB, modules_of, plain_batch, tiny_model
 from torch import nn
 
-import barqtrain
-from barqtrain.patch import UnsupportedModelError, patch_model, rmsnorm, unpatch_model
-from barqtrain.patch.report import ALREADY_PATCHED, FORWARD_OVERRIDDEN, UNRECOGNIZED_CLASS
 
-VOCAB = 256
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    # Far from every default, so that a replacement reading the wrong eps fails parity.
-    rms_norm_eps=1e-3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-class TinyFamily(NamedTuple):
-    config_class: str
-    model_class: str
-    norm_class: str
+@pytest.fixture(autouse=True)
+def fresh_fallback_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fallback, "_warned", set())  # each warns once per process
 
 
-FAMILIES = {
-    "llama": TinyFamily("LlamaConfig", "LlamaForCausalLM", "LlamaRMSNorm"),
-    "mistral": TinyFamily("MistralConfig", "MistralForCausalLM", "MistralRMSNorm"),
-    "qwen2": TinyFamily("Qwen2Config", "Qwen2ForCausalLM", "Qwen2RMSNorm"),
-    "qwen3": TinyFamily("Qwen3Config", "Qwen3ForCausalLM", "Qwen3RMSNorm"),
-    "phi3": TinyFamily("Phi3Config", "Phi3ForCausalLM", "Phi3RMSNorm"),
-    "gemma": TinyFamily("GemmaConfig", "GemmaForCausalLM", "GemmaRMSNorm"),
-    "gemma2": TinyFamily("Gemma2Config", "Gemma2ForCausalLM", "Gemma2RMSNorm"),
-    "gemma3": TinyFamily("Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma3RMSNorm"),
-}
-
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def tiny_model(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-    config = getattr(transformers, FAMILIES[family].config_class)(**TINY)
-    torch.manual_seed(0)
-    model = getattr(transformers, FAMILIES[family].model_class)(config)
-    # The initial norm weights are all ones (Llama) or zeros (Gemma); random ones make the
-    # weight's place in the formula and its gradient visible.
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.5)
-    return model.to(device=device, dtype=dtype)
-
-
-def input_ids(device: str = "cpu") -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randint(3, VOCAB, (2, 11), generator=generator).to(device)  # length 11: not a multiple of 8
-
-
-def rms_norm_modules(model: nn.Module, family: str) -> list[nn.Module]:
-    return [module for module in model.modules() if type(module).__name__ == FAMILIES[family].norm_class]
-
-
-def logits_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    output = model(input_ids=ids, labels=ids)
-    output.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-    return output.logits.detach().clone(), grads
-
-
-def tolerances(dtype: torch.dtype) -> dict[str, float]:
-    # float32: the reference computes what Hugging Face computes up to summation order in
-    # the backward. bfloat16: the op's backward stays in fp32 where autograd rounds each
-    # step to bf16, a difference of a few bf16 ulps that the layers after it carry along.
-    return dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=5e-3)
-
-
-def assert_grads_close(patched: dict[str, torch.Tensor], original: dict[str, torch.Tensor], **tol: float) -> None:
-    assert patched.keys() == original.keys()
-    for name in original:
-        torch.testing.assert_close(patched[name], original[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
-
-
-def assert_patch_matches_original(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype, family: str) -> None:
-    expected_logits, expected_grads = logits_and_grads(model, ids)
-    report = barqtrain.patch_model(model)
-    logits, grads = logits_and_grads(model, ids)
-
-    assert report.patched_count("rms_norm") == len(rms_norm_modules(model, family))
-    assert report.patched["rms_norm"].class_names == (FAMILIES[family].norm_class,)
-    assert report.not_patched == ()
-    torch.testing.assert_close(logits, expected_logits, **tolerances(dtype))
-    assert_grads_close(grads, expected_grads, **tolerances(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_patched_model_matches_hugging_face(family: str, dtype: torch.dtype) -> None:
-    model = tiny_model(family, dtype)
-    assert_patch_matches_original(model, input_ids(), dtype, family)
+def patched_modules(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if "forward" in vars(module)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -125,53 +36,106 @@ def test_patched_norm_output_is_bit_identical_on_cpu(family: str, dtype: torch.d
     # or after the weight multiply); one module's output shows it, as the CPU reference
     # computes exactly what Hugging Face computes.
     model = tiny_model(family, dtype)
-    norms = rms_norm_modules(model, family)
+    norms = modules_of(model, family, "rms_norm")
     inputs = [torch.randn(4, 7, norm.weight.shape[0], dtype=dtype) * 3 for norm in norms]  # hidden or head_dim
-    expected = [norm(x) for norm, x in zip(norms, inputs)]
+    expected = [norm(x) for norm, x in zip(norms, inputs, strict=True)]
 
     patch_model(model)
 
-    for norm, x, want in zip(norms, inputs, expected):
+    for norm, x, want in zip(norms, inputs, expected, strict=True):
         torch.testing.assert_close(norm(x), want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "v_proj"]], ids=["all-linear", "q_v"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
-def test_peft_model_is_patched_and_matches(family: str, target_modules: str | list[str]) -> None:
-    # init_lora_weights=False: random A and B, so that no LoRA gradient is trivially zero.
-    config = LoraConfig(
-        task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False
-    )
-    model = get_peft_model(tiny_model(family), config)
-    model.train()
-    ids = input_ids()
-    expected_logits, expected_grads = logits_and_grads(model, ids)
-    assert expected_grads and all("lora_" in name for name in expected_grads)
+def test_report_lists_every_op_with_its_modules() -> None:
+    model = tiny_model("qwen3")
 
     report = patch_model(model)
-    logits, grads = logits_and_grads(model, ids)
 
-    assert report.family == family
-    assert report.model_class == f"PeftModelForCausalLM({FAMILIES[family].model_class})"
-    assert report.patched_count("rms_norm") == len(rms_norm_modules(model, family))
-    torch.testing.assert_close(logits, expected_logits, **tolerances(torch.float32))
-    assert_grads_close(grads, expected_grads, **tolerances(torch.float32))
+    assert (report.family, report.model_type, report.model_class) == ("qwen3", "qwen3", "Qwen3ForCausalLM")
+    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm")
+    assert {op: (entry.class_names, entry.count) for op, entry in report.patched.items()} == {
+        "rms_norm": (("Qwen3RMSNorm",), 9),  # 2 per layer, q_norm and k_norm, and the final norm
+        "glu": (("Qwen3MLP",), 2),
+        "rope": (("Qwen3Attention",), 2),
+        "add_rms_norm": (("Qwen3DecoderLayer",), 2),
+    }
+    assert report.patched["rope"].module_names == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    assert report.not_patched == ()
+
+
+def test_report_is_a_readable_table() -> None:
+    model = tiny_model("qwen2")
+    model.model.layers[1].mlp.act_fn = nn.GELU()  # erf GELU: not a GLU the op computes
+
+    lines = str(patch_model(model, ops=("rms_norm", "glu", "add_rms_norm"))).splitlines()
+
+    assert lines[0] == "BarqTrain patch report: Qwen2ForCausalLM (family qwen2, model_type qwen2)"
+    assert [line.split(maxsplit=3) for line in lines[1:]] == [
+        ["op", "module", "class", "modules  result"],
+        ["rms_norm", "Qwen2RMSNorm", "5", "patched"],
+        ["glu", "Qwen2MLP", "1", "patched"],
+        ["glu", "Qwen2MLP", "1", "not patched: activation GELU is neither SiLU nor tanh-approximated GELU"],
+        ["rope", "Qwen2Attention", "2", f"not patched: {NOT_REQUESTED}"],
+        ["add_rms_norm", "Qwen2DecoderLayer", "2", "patched"],
+    ]
+
+
+def test_report_names_op_kinds_the_model_has_none_of() -> None:
+    model = tiny_model("llama")
+    model.model.layers = nn.ModuleList()  # a model of no layers: only the final norm
+
+    report = patch_model(model)
+
+    assert report.patched_count("rms_norm") == 1
+    assert [line.split(maxsplit=3)[3] for line in str(report).splitlines()[3:]] == [NO_MODULE_OF_THIS_KIND] * 3
+
+
+def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None:
+    model = tiny_model("phi3")
+
+    first = patch_model(model, ops=("rms_norm", "glu"))
+
+    assert [first.patched_count(op) for op in OPS] == [5, 2, 0, 0]
+    assert {(entry.op, entry.reason) for entry in first.not_patched} == {
+        ("rope", NOT_REQUESTED),
+        ("add_rms_norm", NOT_REQUESTED),
+    }
+    assert all("forward" not in vars(module) for module in modules_of(model, "phi3", "rope"))
+
+    second = patch_model(model)
+
+    assert [second.patched_count(op) for op in OPS] == [0, 0, 2, 2]
+    assert {(entry.op, entry.reason, entry.count) for entry in second.not_patched} == {
+        ("rms_norm", ALREADY_PATCHED, 5),
+        ("glu", ALREADY_PATCHED, 2),
+    }
+    assert unpatch_model(model) == 11
+
+
+def test_ops_argument_is_checked() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"unknown op\(s\) 'swiglu'; the ops are rms_norm, glu, rope, add_rms_norm"):
+        patch_model(model, ops=("rms_norm", "swiglu"))
+    with pytest.raises(TypeError, match=r"not a string"):
+        patch_model(model, ops="rope")
+    assert patched_modules(model) == []
 
 
 def test_unpatch_restores_the_original_forwards() -> None:
-    model = tiny_model("qwen3")
-    ids = input_ids()
-    norms = rms_norm_modules(model, "qwen3")
-    assert all("forward" not in vars(norm) for norm in norms)  # HF modules use their class's forward
+    model = tiny_model("gemma3")
+    ids = plain_batch()["input_ids"]
+    assert patched_modules(model) == []  # HF modules use their class's forward
     with torch.no_grad():
         expected = model(ids).logits
 
-    patch_model(model)
-    assert all(vars(norm)["forward"].__self__ is norm for norm in norms)
-    assert unpatch_model(model) == len(norms)
+    report = patch_model(model)
+    patched = patched_modules(model)
+    assert len(patched) == sum(report.patched_count(op) for op in OPS) == 13 + 2 + 2 + 2
+    assert all(vars(module)["forward"].__self__ is module for module in patched)
+    assert unpatch_model(model) == len(patched)
 
-    assert all("forward" not in vars(norm) for norm in norms)
-    assert all(norm.forward.__func__ is type(norm).forward for norm in norms)
+    assert patched_modules(model) == []
+    assert all(module.forward.__func__ is type(module).forward for module in patched)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
     assert unpatch_model(model) == 0
@@ -179,28 +143,22 @@ def test_unpatch_restores_the_original_forwards() -> None:
 
 def test_patching_twice_is_idempotent() -> None:
     model = tiny_model("llama")
-    norms = rms_norm_modules(model, "llama")
     first = patch_model(model)
-    forwards = [vars(norm)["forward"] for norm in norms]
+    forwards = {module: vars(module)["forward"] for module in patched_modules(model)}
 
     second = patch_model(model)
 
     assert not first.already_patched and second.already_patched
     assert second.patched == {} and second.patched_count("rms_norm") == 0
-    assert [(entry.class_name, entry.reason, entry.count) for entry in second.not_patched] == [
-        ("LlamaRMSNorm", ALREADY_PATCHED, len(norms))
+    assert [(entry.op, entry.class_name, entry.reason, entry.count) for entry in second.not_patched] == [
+        ("rms_norm", "LlamaRMSNorm", ALREADY_PATCHED, 5),
+        ("glu", "LlamaMLP", ALREADY_PATCHED, 2),
+        ("rope", "LlamaAttention", ALREADY_PATCHED, 2),
+        ("add_rms_norm", "LlamaDecoderLayer", ALREADY_PATCHED, 2),
     ]
-    assert [vars(norm)["forward"] for norm in norms] == forwards  # not wrapped a second time
+    assert {module: vars(module)["forward"] for module in patched_modules(model)} == forwards  # not wrapped twice
     assert "already patched" in str(second)
-    assert unpatch_model(model) == len(norms)
-
-
-def test_report_is_a_readable_table() -> None:
-    text = str(patch_model(tiny_model("qwen2")))
-    lines = text.splitlines()
-    assert lines[0] == "BarqTrain patch report: Qwen2ForCausalLM (family qwen2, model_type qwen2)"
-    assert lines[1].split() == ["op", "module", "class", "modules", "result"]
-    assert lines[2].split() == ["rms_norm", "Qwen2RMSNorm", "5", "patched"]
+    assert unpatch_model(model) == len(forwards)
 
 
 def test_unsupported_model_family_raises_naming_it() -> None:
@@ -227,22 +185,71 @@ class CustomRMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def test_unknown_rms_norm_class_is_reported_not_patched() -> None:
+def logits_and_loss_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    output = model(**plain_batch())
+    output.loss.backward()
+    return output.logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_outputs(
+    actual: tuple[torch.Tensor, list[torch.Tensor]], expected: tuple[torch.Tensor, list[torch.Tensor]]
+) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_unknown_norm_classes_are_reported_and_computed_as_they_are() -> None:
     model = tiny_model("mistral")
     model.model.norm = CustomRMSNorm(model.config.hidden_size)
+    model.model.layers[0].post_attention_layernorm = CustomRMSNorm(model.config.hidden_size)
+    expected = logits_and_loss_grads(model)
 
     report = patch_model(model)
 
-    assert report.patched_count("rms_norm") == len(rms_norm_modules(model, "mistral"))
-    [entry] = report.not_patched
-    assert (entry.op, entry.class_name, entry.reason, entry.module_names) == (
-        "rms_norm",
-        "CustomRMSNorm",
-        UNRECOGNIZED_CLASS,
-        ("model.norm",),
-    )
+    assert report.patched_count("rms_norm") == len(modules_of(model, "mistral", "rms_norm")) == 3
+    assert report.patched_count("add_rms_norm") == 1
+    assert sorted((entry.op, entry.class_name, entry.reason, entry.module_names) for entry in report.not_patched) == [
+        (
+            "add_rms_norm",
+            "MistralDecoderLayer",
+            "its post_attention_layernorm (CustomRMSNorm) is not a plain MistralRMSNorm "
+            "(another class, hooks, or a forward replaced by another library)",
+            ("model.layers.0",),
+        ),
+        ("rms_norm", "CustomRMSNorm", UNRECOGNIZED_CLASS, ("model.layers.0.post_attention_layernorm", "model.norm")),
+    ]
     assert "forward" not in vars(model.model.norm)
-    assert "CustomRMSNorm" in str(report)
+    assert_same_outputs(logits_and_loss_grads(model), expected)
+
+
+def test_mlp_with_an_activation_the_op_does_not_compute_is_left_alone() -> None:
+    model = tiny_model("llama", hidden_act="gelu")  # erf GELU
+    expected = logits_and_loss_grads(model)
+
+    report = patch_model(model)
+
+    assert report.patched_count("glu") == 0
+    [entry] = report.not_patched
+    assert (entry.op, entry.reason, entry.count) == (
+        "glu",
+        "activation GELUActivation is neither SiLU nor tanh-approximated GELU",
+        2,
+    )
+    assert [report.patched_count(op) for op in ("rms_norm", "rope", "add_rms_norm")] == [5, 2, 2]
+    assert_same_outputs(logits_and_loss_grads(model), expected)
+
+
+def test_activation_swapped_after_patching_runs_the_original_forward_with_a_warning() -> None:
+    model = tiny_model("gemma")
+    patch_model(model)
+    mlp = model.model.layers[0].mlp
+    mlp.act_fn = nn.GELU()  # erf GELU
+    x = torch.randn(2, 3, model.config.hidden_size)
+
+    with pytest.warns(UserWarning, match="GemmaMLP: activation GELU is neither SiLU nor tanh-approximated GELU"):
+        out = mlp(x)
+
+    torch.testing.assert_close(out, type(mlp).forward(mlp, x), rtol=0, atol=0)
 
 
 def test_forward_replaced_by_another_library_is_left_alone() -> None:
@@ -255,21 +262,34 @@ def test_forward_replaced_by_another_library_is_left_alone() -> None:
 
     [entry] = report.not_patched
     assert (entry.reason, entry.module_names) == (FORWARD_OVERRIDDEN, ("model.norm",))
-    assert unpatch_model(model) == len(rms_norm_modules(model, "llama")) - 1
+    assert unpatch_model(model) == 4 + 2 + 2 + 2  # all the other modules
     assert vars(final_norm)["forward"] is hooked_forward
 
 
-def test_mismatched_dtypes_run_the_original_forward_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hooks_on_a_fused_norm_still_run() -> None:
+    # The fused add + norm would skip post_attention_layernorm's own call, and its hooks with it.
+    model = tiny_model("qwen2")
+    patch_model(model)
+    norm = model.model.layers[1].post_attention_layernorm
+    seen = []
+    norm.register_forward_hook(lambda module, inputs, output: seen.append(output.shape))
+    with torch.no_grad():
+        model(**plain_batch())
+    assert seen == [torch.Size([2, 11, model.config.hidden_size])]
+
+
+def test_mismatched_dtypes_run_the_original_forward_with_a_warning() -> None:
     # Under autocast with float32 weights, Qwen3's q_norm/k_norm see bfloat16 activations:
     # Hugging Face returns float32 there, which the fused op cannot produce.
-    monkeypatch.setattr(rmsnorm, "_warned_fallbacks", set())  # it warns once per process
     model = tiny_model("qwen3")
     q_norm = model.model.layers[0].self_attn.q_norm
     x = torch.randn(2, 3, 4, q_norm.weight.shape[0], dtype=torch.bfloat16)
     expected = q_norm(x)
 
     patch_model(model)
-    with pytest.warns(UserWarning, match="run the original Hugging Face forward"):
+    with pytest.warns(
+        UserWarning, match="Qwen3RMSNorm: a torch.bfloat16 input .* run the original Hugging Face forward"
+    ):
         out = q_norm(x)
 
     assert out.dtype == torch.float32
@@ -287,52 +307,4 @@ def test_deep_copy_of_a_patched_model_computes_with_its_own_weights() -> None:
         clone_norm.weight.add_(1.0)
     x = torch.randn(3, model.config.hidden_size)
     assert not torch.allclose(clone_norm(x), model.model.norm(x))
-    assert unpatch_model(clone) == len(rms_norm_modules(clone, "gemma2"))
-
-
-def train_losses(model: nn.Module, steps: int) -> list[float]:
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for step in range(steps):
-        ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def full_fine_tuning(family: str) -> nn.Module:
-    model = tiny_model(family)
-    model.gradient_checkpointing_enable()
-    return model
-
-
-def lora_fine_tuning(family: str) -> nn.Module:
-    model = tiny_model(family)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(model, config)
-
-
-@pytest.mark.parametrize("make_model", [full_fine_tuning, lora_fine_tuning], ids=["full", "lora"])
-def test_training_with_gradient_checkpointing_matches(make_model: Callable[[str], nn.Module]) -> None:
-    expected = train_losses(make_model("qwen3"), steps=4)
-    model = make_model("qwen3")
-    assert model.is_gradient_checkpointing
-    patch_model(model)
-
-    losses = train_losses(model, steps=4)
-
-    assert losses[-1] < losses[0]
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_patched_model_matches_hugging_face_on_cuda_bf16(family: str) -> None:
-    model = tiny_model(family, torch.bfloat16, device="cuda")
-    assert_patch_matches_original(model, input_ids("cuda"), torch.bfloat16, family)
+    assert unpatch_model(clone) == len(patched_modules(model))

@@ -1,0 +1,225 @@
+"""A patched model computes what the same model unpatched computes: logits and every
+gradient, on plain, packed and padded batches, in training (PEFT LoRA, gradient
+checkpointing, dropout, autocast) and in generation with a KV cache.
+
+On CPU the ops run their PyTorch references; the `gpu` tests run the same checks on the
+CUDA kernels in bfloat16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from barqtrain.patch import OPS, patch_model
+from peft import LoraConfig, get_peft_model
+from tiny_models import (
+    ATTENTION_IMPLEMENTATIONS,
+    BATCHES,
+    DTYPES,
+    FAMILIES,
+    assert_close,
+    assert_grads_close,
+    assert_patching_keeps_outputs,
+    logits_and_grads,
+    modules_of,
+    plain_batch,
+    tiny_model,
+)
+from torch import nn
+
+
+def patch_everything(model: nn.Module) -> None:
+    """patch_model, checked to have patched every module of every op."""
+    report = patch_model(model)
+    assert report.not_patched == ()
+    for op in OPS:
+        assert report.patched_count(op) == len(modules_of(model, report.family, op)) > 0, op
+
+
+@pytest.mark.parametrize("attn_implementation", ATTENTION_IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_matches_hugging_face(family: str, dtype: torch.dtype, attn_implementation: str) -> None:
+    model = tiny_model(family, dtype, attn_implementation=attn_implementation)
+    assert_patching_keeps_outputs(model, patch_everything, dtype)
+
+
+@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "v_proj", "qkv_proj"]], ids=["all-linear", "qv"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3"])
+def test_peft_model_is_patched_and_matches(family: str, target_modules: str | list[str]) -> None:
+    # init_lora_weights=False: random A and B, so that no LoRA gradient is trivially zero.
+    config = LoraConfig(
+        task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False
+    )
+    model = get_peft_model(tiny_model(family), config)
+    model.train()
+    batch = plain_batch()
+    expected_logits, expected_grads = logits_and_grads(model, batch)
+    assert expected_grads and all("lora_" in name for name in expected_grads)
+
+    report = patch_model(model)
+    logits, grads = logits_and_grads(model, batch)
+
+    assert report.family == family
+    assert report.model_class == f"PeftModelForCausalLM({FAMILIES[family].model_class})"
+    assert report.not_patched == ()
+    assert [report.patched_count(op) for op in OPS] == [len(modules_of(model, family, op)) for op in OPS]
+    assert_close(logits, expected_logits, "logits", torch.float32)
+    assert_grads_close(grads, expected_grads, torch.float32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_with_a_kv_cache_gives_the_same_tokens(family: str) -> None:
+    model = tiny_model(family).eval()
+    prompt = plain_batch()["input_ids"][:, :5]
+    generate = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=True)
+    expected = model.generate(prompt, **generate)
+
+    patch_everything(model)
+
+    torch.testing.assert_close(model.generate(prompt, **generate), expected, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def logits_decoding_from_a_cache(model: nn.Module, sequence: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """The last logits of the prompt, then of each further token of `sequence` fed one at a
+    time with the KV cache of the ones before."""
+    output = model(sequence[:, :prompt_length], use_cache=True)
+    logits = [output.logits[:, -1]]
+    for position in range(prompt_length, sequence.shape[1]):
+        output = model(sequence[:, position : position + 1], past_key_values=output.past_key_values, use_cache=True)
+        logits.append(output.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_from_a_kv_cache_matches(family: str) -> None:
+    model = tiny_model(family).eval()
+    sequence = plain_batch()["input_ids"]
+    expected = logits_decoding_from_a_cache(model, sequence, prompt_length=5)
+
+    patch_everything(model)
+
+    assert_close(logits_decoding_from_a_cache(model, sequence, prompt_length=5), expected, "logits", torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore:barqtrain.*run the original Hugging Face forward")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_model_under_bfloat16_autocast_matches(family: str) -> None:
+    # What Trainer(bf16=True) does with a float32 model: bf16 projections, an fp32 residual
+    # stream and RoPE tables, so RoPE and the residual add see mixed dtypes and promote.
+    model = tiny_model(family)
+    batch = plain_batch()
+
+    def logits_and_grads_under_autocast() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return logits_and_grads(model, batch)
+
+    expected_logits, expected_grads = logits_and_grads_under_autocast()
+    patch_everything(model)
+    logits, grads = logits_and_grads_under_autocast()
+
+    assert logits.dtype == expected_logits.dtype
+    assert_close(logits, expected_logits, "logits", torch.bfloat16)
+    assert_grads_close(grads, expected_grads, torch.bfloat16)
+
+
+def test_phi3_residual_dropout_draws_the_same_masks() -> None:
+    # Dropout inside attention and on both residual branches, drawn in Hugging Face's order.
+    model = tiny_model("phi3", attn_implementation="eager", resid_pdrop=0.2, attention_dropout=0.2).train()
+    batch = plain_batch()
+    torch.manual_seed(7)
+    expected_logits, expected_grads = logits_and_grads(model, batch)
+
+    patch_everything(model)
+    torch.manual_seed(7)
+    logits, grads = logits_and_grads(model, batch)
+
+    assert_close(logits, expected_logits, "logits", torch.float32)
+    assert_grads_close(grads, expected_grads, torch.float32)
+
+
+def train_losses(model: nn.Module, steps: int) -> list[float]:
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    batch = plain_batch()  # the same one each step, so that the loss must fall
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def full_fine_tuning(family: str) -> nn.Module:
+    model = tiny_model(family)
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def lora_fine_tuning(family: str) -> nn.Module:
+    model = tiny_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("make_model", [full_fine_tuning, lora_fine_tuning], ids=["full", "lora"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2"])
+def test_training_with_gradient_checkpointing_matches(family: str, make_model: Callable[[str], nn.Module]) -> None:
+    expected = train_losses(make_model(family), steps=4)
+    model = make_model(family)
+    assert model.is_gradient_checkpointing
+    patch_everything(model)
+
+    losses = train_losses(model, steps=4)
+
+    assert losses[-1] < losses[0]
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn_implementation", ATTENTION_IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_matches_hugging_face_on_cuda_bf16(family: str, attn_implementation: str) -> None:
+    model = tiny_model(family, torch.bfloat16, device="cuda", attn_implementation=attn_implementation)
+    assert_patching_keeps_outputs(model, patch_everything, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_training_with_gradient_checkpointing_on_cuda_bf16(family: str) -> None:
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
+
+    def lora_model() -> nn.Module:
+        model = tiny_model(family, torch.bfloat16, device="cuda")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return get_peft_model(model, config).train()
+
+    batch = BATCHES["packed"]("cuda")
+    expected_logits, expected_grads = logits_and_grads(lora_model(), batch)
+    model = lora_model()
+    patch_everything(model)
+    logits, grads = logits_and_grads(model, batch)
+
+    assert_close(logits, expected_logits, "logits", torch.bfloat16)
+    assert_grads_close(grads, expected_grads, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_with_a_kv_cache_on_cuda_bf16(family: str) -> None:
+    # bf16 logits of a tiny random model are close enough to tie differently, so instead of
+    # comparing generated tokens, both models decode the same tokens from their caches.
+    model = tiny_model(family, torch.bfloat16, device="cuda").eval()
+    prompt = plain_batch("cuda")["input_ids"][:, :5]
+    sequence = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = logits_decoding_from_a_cache(model, sequence, prompt.shape[1])
+
+    patch_everything(model)
+
+    assert_close(logits_decoding_from_a_cache(model, sequence, prompt.shape[1]), expected, "logits", torch.bfloat16)
