@@ -1,8 +1,36 @@
 """BarqTrain: fused CUDA C++ kernels and a lean trainer for fine-tuning Hugging Face models."""
 
 from barqtrain import ops
-from barqtrain.patch import PatchReport, patch_model, unpatch_model
+from barqtrain.patch import (
+    PatchReport,
+    apply_to_gemma,
+    apply_to_gemma2,
+    apply_to_gemma3,
+    apply_to_llama,
+    apply_to_mistral,
+    apply_to_phi3,
+    apply_to_qwen2,
+    apply_to_qwen3,
+    patch_model,
+    revert_class_patches,
+    unpatch_model,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["PatchReport", "ops", "patch_model", "unpatch_model", "__version__"]
+__all__ = [
+    "PatchReport",
+    "apply_to_gemma",
+    "apply_to_gemma2",
+    "apply_to_gemma3",
+    "apply_to_llama",
+    "apply_to_mistral",
+    "apply_to_phi3",
+    "apply_to_qwen2",
+    "apply_to_qwen3",
+    "ops",
+    "patch_model",
+    "revert_class_patches",
+    "unpatch_model",
+    "__version__",
+]

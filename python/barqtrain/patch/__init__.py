@@ -1,24 +1,56 @@
 """Patching of Hugging Face models (SPEC T1): their modules computed by BarqTrain's ops.
 
+Per model (only that model's module instances change):
+
     report = barqtrain.patch_model(model)   # a PreTrainedModel or a PEFT model
     print(report)
     barqtrain.unpatch_model(model)          # back to the original forwards
 
-ops=(...) patches in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope, and
+Per family (the Hugging Face classes change, so models created afterwards are patched):
+
+    barqtrain.apply_to_llama()              # or apply_to_family("llama")
+    barqtrain.revert_class_patches()
+
+Both take ops=(...) to patch in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope, and
 add_rms_norm (the residual add before a decoder layer's second norm).
 """
 
-from barqtrain.patch.families import OPS, SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from barqtrain.patch.classes import (
+    apply_to_family,
+    apply_to_gemma,
+    apply_to_gemma2,
+    apply_to_gemma3,
+    apply_to_llama,
+    apply_to_mistral,
+    apply_to_phi3,
+    apply_to_qwen2,
+    apply_to_qwen3,
+    revert_class_patches,
+)
+from barqtrain.patch.families import FAMILIES, OPS, SUPPORTED_MODEL_TYPES, UnsupportedModelError
 from barqtrain.patch.instance import patch_model, unpatch_model
-from barqtrain.patch.report import NotPatched, PatchedOp, PatchReport
+from barqtrain.patch.report import ClassNotPatched, ClassPatchReport, NotPatched, PatchedOp, PatchReport
 
 __all__ = [
+    "FAMILIES",
     "OPS",
     "SUPPORTED_MODEL_TYPES",
+    "ClassNotPatched",
+    "ClassPatchReport",
     "NotPatched",
     "PatchReport",
     "PatchedOp",
     "UnsupportedModelError",
+    "apply_to_family",
+    "apply_to_gemma",
+    "apply_to_gemma2",
+    "apply_to_gemma3",
+    "apply_to_llama",
+    "apply_to_mistral",
+    "apply_to_phi3",
+    "apply_to_qwen2",
+    "apply_to_qwen3",
     "patch_model",
+    "revert_class_patches",
     "unpatch_model",
 ]

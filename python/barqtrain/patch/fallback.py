@@ -1,5 +1,9 @@
 """Handing a call back to Hugging Face: for inputs a fused op does not compute, a
-replacement forward runs the forward it replaced, its class's, with one warning."""
+replacement forward runs the forward it replaced, with one warning.
+
+The replaced forward is the class's own unless apply_to_<family>() replaced that too, in
+which case it was saved here; so the hand-back never reaches the replacement again.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from torch import nn
 # not use): anything else goes back to Hugging Face's forward.
 _FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+# class -> the forward it defined before apply_to_<family>() replaced it.
+saved_class_forwards: dict[type, Callable[..., object]] = {}
 
 # One warning per distinct message (class, dtypes, device, ...), not one per layer and step.
 _warned: set[str] = set()
@@ -31,7 +38,10 @@ def fused_ops_support(*tensors: torch.Tensor) -> bool:
 
 def original_forward(module: nn.Module) -> Callable[..., object]:
     """The Hugging Face forward of `module`'s class, bound to it."""
-    return MethodType(type(module).forward, module)
+    for cls in type(module).__mro__:
+        if "forward" in vars(cls):
+            return MethodType(saved_class_forwards.get(cls, vars(cls)["forward"]), module)
+    raise TypeError(f"barqtrain: {type(module).__name__} has no forward")  # nn.Module defines one
 
 
 def fall_back(module: nn.Module, why: str) -> Callable[..., object]:

@@ -113,6 +113,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ),
 )
 
+FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 _FAMILY_BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILY_BY_MODEL_TYPE))

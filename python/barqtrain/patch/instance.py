@@ -18,6 +18,7 @@ from barqtrain.patch.families import OP_DETECTORS, OPS, REPLACEMENT_FORWARDS, ch
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
+    ALREADY_PATCHED_CLASS,
     FORWARD_OVERRIDDEN,
     NOT_REQUESTED,
     UNRECOGNIZED_CLASS,
@@ -51,6 +52,8 @@ def _reason_not_to_patch(module: nn.Module, replacement: ModuleReplacement, ops:
     instance_forward = vars(module).get("forward")
     if _is_barqtrain_forward(instance_forward):
         return ALREADY_PATCHED
+    if instance_forward is None and type(module).forward is replacement.forward:
+        return ALREADY_PATCHED_CLASS
     if replacement.op not in ops:
         return NOT_REQUESTED
     if instance_forward is not None:

@@ -9,6 +9,7 @@ compute differently, are left alone.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,3 +43,9 @@ def simple_name(path: str) -> str:
 @functools.cache
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def resolve_class(path: str) -> type:
+    """Import the class named by `path` (as found in its module now)."""
+    module_name, class_name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module_name), class_name)

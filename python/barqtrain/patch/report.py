@@ -1,4 +1,5 @@
-"""PatchReport: what patch_model did to a model, as data and as a table to print."""
+"""Reports of what patching did: PatchReport (patch_model, per module) and ClassPatchReport
+(apply_to_<family>, per class), as data and as a table to print."""
 
 from __future__ import annotations
 
@@ -6,10 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ALREADY_PATCHED = "already patched by BarqTrain"
+ALREADY_PATCHED_CLASS = "its class is already patched by BarqTrain (apply_to_<family>)"
 NOT_REQUESTED = "not among the requested ops"
 UNRECOGNIZED_CLASS = "unrecognized class: no verified BarqTrain replacement for it"
 FORWARD_OVERRIDDEN = "forward already replaced on this instance by another library (e.g. accelerate hooks)"
+CLASS_FORWARD_OVERRIDDEN = "the class's forward was already replaced by another library"
+CLASS_REPLACED = "the name now refers to another class (replaced in its module by another library)"
 NO_MODULE_OF_THIS_KIND = "no module of this kind in the model"
+
+# Reasons that mean "BarqTrain's replacement is already in place".
+_ALREADY_PATCHED_REASONS = frozenset({ALREADY_PATCHED, ALREADY_PATCHED_CLASS})
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class PatchReport:
     @property
     def already_patched(self) -> bool:
         """True when this call found the model patched before and had nothing new to do."""
-        return not self.patched and any(entry.reason == ALREADY_PATCHED for entry in self.not_patched)
+        return not self.patched and any(entry.reason in _ALREADY_PATCHED_REASONS for entry in self.not_patched)
 
     def __str__(self) -> str:
         rows = []
@@ -80,3 +87,29 @@ class PatchReport:
                 rows.append((op, "-", "0", NO_MODULE_OF_THIS_KIND))
         title = f"BarqTrain patch report: {self.model_class} (family {self.family}, model_type {self.model_type})"
         return _table(title, ("op", "module class", "modules", "result"), rows)
+
+
+@dataclass(frozen=True)
+class ClassNotPatched:
+    op: str
+    class_name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClassPatchReport:
+    """What apply_to_<family>() did to the family's Hugging Face classes."""
+
+    family: str
+    patched: dict[str, tuple[str, ...]] = field(default_factory=dict)  # op -> class names
+    not_patched: tuple[ClassNotPatched, ...] = ()
+
+    @property
+    def already_patched(self) -> bool:
+        return not self.patched and any(entry.reason == ALREADY_PATCHED for entry in self.not_patched)
+
+    def __str__(self) -> str:
+        rows = [(op, class_name, "patched") for op, class_names in self.patched.items() for class_name in class_names]
+        rows += [(entry.op, entry.class_name, f"not patched: {entry.reason}") for entry in self.not_patched]
+        title = f"BarqTrain class patch report: family {self.family}"
+        return _table(title, ("op", "class", "result"), rows)
