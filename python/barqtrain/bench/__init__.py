@@ -1,0 +1,14 @@
+"""`barqtrain bench`: benchmarks side by side with the baselines, measured in one run (SPEC 4).
+
+Modules:
+command.py      the CLI command
+ops.py          per-op suite: ceilings, then each op case against the baselines
+rmsnorm.py      RMSNorm's cases, byte counts and implementations
+ceilings.py     copy bandwidth and matmul rate of the GPU
+timing.py       CUDA-event medians with inputs rotated past L2
+e2e.py          end-to-end suite: one worker process per (model, variant)
+e2e_worker.py   one variant: build, patch, LoRA, train, measure
+models.py       the model shapes and workloads
+environment.py  device, versions, commit and command of a result; optional imports
+report.py       tables, JSON and charts
+"""

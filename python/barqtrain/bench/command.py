@@ -1,0 +1,70 @@
+"""The `barqtrain bench [ops|e2e]` command."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from barqtrain.bench import e2e, ops
+from barqtrain.bench.models import BENCHMARK_MODELS
+from barqtrain.cli_args import int_at_least, names_from
+
+SUITES = ("ops", "e2e", "all")
+ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + e2e.BASELINES))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="per-op and end-to-end benchmarks against HF and Liger: table, JSON and PNG",
+        description=(
+            "Benchmark BarqTrain against the baselines on this GPU. 'ops' times each fused op "
+            "against the GPU's copy and matmul ceilings; 'e2e' fine-tunes real model shapes with "
+            "LoRA, one process per variant. Without a suite, both run."
+        ),
+    )
+    parser.add_argument("suite", nargs="?", choices=SUITES, default="all", help="which benchmark (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default: bench_out/)")
+    parser.add_argument(
+        "--compare",
+        type=names_from(ALL_BASELINES),
+        default=("hf", "liger"),
+        metavar="NAMES",
+        help="baselines, comma-separated, 'none' for none: hf, liger, compile "
+        "(torch.compile of the HF module, ops only) (default: hf,liger)",
+    )
+    e2e_options = parser.add_argument_group("end-to-end options")
+    e2e_options.add_argument(
+        "--models",
+        type=names_from(BENCHMARK_MODELS),
+        default=BENCHMARK_MODELS,
+        metavar="NAMES",
+        help=f"model shapes, comma-separated: {', '.join(BENCHMARK_MODELS)} (default: all)",
+    )
+    e2e_options.add_argument(
+        "--steps", type=int_at_least(1), default=e2e.DEFAULT_STEPS, help=f"timed steps (default: {e2e.DEFAULT_STEPS})"
+    )
+    e2e_options.add_argument(
+        "--warmup",
+        type=int_at_least(0),
+        default=e2e.DEFAULT_WARMUP,
+        help=f"untimed steps before them (default: {e2e.DEFAULT_WARMUP})",
+    )
+    e2e_options.add_argument(
+        "--tiny", action="store_true", help="a tiny model instead of --models: tests the harness, on a CPU too"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # `bench` (all) gives each suite the baselines it knows; `bench e2e` alone must not drop one silently.
+    ops_only = [name for name in args.compare if name not in e2e.BASELINES]
+    if args.suite == "e2e" and ops_only:
+        raise SystemExit(f"barqtrain bench e2e: baseline {', '.join(ops_only)} applies to 'bench ops' only")
+    if args.suite in ("ops", "all"):
+        baselines = [name for name in args.compare if name in ops.BASELINES]
+        ops.run_ops_benchmark(baselines, args.out, args.command_line)
+    if args.suite in ("e2e", "all"):
+        baselines = [name for name in args.compare if name in e2e.BASELINES]
+        e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)
+    return 0

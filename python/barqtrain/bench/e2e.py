@@ -1,0 +1,195 @@
+"""`barqtrain bench e2e`: LoRA fine-tuning throughput and peak memory, one process per variant."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import barqtrain
+from barqtrain.bench.e2e_worker import LEARNING_RATE, LORA_SETTINGS, VARIANTS, VariantSpec
+from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
+from barqtrain.bench.models import TINY, WORKLOADS, Workload
+from barqtrain.bench.report import (
+    BarPanel,
+    format_table,
+    format_value,
+    grouped_values,
+    problem_notes,
+    save_bar_chart,
+    write_json,
+)
+
+BASELINES = ("hf", "liger")
+DEFAULT_STEPS = 15  # with DEFAULT_WARMUP: both models x 3 variants in about 4 minutes on an H100
+DEFAULT_WARMUP = 3
+SEED = 0
+# A variant that hangs must not stall the others; the 8B HF variant needs well under this.
+VARIANT_TIMEOUT_S = 900
+
+
+def run_e2e_benchmark(
+    model_names: Sequence[str],
+    baselines: Sequence[str],
+    steps: int,
+    warmup: int,
+    tiny: bool,
+    out_dir: Path,
+    command_line: str,
+) -> None:
+    if not tiny and not torch.cuda.is_available():
+        print(
+            "barqtrain bench e2e needs a CUDA GPU for the real model shapes; no CUDA device is visible "
+            "here, so nothing was measured or written. Pass --tiny to exercise the harness on the CPU."
+        )
+        return
+    workloads = [TINY] if tiny else [WORKLOADS[name] for name in model_names]
+    variants = [variant for variant in VARIANTS if variant == "barqtrain" or variant in baselines]
+    liger_status = _liger_availability() if "liger" in variants else None
+
+    rows = []
+    for workload in workloads:
+        print(f"{workload.name} ({workload.description}), batch {workload.batch_size} x {workload.seq_len}:")
+        for variant in variants:
+            print(f"  {variant} ...", end=" ", flush=True)
+            if variant == "liger" and isinstance(liger_status, Unavailable):
+                result = {"status": "unavailable", "reason": liger_status.reason}
+            else:
+                result = run_variant_process(VariantSpec(workload.name, variant, steps, warmup, SEED))
+            rows.append({"model": workload.name, "variant": variant, **result})
+            print(_summary(rows[-1]), flush=True)
+    _add_ratios_to_hf(rows)
+
+    print()
+    print(_results_table(rows))
+    notes = problem_notes(rows, ("model", "variant"))
+    if notes:
+        print("Not measured:\n" + notes)
+    payload = {
+        "benchmark": "e2e",
+        "environment": collect_environment(command_line),
+        "settings": _settings(workloads, steps, warmup),
+        "results": rows,
+    }
+    written = [write_json(out_dir / "e2e.json", payload), _save_chart(out_dir / "e2e.png", rows)]
+    print("Wrote " + ", ".join(str(path) for path in written if path is not None))
+
+
+def _liger_availability() -> Unavailable | None:
+    if not torch.cuda.is_available():
+        return Unavailable("Liger's kernels are Triton GPU kernels and no CUDA device is visible")
+    apply = import_optional("liger_kernel.transformers", "apply_liger_kernel_to_llama")
+    return apply if isinstance(apply, Unavailable) else None
+
+
+def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="barqtrain-e2e-") as scratch:
+        result_path = Path(scratch) / "result.json"
+        command = [
+            sys.executable, "-m", "barqtrain.bench.e2e_worker",
+            "--spec", json.dumps(asdict(spec)), "--result", str(result_path),
+        ]  # fmt: skip
+        try:
+            completed = subprocess.run(
+                command, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S, env=_worker_environment()
+            )
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"the variant did not finish within {VARIANT_TIMEOUT_S} s"}
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        # The process died before it could write (a crash in native code, a kill by the OS).
+        return {
+            "status": "error",
+            "error": f"the worker process exited with code {completed.returncode} and no result; "
+            f"its last output:\n{completed.stderr[-3000:]}",
+        }
+
+
+def _worker_environment() -> dict[str, str]:
+    # The worker must import this very copy of barqtrain, also when it was found through a
+    # sys.path entry (a source checkout, a test runner) rather than an install.
+    package_root = str(Path(barqtrain.__file__).resolve().parent.parent)
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, environment.get("PYTHONPATH"))))
+    return environment
+
+
+def _summary(row: dict[str, Any]) -> str:
+    if row["status"] == "ok":
+        memory = "" if row["peak_memory_gib"] is None else f", peak {row['peak_memory_gib']:.1f} GiB"
+        return f"{row['tokens_per_s']:,.0f} tokens/s{memory}, loss {row['first_loss']:.3f} -> {row['last_loss']:.3f}"
+    detail = row.get("error") or row.get("reason")
+    return f"{row['status']}: {detail.splitlines()[0][:200]}"
+
+
+def _add_ratios_to_hf(rows: list[dict[str, Any]]) -> None:
+    """Speed-up and memory relative to the same model's HF + PEFT row, where both ran."""
+    hf_rows = {row["model"]: row for row in rows if row["variant"] == "hf" and row["status"] == "ok"}
+    for row in rows:
+        hf = hf_rows.get(row["model"])
+        if hf is None or row["status"] != "ok":
+            continue
+        row["speedup_vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
+        if row["peak_memory_gib"] is not None:
+            row["memory_vs_hf"] = row["peak_memory_gib"] / hf["peak_memory_gib"]
+
+
+def _results_table(rows: Sequence[dict[str, Any]]) -> str:
+    columns = ("model", "variant", "tokens/s", "x hf", "step s", "peak GiB", "mem x hf", "first loss", "last loss")
+    cells = [
+        (
+            row["model"],
+            row["variant"] if row["status"] == "ok" else f"{row['variant']} ({row['status']})",
+            format_value(row.get("tokens_per_s"), ",.0f"),
+            format_value(row.get("speedup_vs_hf"), ".2f"),
+            format_value(row.get("step_s"), ".3f"),
+            format_value(row.get("peak_memory_gib"), ".1f"),
+            format_value(row.get("memory_vs_hf"), ".2f"),
+            format_value(row.get("first_loss"), ".4f"),
+            format_value(row.get("last_loss"), ".4f"),
+        )
+        for row in rows
+    ]
+    return format_table(columns, cells)
+
+
+def _settings(workloads: Sequence[Workload], steps: int, warmup: int) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "warmup": warmup,
+        "seed": SEED,
+        "lora": LORA_SETTINGS,
+        "optimizer": f"AdamW lr {LEARNING_RATE}, fused on CUDA",
+        "dtype": "bfloat16",
+        "data": "random token ids from a fixed seed, labels = inputs",
+        "workloads": {
+            w.name: {
+                "description": w.description,
+                "batch_size": w.batch_size,
+                "seq_len": w.seq_len,
+                "gradient_checkpointing": w.gradient_checkpointing,
+                "config": w.config,
+            }
+            for w in workloads
+        },
+    }
+
+
+def _save_chart(path: Path, rows: Sequence[dict[str, Any]]) -> Path | None:
+    panels = []
+    for title, ylabel, value_key, value_format in (
+        ("Training throughput", "tokens/s", "tokens_per_s", ",.0f"),
+        ("Throughput relative to HF + PEFT", "x hf", "speedup_vs_hf", ".2f"),
+        ("Peak GPU memory", "GiB", "peak_memory_gib", ".1f"),
+    ):
+        groups, series = grouped_values(rows, "model", "variant", value_key)
+        panels.append(BarPanel(title, ylabel, groups, series, value_format=value_format))
+    return save_bar_chart(path, f"LoRA r16 all-linear fine-tuning on {device_name()}", panels)

@@ -1,0 +1,118 @@
+"""The end-to-end benchmark's workloads: real model shapes embedded in code (no network).
+
+Weights are random: throughput and memory depend on the shapes alone, and a fixed seed
+makes every variant start from the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    config: dict[str, Any]  # LlamaConfig keyword arguments, as in the model's config.json
+    batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+LLAMA_1B = Workload(
+    name="llama-1b",
+    description="Llama-3.2-1B shape",
+    config=dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    batch_size=4,
+    seq_len=2048,
+    gradient_checkpointing=False,
+)
+
+LLAMA_8B = Workload(
+    name="llama-8b",
+    description="Llama-3.1-8B shape",
+    config=dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    ),
+    batch_size=2,
+    seq_len=4096,
+    gradient_checkpointing=True,
+)
+
+# Exercises the whole harness (processes, patching, checkpointing, PEFT) in seconds on a CPU.
+TINY = Workload(
+    name="tiny",
+    description="tiny Llama for testing the harness",
+    config=dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    ),
+    batch_size=2,
+    seq_len=32,
+    gradient_checkpointing=True,
+)
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (LLAMA_1B, LLAMA_8B, TINY)}
+BENCHMARK_MODELS = (LLAMA_1B.name, LLAMA_8B.name)  # what `--models` chooses from, all by default
+
+
+def build_model(workload: Workload, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A randomly initialised LlamaForCausalLM, created directly on `device` in `dtype`.
+
+    Creating it on the GPU avoids initialising 8B parameters on the CPU, which takes minutes.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**workload.config, use_cache=False)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model

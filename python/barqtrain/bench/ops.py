@@ -1,0 +1,148 @@
+"""`barqtrain bench ops`: per-op bandwidth against the baselines and the ceilings of the same GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from barqtrain.bench import rmsnorm
+from barqtrain.bench.ceilings import Ceilings, measure_ceilings
+from barqtrain.bench.environment import Unavailable, collect_environment, device_name
+from barqtrain.bench.report import (
+    BarPanel,
+    format_table,
+    format_value,
+    grouped_values,
+    problem_notes,
+    save_bar_chart,
+    write_json,
+)
+from barqtrain.bench.timing import input_sets_to_defeat_l2, time_calls
+
+BASELINES = ("hf", "liger", "compile")  # compile: torch.compile of the HF module
+
+
+def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str) -> None:
+    if not torch.cuda.is_available():
+        print(
+            "barqtrain bench ops needs a CUDA GPU: it times GPU kernels against that GPU's own copy and "
+            "matmul ceilings. No CUDA device is visible here, so nothing was measured or written."
+        )
+        return
+    device = torch.device("cuda")
+    print(f"Measuring the ceilings of {device_name()} ...", flush=True)
+    ceilings = measure_ceilings(device)
+    print(_describe_ceilings(ceilings), flush=True)
+    rows = []
+    try:
+        for case in rmsnorm.cases(device):
+            rows.extend(_benchmark_case(case, baselines, ceilings.copy_tbps))
+    finally:
+        torch.cuda.empty_cache()  # `barqtrain bench` runs the end-to-end processes next on this GPU
+
+    print()
+    print(_results_table(rows))
+    print(
+        "ms and TB/s: median GPU time of one call, queued ahead as in a model; "
+        "host ms: the CPU time to queue one call (above the GPU time, the op alone is launch-bound)."
+    )
+    notes = problem_notes(rows, ("case", "implementation"))
+    if notes:
+        print("Not measured:\n" + notes)
+    payload = {
+        "benchmark": "ops",
+        "environment": collect_environment(command_line),
+        "ceilings": ceilings.to_json(),
+        "results": rows,
+    }
+    written = [write_json(out_dir / "ops.json", payload), _save_chart(out_dir / "ops.png", rows, ceilings)]
+    print("Wrote " + ", ".join(str(path) for path in written if path is not None))
+
+
+def _benchmark_case(case: rmsnorm.RmsNormCase, baselines: Sequence[str], copy_tbps: float) -> list[dict[str, Any]]:
+    input_sets = [case.make_inputs() for _ in range(input_sets_to_defeat_l2(case.input_set_bytes, case.device))]
+    rows = []
+    for name, implementation in case.implementations(baselines).items():
+        print(f"  {case.op} {case.label}: {name}", flush=True)
+        row: dict[str, Any] = {"op": case.op, "case": case.label, "implementation": name}
+        if isinstance(implementation, Unavailable):
+            rows.append({**row, "status": "unavailable", "reason": implementation.reason})
+            continue
+        try:
+            rows.append({**row, "status": "ok", **_measure(case, implementation, input_sets, copy_tbps)})
+        except Exception as error:  # e.g. a baseline that rejects this dtype: record it, measure the others
+            rows.append({**row, "status": "error", "error": f"{type(error).__name__}: {error}"})
+    return rows
+
+
+def _measure(
+    case: rmsnorm.RmsNormCase, implementation: rmsnorm.Implementation, input_sets: list[Any], copy_tbps: float
+) -> dict[str, float]:
+    forward = time_calls(lambda inputs: case.forward(implementation, inputs), input_sets)
+    forward_backward = time_calls(lambda inputs: case.forward_backward(implementation, inputs), input_sets)
+    forward_tbps = _tbps(case.forward_bytes, forward.gpu_ms)
+    forward_backward_tbps = _tbps(case.forward_bytes + case.backward_bytes, forward_backward.gpu_ms)
+    return {
+        "forward_ms": forward.gpu_ms,
+        "forward_host_ms": forward.host_ms,
+        "forward_tbps": forward_tbps,
+        "forward_fraction_of_copy": forward_tbps / copy_tbps,
+        "forward_backward_ms": forward_backward.gpu_ms,
+        "forward_backward_host_ms": forward_backward.host_ms,
+        "forward_backward_tbps": forward_backward_tbps,
+        "forward_backward_fraction_of_copy": forward_backward_tbps / copy_tbps,
+    }
+
+
+def _tbps(bytes_moved: int, milliseconds: float) -> float:
+    return bytes_moved / (milliseconds * 1e-3) / 1e12
+
+
+def _describe_ceilings(ceilings: Ceilings) -> str:
+    return (
+        f"Ceilings: device-to-device copy {ceilings.copy_tbps:.2f} TB/s "
+        f"({ceilings.copy_bytes_moved / 2**30:.0f} GiB read + written in {ceilings.copy_ms:.3f} ms); "
+        f"bf16 matmul {ceilings.matmul_size}^3 {ceilings.matmul_tflops:.0f} TFLOP/s"
+    )
+
+
+def _results_table(rows: Sequence[dict[str, Any]]) -> str:
+    columns = (
+        "op", "case", "impl",
+        "fwd ms", "fwd TB/s", "fwd %copy",
+        "fwd+bwd ms", "fwd+bwd TB/s", "fwd+bwd %copy", "fwd+bwd host ms",
+    )  # fmt: skip
+    cells = [
+        (
+            row["op"],
+            row["case"],
+            row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+            format_value(row.get("forward_ms"), ".4f"),
+            format_value(row.get("forward_tbps"), ".2f"),
+            format_value(_percent(row.get("forward_fraction_of_copy")), ".0f"),
+            format_value(row.get("forward_backward_ms"), ".4f"),
+            format_value(row.get("forward_backward_tbps"), ".2f"),
+            format_value(_percent(row.get("forward_backward_fraction_of_copy")), ".0f"),
+            format_value(row.get("forward_backward_host_ms"), ".4f"),
+        )
+        for row in rows
+    ]
+    return format_table(columns, cells)
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
+
+
+def _save_chart(path: Path, rows: Sequence[dict[str, Any]], ceilings: Ceilings) -> Path | None:
+    copy_line = ("copy ceiling", ceilings.copy_tbps)
+    panels = []
+    for title, value_key in (("forward", "forward_tbps"), ("forward + backward", "forward_backward_tbps")):
+        groups, series = grouped_values(rows, "case", "implementation", value_key)
+        panels.append(
+            BarPanel(f"RMSNorm {title}", "TB/s", groups, series, reference_line=copy_line, value_format=".2f")
+        )
+    return save_bar_chart(path, f"Per-op bandwidth on {device_name()}", panels)

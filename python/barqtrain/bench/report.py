@@ -1,0 +1,107 @@
+"""How benchmark results leave the process: a text table, a JSON file and a bar chart."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def format_value(value: float | None, spec: str) -> str:
+    """A table cell: '-' stands for a value a failed or unavailable row does not have."""
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows, strict=True)]
+    lines = [columns, ["-" * width for width in widths], *rows]
+    return "\n".join(
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def problem_notes(rows: Sequence[dict[str, Any]], label_keys: Sequence[str]) -> str:
+    """One line per row that did not run: its label, its status and why ('reason' or 'error')."""
+    return "\n".join(
+        f"  {' / '.join(str(row[key]) for key in label_keys)}: {row['status']}: {row.get('error') or row.get('reason')}"
+        for row in rows
+        if row["status"] != "ok"
+    )
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+@dataclass
+class BarPanel:
+    """One subplot of grouped bars: for each group on the x axis, one bar per series."""
+
+    title: str
+    ylabel: str
+    groups: list[str]
+    series: dict[str, list[float | None]]  # None: no bar (the row failed or was unavailable)
+    reference_line: tuple[str, float] | None = None  # e.g. ("copy ceiling", 2.99)
+    value_format: str = ".3g"
+
+
+def grouped_values(
+    rows: Sequence[dict[str, Any]], group_key: str, series_key: str, value_key: str
+) -> tuple[list[str], dict[str, list[float | None]]]:
+    """Result rows as chart groups and series, in first-seen order; missing values become None."""
+    groups = list(dict.fromkeys(row[group_key] for row in rows))
+    series: dict[str, list[float | None]] = {}
+    for row in rows:
+        values = series.setdefault(row[series_key], [None] * len(groups))
+        values[groups.index(row[group_key])] = row.get(value_key)
+    return groups, series
+
+
+def save_bar_chart(path: Path, title: str, panels: Sequence[BarPanel]) -> Path | None:
+    """Write the panels side by side as a PNG; None (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on GPU machines and CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no chart was drawn (pip install 'barqtrain[bench]').")
+        return None
+
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for axis, panel in zip(axes[0], panels, strict=True):
+        _draw_panel(axis, panel)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def _draw_panel(axis: Any, panel: BarPanel) -> None:
+    bar_width = 0.8 / max(1, len(panel.series))
+    for index, (name, values) in enumerate(panel.series.items()):
+        offset = (index - (len(panel.series) - 1) / 2) * bar_width
+        drawn = [(group + offset, value) for group, value in enumerate(values) if value is not None]
+        if drawn:
+            xs, heights = zip(*drawn, strict=True)
+            bars = axis.bar(xs, heights, bar_width, label=name)
+            axis.bar_label(bars, fmt=f"{{:{panel.value_format}}}", fontsize=7)
+    if panel.reference_line is not None:
+        label, value = panel.reference_line
+        axis.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{label} ({value:.3g})")
+    axis.set_xticks(range(len(panel.groups)), panel.groups, fontsize=8)
+    axis.set_xlim(-0.5, len(panel.groups) - 0.5)
+    axis.set_title(panel.title)
+    axis.set_ylabel(panel.ylabel)
+    handles, _ = axis.get_legend_handles_labels()
+    if handles:
+        axis.set_ylim(top=axis.get_ylim()[1] * 1.2)  # headroom for the legend above the bars
+        axis.legend(fontsize=8, loc="upper center", ncols=len(handles))
+    else:  # e.g. GPU memory on a CPU run, or every row failed
+        axis.text(0.5, 0.5, "nothing measured", transform=axis.transAxes, ha="center", va="center")

@@ -1,0 +1,66 @@
+"""The `barqtrain` command line: commands, defaults and the errors a mistyped option gets."""
+
+import pytest
+
+from barqtrain import cli
+from barqtrain.bench import e2e
+
+
+def parse(*argv):
+    return cli.build_parser().parse_args(argv)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "bench" in out and "demo" in out
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+
+
+def test_bench_defaults_run_both_suites_against_hf_and_liger():
+    args = parse("bench")
+    assert args.suite == "all"
+    assert args.compare == ("hf", "liger")
+    assert args.models == ("llama-1b", "llama-8b")
+    assert (args.steps, args.warmup) == (e2e.DEFAULT_STEPS, e2e.DEFAULT_WARMUP)
+    assert str(args.out) == "bench_out"
+    assert not args.tiny
+
+
+def test_bench_options_parse():
+    args = parse(
+        "bench", "e2e", "--compare", "liger", "--models", "llama-8b", "--steps", "4", "--warmup", "0", "--out", "x"
+    )
+    assert (args.suite, args.compare, args.models) == ("e2e", ("liger",), ("llama-8b",))
+    assert (args.steps, args.warmup, str(args.out)) == (4, 0, "x")
+    assert parse("bench", "ops", "--compare", "none").compare == ()
+    assert parse("bench", "ops", "--compare", "hf,compile").compare == ("hf", "compile")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--compare", "hf,deepspeed"], "unknown name(s) deepspeed"),
+        (["bench", "--models", "llama-70b"], "unknown name(s) llama-70b"),
+        (["bench", "--steps", "0"], "must be at least 1"),
+        (["bench", "--warmup", "two"], "expected an integer"),
+        (["bench", "benchmarks"], "invalid choice"),
+    ],
+)
+def test_bad_options_name_the_problem(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_e2e_rejects_an_ops_only_baseline():
+    with pytest.raises(SystemExit, match="applies to 'bench ops' only"):
+        cli.main(["bench", "e2e", "--compare", "compile", "--tiny"])

@@ -1,0 +1,35 @@
+"""Tables, chart series and notes of the benchmark reports."""
+
+from barqtrain.bench.report import format_table, format_value, grouped_values, problem_notes
+
+ROWS = [
+    {"model": "a", "variant": "hf", "status": "ok", "speed": 1.0},
+    {"model": "a", "variant": "liger", "status": "unavailable", "reason": "not installed"},
+    {"model": "b", "variant": "hf", "status": "error", "error": "OutOfMemoryError: no"},
+    {"model": "b", "variant": "liger", "status": "ok", "speed": 3.0},
+]
+
+
+def test_table_columns_are_aligned():
+    table = format_table(("name", "value"), [("long-name", "1"), ("x", "22")])
+    lines = table.splitlines()
+    assert lines[0] == "name       value"
+    assert lines[1] == "---------  -----"
+    assert lines[2] == "long-name  1"
+    assert lines[3] == "x          22"
+
+
+def test_missing_values_print_as_a_dash():
+    assert format_value(None, ".2f") == "-"
+    assert format_value(1.234, ".2f") == "1.23"
+
+
+def test_grouped_values_leave_gaps_for_rows_that_did_not_run():
+    groups, series = grouped_values(ROWS, "model", "variant", "speed")
+    assert groups == ["a", "b"]
+    assert series == {"hf": [1.0, None], "liger": [None, 3.0]}
+
+
+def test_problem_notes_name_each_row_that_did_not_run_and_why():
+    notes = problem_notes(ROWS, ("model", "variant")).splitlines()
+    assert notes == ["  a / liger: unavailable: not installed", "  b / hf: error: OutOfMemoryError: no"]
