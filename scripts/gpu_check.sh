@@ -21,6 +21,8 @@ SUMMARY=()
 FAILED=0
 export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 cd "$REPO"
+# The device machine's copy of the tree has no .git: the caller may pass the commit.
+export BARQTRAIN_GIT_COMMIT=${BARQTRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
 phase() {  # phase NAME COMMAND...: run, log, record the outcome
   local name=$1; shift
@@ -36,7 +38,7 @@ phase() {  # phase NAME COMMAND...: run, log, record the outcome
 }
 
 {
-  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "date: $(date -u +%FT%TZ)  commit: $BARQTRAIN_GIT_COMMIT"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } | tee "$LOG"
