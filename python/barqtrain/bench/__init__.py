@@ -3,7 +3,7 @@
 Modules:
 command.py      the CLI command
 ops.py          per-op suite: ceilings, then each op case against the baselines
-rmsnorm.py      RMSNorm's cases, byte counts and implementations
+op_cases/       each op's shapes, byte counts and implementations
 ceilings.py     copy bandwidth and matmul rate of the GPU
 timing.py       CUDA-event medians with inputs rotated past L2
 e2e.py          end-to-end suite: one worker process per (model, variant)

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from barqtrain.bench import rmsnorm
 from barqtrain.bench.ceilings import Ceilings, measure_ceilings
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name
+from barqtrain.bench.op_cases import OP_BENCHMARKS
+from barqtrain.bench.op_cases.base import BASELINES, OURS, Implementation, OpCase, OpInputs
 from barqtrain.bench.report import (
     BarPanel,
     format_table,
@@ -22,7 +23,7 @@ from barqtrain.bench.report import (
 )
 from barqtrain.bench.timing import input_sets_to_defeat_l2, time_calls
 
-BASELINES = ("hf", "liger", "compile")  # compile: torch.compile of the HF module
+__all__ = ["BASELINES", "run_ops_benchmark"]
 
 
 def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str) -> None:
@@ -38,8 +39,9 @@ def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str
     print(_describe_ceilings(ceilings), flush=True)
     rows = []
     try:
-        for case in rmsnorm.cases(device):
-            rows.extend(_benchmark_case(case, baselines, ceilings.copy_tbps))
+        for benchmark in OP_BENCHMARKS.values():
+            for case in benchmark.cases(device):
+                rows.extend(_benchmark_case(benchmark.op, case, baselines, ceilings.copy_tbps))
     finally:
         torch.cuda.empty_cache()  # `barqtrain bench` runs the end-to-end processes next on this GPU
 
@@ -49,7 +51,7 @@ def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str
         "ms and TB/s: median GPU time of one call, queued ahead as in a model; "
         "host ms: the CPU time to queue one call (above the GPU time, the op alone is launch-bound)."
     )
-    notes = problem_notes(rows, ("case", "implementation"))
+    notes = problem_notes(rows, ("op", "case", "implementation"))
     if notes:
         print("Not measured:\n" + notes)
     payload = {
@@ -62,24 +64,26 @@ def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str
     print("Wrote " + ", ".join(str(path) for path in written if path is not None))
 
 
-def _benchmark_case(case: rmsnorm.RmsNormCase, baselines: Sequence[str], copy_tbps: float) -> list[dict[str, Any]]:
-    input_sets = [case.make_inputs() for _ in range(input_sets_to_defeat_l2(case.input_set_bytes, case.device))]
+def _benchmark_case(op: str, case: OpCase, baselines: Sequence[str], copy_tbps: float) -> list[dict[str, Any]]:
+    input_sets = [case.make_inputs()]
+    input_sets += [case.make_inputs() for _ in range(input_sets_to_defeat_l2(input_sets[0].nbytes, case.device) - 1)]
     rows = []
-    for name, implementation in case.implementations(baselines).items():
-        print(f"  {case.op} {case.label}: {name}", flush=True)
-        row: dict[str, Any] = {"op": case.op, "case": case.label, "implementation": name}
-        if isinstance(implementation, Unavailable):
-            rows.append({**row, "status": "unavailable", "reason": implementation.reason})
-            continue
+    for name in (OURS, *baselines):
+        row: dict[str, Any] = {"op": op, "case": case.label, "implementation": case.result_name(name)}
+        print(f"  {op} {case.label}: {row['implementation']}", flush=True)
         try:
-            rows.append({**row, "status": "ok", **_measure(case, implementation, input_sets, copy_tbps)})
+            implementation = case.build(name)
+            if isinstance(implementation, Unavailable):
+                rows.append({**row, "status": "unavailable", "reason": implementation.reason})
+            else:
+                rows.append({**row, "status": "ok", **_measure(case, implementation, input_sets, copy_tbps)})
         except Exception as error:  # e.g. a baseline that rejects this dtype: record it, measure the others
             rows.append({**row, "status": "error", "error": f"{type(error).__name__}: {error}"})
     return rows
 
 
 def _measure(
-    case: rmsnorm.RmsNormCase, implementation: rmsnorm.Implementation, input_sets: list[Any], copy_tbps: float
+    case: OpCase, implementation: Implementation, input_sets: list[OpInputs], copy_tbps: float
 ) -> dict[str, float]:
     forward = time_calls(lambda inputs: case.forward(implementation, inputs), input_sets)
     forward_backward = time_calls(lambda inputs: case.forward_backward(implementation, inputs), input_sets)

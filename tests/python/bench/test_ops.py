@@ -1,12 +1,14 @@
 """`barqtrain bench ops`: a clear message without a GPU, real measurements with one."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from barqtrain import cli
-from barqtrain.bench import rmsnorm
+from barqtrain.bench import op_cases
+from barqtrain.bench.op_cases.base import Rows
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
@@ -18,7 +20,8 @@ def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_smoke_on_a_small_shape(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rmsnorm, "SHAPES", ((2048, 4096, torch.bfloat16),))
+    small = dataclasses.replace(op_cases.OP_BENCHMARKS["rms_norm"], shapes=(Rows(2048, 4096, torch.bfloat16),))
+    monkeypatch.setitem(op_cases.OP_BENCHMARKS, "rms_norm", small)
     assert cli.main(["bench", "ops", "--compare", "hf,liger", "--out", str(tmp_path)]) == 0
     assert "2048x4096 bfloat16" in capsys.readouterr().out
     result = json.loads((tmp_path / "ops.json").read_text())
