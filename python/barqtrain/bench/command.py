@@ -7,6 +7,7 @@ from pathlib import Path
 
 from barqtrain.bench import e2e, ops
 from barqtrain.bench.models import BENCHMARK_MODELS
+from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
 SUITES = ("ops", "e2e", "all")
@@ -32,6 +33,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAMES",
         help="baselines, comma-separated, 'none' for none: hf, liger, compile "
         "(torch.compile of the HF module, ops only) (default: hf,liger)",
+    )
+    ops_options = parser.add_argument_group("per-op options")
+    ops_options.add_argument(
+        "--ops",
+        type=names_from(tuple(OP_BENCHMARKS)),
+        default=tuple(OP_BENCHMARKS),
+        metavar="NAMES",
+        help=f"ops, comma-separated: {', '.join(OP_BENCHMARKS)} (default: all)",
     )
     e2e_options = parser.add_argument_group("end-to-end options")
     e2e_options.add_argument(
@@ -63,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"barqtrain bench e2e: baseline {', '.join(ops_only)} applies to 'bench ops' only")
     if args.suite in ("ops", "all"):
         baselines = [name for name in args.compare if name in ops.BASELINES]
-        ops.run_ops_benchmark(baselines, args.out, args.command_line)
+        ops.run_ops_benchmark(args.ops, baselines, args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)

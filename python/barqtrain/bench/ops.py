@@ -25,8 +25,10 @@ from barqtrain.bench.timing import input_sets_to_defeat_l2, time_calls
 
 __all__ = ["BASELINES", "run_ops_benchmark"]
 
+SPEC_TARGET_FRACTION_OF_COPY = 0.85  # SPEC 4's target for every fused elementwise op
 
-def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str) -> None:
+
+def run_ops_benchmark(op_names: Sequence[str], baselines: Sequence[str], out_dir: Path, command_line: str) -> None:
     if not torch.cuda.is_available():
         print(
             "barqtrain bench ops needs a CUDA GPU: it times GPU kernels against that GPU's own copy and "
@@ -39,9 +41,9 @@ def run_ops_benchmark(baselines: Sequence[str], out_dir: Path, command_line: str
     print(_describe_ceilings(ceilings), flush=True)
     rows = []
     try:
-        for benchmark in OP_BENCHMARKS.values():
-            for case in benchmark.cases(device):
-                rows.extend(_benchmark_case(benchmark.op, case, baselines, ceilings.copy_tbps))
+        for op in op_names:
+            for case in OP_BENCHMARKS[op].cases(device):
+                rows.extend(_benchmark_case(op, case, baselines, ceilings.copy_tbps))
     finally:
         torch.cuda.empty_cache()  # `barqtrain bench` runs the end-to-end processes next on this GPU
 
@@ -69,7 +71,13 @@ def _benchmark_case(op: str, case: OpCase, baselines: Sequence[str], copy_tbps: 
     input_sets += [case.make_inputs() for _ in range(input_sets_to_defeat_l2(input_sets[0].nbytes, case.device) - 1)]
     rows = []
     for name in (OURS, *baselines):
-        row: dict[str, Any] = {"op": op, "case": case.label, "implementation": case.result_name(name)}
+        # compared_as: the name --compare knows it by; implementation: what it is, e.g. "torch" for the eager LayerNorm.
+        row: dict[str, Any] = {
+            "op": op,
+            "case": case.label,
+            "implementation": case.result_name(name),
+            "compared_as": name,
+        }
         print(f"  {op} {case.label}: {row['implementation']}", flush=True)
         try:
             implementation = case.build(name)
@@ -79,6 +87,9 @@ def _benchmark_case(op: str, case: OpCase, baselines: Sequence[str], copy_tbps: 
                 rows.append({**row, "status": "ok", **_measure(case, implementation, input_sets, copy_tbps)})
         except Exception as error:  # e.g. a baseline that rejects this dtype: record it, measure the others
             rows.append({**row, "status": "error", "error": f"{type(error).__name__}: {error}"})
+    # The compiled baseline's graphs are of this case's shapes: drop them, so that the next
+    # case's compile starts clean rather than piling guards onto the same function.
+    torch._dynamo.reset()
     return rows
 
 
@@ -142,11 +153,27 @@ def _percent(fraction: float | None) -> float | None:
 
 
 def _save_chart(path: Path, rows: Sequence[dict[str, Any]], ceilings: Ceilings) -> Path | None:
-    copy_line = ("copy ceiling", ceilings.copy_tbps)
+    """% of the copy ceiling, the unit of SPEC 4's targets: a row of bars per implementation, op and case."""
+    # One series per --compare name, so that the eager baseline keeps its colour where it is torch's own op.
+    implementations: dict[str, dict[str, None]] = {}
+    for row in rows:
+        implementations.setdefault(row["compared_as"], {})[row["implementation"]] = None
+    labelled = [
+        {**row, "op and case": f"{row['op']}  {row['case']}", "series": " / ".join(implementations[row["compared_as"]])}
+        for row in rows
+    ]
+    reference_lines = (
+        (f"copy ceiling ({ceilings.copy_tbps:.2f} TB/s)", 100.0),
+        (f"SPEC target ({SPEC_TARGET_FRACTION_OF_COPY:.0%})", 100 * SPEC_TARGET_FRACTION_OF_COPY),
+    )
     panels = []
-    for title, value_key in (("forward", "forward_tbps"), ("forward + backward", "forward_backward_tbps")):
-        groups, series = grouped_values(rows, "case", "implementation", value_key)
+    for title, key in (
+        ("forward", "forward_fraction_of_copy"),
+        ("forward + backward", "forward_backward_fraction_of_copy"),
+    ):
+        groups, fractions = grouped_values(labelled, "op and case", "series", key)
+        percents = {name: [_percent(value) for value in values] for name, values in fractions.items()}
         panels.append(
-            BarPanel(f"RMSNorm {title}", "TB/s", groups, series, reference_line=copy_line, value_format=".2f")
+            BarPanel(title, "% of copy ceiling", groups, percents, reference_lines, value_format=".0f", horizontal=True)
         )
     return save_bar_chart(path, f"Per-op bandwidth on {device_name()}", panels)

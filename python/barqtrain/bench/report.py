@@ -39,14 +39,15 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
 
 @dataclass
 class BarPanel:
-    """One subplot of grouped bars: for each group on the x axis, one bar per series."""
+    """One subplot of grouped bars: for each group, one bar per series."""
 
     title: str
-    ylabel: str
+    value_label: str  # the axis the bars grow along
     groups: list[str]
     series: dict[str, list[float | None]]  # None: no bar (the row failed or was unavailable)
-    reference_line: tuple[str, float] | None = None  # e.g. ("copy ceiling", 2.99)
+    reference_lines: tuple[tuple[str, float], ...] = ()  # e.g. (("copy ceiling", 2.99),)
     value_format: str = ".3g"
+    horizontal: bool = False  # groups down the side: for many groups or long group names
 
 
 def grouped_values(
@@ -72,36 +73,65 @@ def save_bar_chart(path: Path, title: str, panels: Sequence[BarPanel]) -> Path |
         print("matplotlib is not installed, so no chart was drawn (pip install 'barqtrain[bench]').")
         return None
 
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    horizontal = all(panel.horizontal for panel in panels)
+    # Horizontal panels share their groups down the left edge: the names are written once.
+    share_groups = horizontal and all(panel.groups == panels[0].groups for panel in panels)
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=_figure_size(panels, horizontal), squeeze=False, sharey=share_groups
+    )
     for axis, panel in zip(axes[0], panels, strict=True):
         _draw_panel(axis, panel)
+    if horizontal:  # one legend below all the panels: tall panels have no free corner
+        legend = {}
+        for axis in axes[0]:
+            handles, labels = axis.get_legend_handles_labels()
+            legend.update(zip(labels, handles, strict=True))
+        if legend:
+            figure.legend(
+                legend.values(), legend.keys(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=4, fontsize=8
+            )
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # "tight": a legend below the axes stays in
     plt.close(figure)
     return path
 
 
+def _figure_size(panels: Sequence[BarPanel], horizontal: bool) -> tuple[float, float]:
+    if not horizontal:
+        return 6.5 * len(panels), 4.8
+    bars = max(len(panel.groups) * max(1, len(panel.series)) for panel in panels)
+    return 5.5 * len(panels) + 2.5, 1.6 + 0.17 * bars  # 2.5 in for the group names
+
+
 def _draw_panel(axis: Any, panel: BarPanel) -> None:
+    draw_bars = axis.barh if panel.horizontal else axis.bar
     bar_width = 0.8 / max(1, len(panel.series))
     for index, (name, values) in enumerate(panel.series.items()):
         offset = (index - (len(panel.series) - 1) / 2) * bar_width
         drawn = [(group + offset, value) for group, value in enumerate(values) if value is not None]
         if drawn:
-            xs, heights = zip(*drawn, strict=True)
-            bars = axis.bar(xs, heights, bar_width, label=name)
-            axis.bar_label(bars, fmt=f"{{:{panel.value_format}}}", fontsize=7)
-    if panel.reference_line is not None:
-        label, value = panel.reference_line
-        axis.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{label} ({value:.3g})")
-    axis.set_xticks(range(len(panel.groups)), panel.groups, fontsize=8)
-    axis.set_xlim(-0.5, len(panel.groups) - 0.5)
+            positions, lengths = zip(*drawn, strict=True)
+            bars = draw_bars(positions, lengths, bar_width, label=name)
+            axis.bar_label(bars, fmt=f"{{:{panel.value_format}}}", fontsize=7, padding=1)
+    draw_line = axis.axvline if panel.horizontal else axis.axhline
+    for (label, value), style in zip(panel.reference_lines, ("--", ":", "-."), strict=False):
+        draw_line(value, color="black", linestyle=style, linewidth=1, label=label)
     axis.set_title(panel.title)
-    axis.set_ylabel(panel.ylabel)
+    if panel.horizontal:
+        axis.set_yticks(range(len(panel.groups)), panel.groups, fontsize=8)
+        axis.set_ylim(len(panel.groups) - 0.5, -0.5)  # the first group on top
+        axis.set_xlabel(panel.value_label)
+    else:
+        axis.set_xticks(range(len(panel.groups)), panel.groups, fontsize=8)
+        axis.set_xlim(-0.5, len(panel.groups) - 0.5)
+        axis.set_ylabel(panel.value_label)
     handles, _ = axis.get_legend_handles_labels()
-    if handles:
+    if not handles:  # e.g. GPU memory on a CPU run, or every row failed
+        axis.text(0.5, 0.5, "nothing measured", transform=axis.transAxes, ha="center", va="center")
+    elif panel.horizontal:
+        axis.set_xlim(right=axis.get_xlim()[1] * 1.12)  # room for the value labels
+    else:
         axis.set_ylim(top=axis.get_ylim()[1] * 1.2)  # headroom for the legend above the bars
         axis.legend(fontsize=8, loc="upper center", ncols=len(handles))
-    else:  # e.g. GPU memory on a CPU run, or every row failed
-        axis.text(0.5, 0.5, "nothing measured", transform=axis.transAxes, ha="center", va="center")

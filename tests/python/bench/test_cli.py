@@ -4,6 +4,7 @@ import pytest
 
 from barqtrain import cli
 from barqtrain.bench import e2e
+from barqtrain.bench.op_cases import OP_BENCHMARKS
 
 
 def parse(*argv):
@@ -31,6 +32,7 @@ def test_bench_defaults_run_both_suites_against_hf_and_liger():
     assert args.models == ("llama-1b", "llama-8b")
     assert (args.steps, args.warmup) == (e2e.DEFAULT_STEPS, e2e.DEFAULT_WARMUP)
     assert str(args.out) == "bench_out"
+    assert args.ops == tuple(OP_BENCHMARKS)
     assert not args.tiny
 
 
@@ -42,6 +44,7 @@ def test_bench_options_parse():
     assert (args.steps, args.warmup, str(args.out)) == (4, 0, "x")
     assert parse("bench", "ops", "--compare", "none").compare == ()
     assert parse("bench", "ops", "--compare", "hf,compile").compare == ("hf", "compile")
+    assert parse("bench", "ops", "--ops", "rope, swiglu").ops == ("rope", "swiglu")
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,7 @@ def test_bench_options_parse():
     [
         (["bench", "--compare", "hf,deepspeed"], "unknown name(s) deepspeed"),
         (["bench", "--models", "llama-70b"], "unknown name(s) llama-70b"),
+        (["bench", "ops", "--ops", "rms_norm,softmax"], "unknown name(s) softmax"),
         (["bench", "--steps", "0"], "must be at least 1"),
         (["bench", "--warmup", "two"], "expected an integer"),
         (["bench", "benchmarks"], "invalid choice"),

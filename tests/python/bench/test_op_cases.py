@@ -89,7 +89,8 @@ def test_on_a_gpu_every_implementation_matches_the_eager_baseline(benchmark, nam
         return
     assert not isinstance(implementation, Unavailable), implementation.reason
     inputs = case.make_inputs()
-    # bf16 storage: a rounding or two apart from eager, which rounds after every step.
-    torch.testing.assert_close(
-        run(case, implementation, inputs), run(case, case.build(EAGER), inputs), rtol=2e-2, atol=2e-2
-    )
+    # bf16 storage: a rounding or two apart from eager, which rounds after every step; the
+    # weight gradients are sums over rows, hence the absolute margin. (float64 checks of the
+    # kernels themselves live in tests/python/ops; this checks what the benchmark calls.)
+    expected = run(case, case.build(EAGER), inputs)
+    torch.testing.assert_close(run(case, implementation, inputs), expected, rtol=2e-2, atol=5e-2)

@@ -1,5 +1,7 @@
 """Tables, chart series and notes of the benchmark reports."""
 
+from barqtrain.bench import ops
+from barqtrain.bench.ceilings import Ceilings
 from barqtrain.bench.report import format_table, format_value, grouped_values, problem_notes
 
 ROWS = [
@@ -33,3 +35,17 @@ def test_grouped_values_leave_gaps_for_rows_that_did_not_run():
 def test_problem_notes_name_each_row_that_did_not_run_and_why():
     notes = problem_notes(ROWS, ("model", "variant")).splitlines()
     assert notes == ["  a / liger: unavailable: not installed", "  b / hf: error: OutOfMemoryError: no"]
+
+
+def test_the_ops_chart_draws_every_op_and_implementation(tmp_path):
+    def row(op, name, status="ok"):
+        fractions = {"forward_fraction_of_copy": 0.5, "forward_backward_fraction_of_copy": 0.4}
+        return {"op": op, "case": "8x8 bfloat16", "implementation": name, "compared_as": name, "status": status} | (
+            fractions if status == "ok" else {"error": "no"}
+        )
+
+    rows = [row(op, name) for op in ("rms_norm", "rope") for name in ("barqtrain", "hf", "liger")]
+    rows.append(row("rope", "compile", status="error"))
+    ceilings = Ceilings(copy_bytes_moved=2, copy_ms=1.0, copy_tbps=3.0, matmul_size=8, matmul_ms=1.0, matmul_tflops=1.0)
+    path = ops._save_chart(tmp_path / "ops.png", rows, ceilings)
+    assert path is not None and path.stat().st_size > 0
