@@ -159,6 +159,26 @@ def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert_close(actual[name], expected[name], f"gradient of {name}", dtype)
 
 
+def assert_grads_no_worse_than_hf(
+    patched: dict[str, torch.Tensor], unpatched: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]
+) -> None:
+    """bf16 gradients of a tiny LoRA model carry errors of the order of the gradients themselves
+    (Hugging Face's own are ~1 relative to float64 for some LoRA matrices), so patched and
+    unpatched cannot be compared with each other: each is compared with the float64 model, and
+    the patched error, over all gradients together, must be no worse than Hugging Face's.
+    The slack is wide because a tiny model's error is dominated by a few cancellations: per
+    op, the patched error was seen both 30% above and 30% below Hugging Face's on different
+    batches; the per-op tests hold the tight bound on large tensors."""
+    assert patched.keys() == unpatched.keys() == exact.keys()
+
+    def error(grads: dict[str, torch.Tensor]) -> float:
+        squared = sum((grads[name].double() - exact[name]).square().sum() for name in exact)
+        return (squared / sum(exact[name].square().sum() for name in exact)).sqrt().item()
+
+    patched_error, hf_error = error(patched), error(unpatched)
+    assert patched_error <= 1.5 * hf_error, f"gradient error {patched_error:.3g} vs Hugging Face's {hf_error:.3g}"
+
+
 def assert_patching_keeps_outputs(
     model: nn.Module, patch: Callable[[nn.Module], object], dtype: torch.dtype, device: str = "cpu"
 ) -> None:
