@@ -13,13 +13,13 @@ CPU = torch.device("cpu")
 BENCHMARKS = list(OP_BENCHMARKS.values())
 
 
-def ids(benchmark):
-    return benchmark.op
+def ids(op_benchmark):
+    return op_benchmark.op
 
 
-def smoke_case(benchmark, device=CPU, dtype=None):
-    shape = benchmark.smoke_shape if dtype is None else dataclasses.replace(benchmark.smoke_shape, dtype=dtype)
-    return benchmark.make_case(shape, device)
+def smoke_case(op_benchmark, device=CPU, dtype=None):
+    shape = op_benchmark.smoke_shape if dtype is None else dataclasses.replace(op_benchmark.smoke_shape, dtype=dtype)
+    return op_benchmark.make_case(shape, device)
 
 
 def run(case, implementation, inputs):
@@ -33,18 +33,18 @@ def run(case, implementation, inputs):
     return outputs, case.forward_backward(implementation, own_inputs)
 
 
-@pytest.mark.parametrize("benchmark", BENCHMARKS, ids=ids)
-def test_every_measured_case_has_a_label_and_positive_byte_counts(benchmark):
-    cases = list(benchmark.cases(CPU))  # builds the weights and tables only, not the inputs
+@pytest.mark.parametrize("op_benchmark", BENCHMARKS, ids=ids)
+def test_every_measured_case_has_a_label_and_positive_byte_counts(op_benchmark):
+    cases = list(op_benchmark.cases(CPU))  # builds the weights and tables only, not the inputs
     assert cases and len({case.label for case in cases}) == len(cases)
     for case in cases:
         assert case.forward_bytes > 0 and case.backward_bytes > 0
         assert set(case.builders) == {OURS, EAGER, LIGER}
 
 
-@pytest.mark.parametrize("benchmark", BENCHMARKS, ids=ids)
-def test_byte_counts_cover_every_tensor_the_op_reads_and_writes(benchmark):
-    case = smoke_case(benchmark)
+@pytest.mark.parametrize("op_benchmark", BENCHMARKS, ids=ids)
+def test_byte_counts_cover_every_tensor_the_op_reads_and_writes(op_benchmark):
+    case = smoke_case(op_benchmark)
     inputs = case.make_inputs()
     outputs, gradients = run(case, case.build(EAGER), inputs)
     input_grads = gradients[: len(inputs.tensors)]
@@ -57,9 +57,9 @@ def test_byte_counts_cover_every_tensor_the_op_reads_and_writes(benchmark):
     assert case.backward_bytes >= minimum
 
 
-@pytest.mark.parametrize("benchmark", BENCHMARKS, ids=ids)
-def test_every_implementation_runs_on_the_cpu_or_says_why_not(benchmark):
-    case = smoke_case(benchmark)
+@pytest.mark.parametrize("op_benchmark", BENCHMARKS, ids=ids)
+def test_every_implementation_runs_on_the_cpu_or_says_why_not(op_benchmark):
+    case = smoke_case(op_benchmark)
     inputs = case.make_inputs()
     expected_shapes = [t.shape for t in inputs.tensors + case.parameters]
     for name in (OURS, EAGER, COMPILED):
@@ -69,10 +69,10 @@ def test_every_implementation_runs_on_the_cpu_or_says_why_not(benchmark):
     assert isinstance(liger, Unavailable) and "GPU" in liger.reason
 
 
-@pytest.mark.parametrize("benchmark", BENCHMARKS, ids=ids)
-def test_barqtrain_matches_the_eager_baseline_in_float32(benchmark):
+@pytest.mark.parametrize("op_benchmark", BENCHMARKS, ids=ids)
+def test_barqtrain_matches_the_eager_baseline_in_float32(op_benchmark):
     # float32: tight enough that a wrong eps, activation or argument order shows.
-    case = smoke_case(benchmark, dtype=torch.float32)
+    case = smoke_case(op_benchmark, dtype=torch.float32)
     inputs = case.make_inputs()
     expected = run(case, case.build(EAGER), inputs)
     torch.testing.assert_close(run(case, case.build(OURS), inputs), expected, rtol=1e-5, atol=1e-5)
@@ -80,9 +80,9 @@ def test_barqtrain_matches_the_eager_baseline_in_float32(benchmark):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [OURS, LIGER, COMPILED])
-@pytest.mark.parametrize("benchmark", BENCHMARKS, ids=ids)
-def test_on_a_gpu_every_implementation_matches_the_eager_baseline(benchmark, name):
-    case = smoke_case(benchmark, device=torch.device("cuda"))
+@pytest.mark.parametrize("op_benchmark", BENCHMARKS, ids=ids)
+def test_on_a_gpu_every_implementation_matches_the_eager_baseline(op_benchmark, name):
+    case = smoke_case(op_benchmark, device=torch.device("cuda"))
     implementation = case.build(name)
     if name == LIGER and isinstance(implementation, Unavailable):
         assert "not importable" in implementation.reason  # Liger is optional; anything else is a bug
