@@ -111,6 +111,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// Two sums over the block for the price of one barrier; `scratch` is 64 floats, rotated
+// as for block_sum.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int num_warps = (blockDim.x + 31) >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (lane == 0) {
+    scratch[warp] = a;
+    scratch[32 + warp] = b;
+  }
+  __syncthreads();
+  a = lane < num_warps ? scratch[lane] : 0.0f;
+  b = lane < num_warps ? scratch[32 + lane] : 0.0f;
+  return make_float2(warp_sum(a), warp_sum(b));
+}
+
 // ------------------------------------------------------------------ dispatch
 template <typename F>
 void dispatch_dtype(DType dtype, F&& f) {

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormFor
 template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad>
 __global__ void __launch_bounds__(kMaxThreads)
 norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
-  __shared__ float scratch[4][32];  // two reductions a row, two rows in rotation
+  __shared__ float scratch[2][64];  // one paired reduction a row, two rows in rotation
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* weight = static_cast<const T*>(p.weight);
@@ -159,8 +159,14 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
         sum_g += rg[i][e];
       }
     }
-    const float mean_dot = block_sum(dot, scratch[2 * parity]) * inv_hidden;
-    const float mean_g = kLayerNorm ? block_sum(sum_g, scratch[2 * parity + 1]) * inv_hidden : 0.0f;
+    float mean_dot, mean_g = 0.0f;
+    if constexpr (kLayerNorm) {
+      const float2 sums = block_sum2(dot, sum_g, scratch[parity]);
+      mean_dot = sums.x * inv_hidden;
+      mean_g = sums.y * inv_hidden;
+    } else {
+      mean_dot = block_sum(dot, scratch[parity]) * inv_hidden;
+    }
 
     T* dx = static_cast<T*>(p.dx) + row * p.dx_row_stride;
 #pragma unroll
