@@ -6,7 +6,9 @@ CUDA_ARCHS ?= 80;90a
 CPP_BUILD := build/cpp
 JOBS ?= $(shell nproc)
 
-.PHONY: run test test-cpp test-python install venv gpu-check clean
+NO_CUDA_BUILD := build/no-cuda
+
+.PHONY: run test test-cpp test-python test-no-cuda install venv gpu-check clean
 
 run: install
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
@@ -16,7 +18,7 @@ run: install
 	  $(VENV)/bin/barqtrain demo; \
 	fi
 
-test: test-cpp test-python
+test: test-cpp test-python test-no-cuda
 
 venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: requirements-dev.txt
@@ -39,6 +41,17 @@ test-cpp:
 
 test-python: install
 	$(PY) -m pytest -q tests/python
+
+# The package built without CUDA kernels must work through the reference ops.
+test-no-cuda: venv
+	rm -rf $(NO_CUDA_BUILD)
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w $(NO_CUDA_BUILD) \
+	  -Cbuild-dir=$(NO_CUDA_BUILD)/cmake -Ccmake.define.BARQTRAIN_ENABLE_CUDA=OFF .
+	$(PY) -m pip install -q --no-deps --target $(NO_CUDA_BUILD)/site $(NO_CUDA_BUILD)/*.whl
+	cd $(NO_CUDA_BUILD) && PYTHONPATH=site $(abspath $(PY)) -c \
+	  "import barqtrain._native as n; assert not n.has_cuda_kernels(), 'expected a build without CUDA kernels'"
+	cd $(NO_CUDA_BUILD) && PYTHONPATH=site $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
+	  $(CURDIR)/tests/python/ops
 
 gpu-check:
 	bash scripts/gpu_check.sh $(or $(OUT),gpu_check_out)
