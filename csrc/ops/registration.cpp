@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/cross_entropy.h"
 #include "kernels/glu.h"
 #include "kernels/norm.h"
 #include "kernels/rope.h"
@@ -49,6 +50,14 @@ TORCH_LIBRARY(barqtrain, m) {
   m.def(
       "rope_forward(Tensor q, Tensor k, Tensor cos, Tensor sin, int heads_dim, bool inverse)"
       " -> (Tensor q_out, Tensor k_out)");
+  // loss (fp32) = CE(h @ weight.T + bias, labels) without the [tokens x vocab] logits: they are
+  // made a chunk of tokens at a time. The gradients (for a loss gradient of 1, times
+  // row_scale per token when given) come out of the same pass; empty where not requested.
+  m.def(
+      "fused_linear_cross_entropy(Tensor h, Tensor weight, Tensor? bias, Tensor labels, int ignore_index,"
+      " float label_smoothing, float z_loss, float softcap, str reduction, Tensor? row_scale,"
+      " bool compute_dh, bool compute_dweight, bool compute_dbias)"
+      " -> (Tensor loss, Tensor dh, Tensor dweight, Tensor dbias)");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -379,6 +388,107 @@ std::tuple<at::Tensor, at::Tensor> rope_forward_cuda(const at::Tensor& q_in, con
   return {q_out, k_out};
 }
 
+// Rows of tokens whose fp32 logits and 16-bit gradient fit the chunk budget together.
+int64_t cross_entropy_chunk_rows(int64_t tokens, int64_t vocab, int64_t dlogits_bytes) {
+  constexpr int64_t kChunkBudgetBytes = int64_t{384} << 20;
+  const int64_t rows = kChunkBudgetBytes / (vocab * (4 + dlogits_bytes));
+  return std::max<int64_t>(1, std::min(rows, tokens));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_entropy_cuda(
+    const at::Tensor& h_in, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& labels_in, int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
+    c10::string_view reduction, const std::optional<at::Tensor>& row_scale_in, bool compute_dh,
+    bool compute_dweight, bool compute_dbias) {
+  TORCH_CHECK(h_in.is_cuda() && h_in.dim() >= 1, "barqtrain: h must be a CUDA tensor [..., hidden]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == h_in.size(-1), "barqtrain: weight must be [vocab, ",
+              h_in.size(-1), "], got ", weight.sizes());
+  check_same(weight, "weight", h_in, "h");
+  if (bias) {
+    check_same(*bias, "bias", h_in, "h");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), "barqtrain: bias must be [", weight.size(0), "]");
+  }
+  TORCH_CHECK(labels_in.scalar_type() == at::kLong && labels_in.device() == h_in.device(),
+              "barqtrain: labels must be int64 on ", h_in.device());
+  TORCH_CHECK(labels_in.numel() * h_in.size(-1) == h_in.numel(), "barqtrain: labels has ", labels_in.numel(),
+              " entries but h has ", h_in.numel() / h_in.size(-1), " rows");
+  TORCH_CHECK(reduction == "mean" || reduction == "sum" || reduction == "none",
+              "barqtrain: reduction must be 'mean', 'sum' or 'none', got '", std::string(reduction), "'");
+  TORCH_CHECK(!compute_dbias || bias, "barqtrain: compute_dbias needs a bias");
+  const c10::cuda::CUDAGuard guard(h_in.device());
+  const int64_t hidden = h_in.size(-1), vocab = weight.size(0);
+  const at::Tensor h = h_in.reshape({-1, hidden}).contiguous();
+  const at::Tensor labels = labels_in.reshape({-1}).contiguous();
+  const int64_t tokens = h.size(0);
+  const auto f32 = h.options().dtype(at::kFloat);
+
+  // A mean divides by the tokens that count; computed on the device, so no host sync.
+  const at::Tensor counted = labels.ne(ignore_index).sum().to(at::kFloat);
+  const at::Tensor scale = reduction == "mean" ? counted.clamp_min(1.0).reciprocal() : at::ones({}, f32);
+  at::Tensor row_scale;
+  if (row_scale_in) {
+    TORCH_CHECK(row_scale_in->numel() == tokens, "barqtrain: row_scale must have one entry per token");
+    row_scale = row_scale_in->reshape({-1}).to(at::kFloat).contiguous();
+  }
+
+  const bool grads = compute_dh || compute_dweight || compute_dbias;
+  const int64_t chunk = cross_entropy_chunk_rows(std::max<int64_t>(tokens, 1), vocab, h.element_size());
+  at::Tensor logits = at::empty({chunk, vocab}, f32);
+  at::Tensor dlogits = grads ? at::empty({chunk, vocab}, h.options()) : at::Tensor();
+  at::Tensor loss_rows = at::empty({tokens}, f32);
+  at::Tensor dh = compute_dh ? at::empty({tokens, hidden}, h.options()) : at::Tensor();
+  at::Tensor dweight32 = compute_dweight ? at::zeros({vocab, hidden}, f32) : at::Tensor();
+  at::Tensor dbias32 = compute_dbias ? at::zeros({vocab}, f32) : at::Tensor();
+  const at::Tensor weight_c = weight.contiguous();
+  const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(h.device().index()).stream();
+
+  for (int64_t start = 0; start < tokens; start += chunk) {
+    const int64_t rows = std::min(chunk, tokens - start);
+    const at::Tensor h_chunk = h.narrow(0, start, rows);
+    at::Tensor logits_chunk = logits.narrow(0, 0, rows);
+    at::mm_out(logits_chunk, h_chunk, weight_c.t(), at::kFloat);
+
+    k::CrossEntropyRowsParams p;
+    p.logits = logits_chunk.data_ptr<float>();
+    p.bias = bias ? bias_c.data_ptr() : nullptr;
+    p.targets = labels.data_ptr<int64_t>() + start;
+    p.loss = loss_rows.data_ptr<float>() + start;
+    p.dlogits = grads ? dlogits.data_ptr() : nullptr;
+    p.scale = scale.data_ptr<float>();
+    p.row_scale = row_scale.defined() ? row_scale.data_ptr<float>() + start : nullptr;
+    p.rows = rows;
+    p.vocab = vocab;
+    p.logits_row_stride = p.dlogits_row_stride = vocab;
+    p.ignore_index = ignore_index;
+    p.label_smoothing = static_cast<float>(label_smoothing);
+    p.z_loss = static_cast<float>(z_loss);
+    p.softcap = static_cast<float>(softcap);
+    p.dtype = kernel_dtype(h, "h");
+    k::cross_entropy_rows(p, stream);
+
+    if (!grads) continue;
+    const at::Tensor dlogits_chunk = dlogits.narrow(0, 0, rows);
+    if (compute_dh) {
+      at::Tensor dh_chunk = dh.narrow(0, start, rows);
+      at::mm_out(dh_chunk, dlogits_chunk, weight_c);
+    }
+    // fp32 accumulation over the chunks, cast once at the end.
+    if (compute_dweight) at::addmm_out(dweight32, dweight32, dlogits_chunk.t(), h_chunk, at::kFloat);
+    if (compute_dbias) dbias32.add_(dlogits_chunk.sum(0, /*keepdim=*/false, at::kFloat));
+  }
+
+  at::Tensor loss;
+  if (reduction == "none") {
+    loss = loss_rows.reshape(labels_in.sizes());
+  } else {
+    loss = reduction == "mean" ? loss_rows.sum() * scale : loss_rows.sum();
+  }
+  return {loss, compute_dh ? dh.reshape(h_in.sizes()) : at::empty({0}, h.options()),
+          compute_dweight ? dweight32.to(weight.scalar_type()) : at::empty({0}, weight.options()),
+          compute_dbias ? dbias32.to(bias->scalar_type()) : at::empty({0}, weight.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
@@ -390,6 +500,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("glu_forward", &glu_forward_cuda);
   m.impl("glu_backward", &glu_backward_cuda);
   m.impl("rope_forward", &rope_forward_cuda);
+  m.impl("fused_linear_cross_entropy", &fused_linear_cross_entropy_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

@@ -57,3 +57,16 @@ def glu_backward(dh, gate, up, activation):
 @torch.library.register_fake("barqtrain::rope_forward")
 def rope_forward(q, k, cos, sin, heads_dim, inverse):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("barqtrain::fused_linear_cross_entropy")
+def fused_linear_cross_entropy(
+    h, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, reduction, row_scale,
+    compute_dh, compute_dweight, compute_dbias,
+):
+    loss_dtype = torch.promote_types(h.dtype, torch.float32)
+    loss = h.new_empty(labels.shape if reduction == "none" else (), dtype=loss_dtype)
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format) if compute_dh else h.new_empty(0)
+    dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if compute_dweight else weight.new_empty(0)
+    dbias = torch.empty_like(bias) if compute_dbias else weight.new_empty(0)
+    return loss, dh, dweight, dbias
