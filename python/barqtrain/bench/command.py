@@ -1,17 +1,17 @@
-"""The `barqtrain bench [ops|e2e]` command."""
+"""The `barqtrain bench [ops|xent|e2e]` command."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from barqtrain.bench import e2e, ops
+from barqtrain.bench import e2e, ops, xent
 from barqtrain.bench.models import BENCHMARK_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "e2e", "all")
-ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + e2e.BASELINES))
+SUITES = ("ops", "xent", "e2e", "all")
+ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + e2e.BASELINES))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,8 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="per-op and end-to-end benchmarks against HF and Liger: table, JSON and PNG",
         description=(
             "Benchmark BarqTrain against the baselines on this GPU. 'ops' times each fused op "
-            "against the GPU's copy and matmul ceilings; 'e2e' fine-tunes real model shapes with "
-            "LoRA, one process per variant. Without a suite, both run."
+            "against the GPU's copy and matmul ceilings; 'xent' times the fused linear + "
+            "cross-entropy and its memory; 'e2e' fine-tunes real model shapes with LoRA, one "
+            "process per variant. Without a suite, all run."
         ),
     )
     parser.add_argument("suite", nargs="?", choices=SUITES, default="all", help="which benchmark (default: all)")
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.suite in ("ops", "all"):
         baselines = [name for name in args.compare if name in ops.BASELINES]
         ops.run_ops_benchmark(args.ops, baselines, args.out, args.command_line)
+    if args.suite in ("xent", "all"):
+        xent.run_xent_benchmark([name for name in args.compare if name in xent.BASELINES], args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)
