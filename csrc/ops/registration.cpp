@@ -433,8 +433,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
 
   const bool grads = compute_dh || compute_dweight || compute_dbias;
   const int64_t chunk = cross_entropy_chunk_rows(std::max<int64_t>(tokens, 1), vocab, h.element_size());
+  // dW's fp32 accumulator is read and written whole by every GEMM that adds to it: it is
+  // fed kDweightChunks chunks of the logits' gradient at a time, a quarter of the traffic.
+  constexpr int64_t kDweightChunks = 4;
+  const int64_t group = compute_dweight ? std::min(kDweightChunks * chunk, tokens) : chunk;
   at::Tensor logits = at::empty({chunk, vocab}, f32);
-  at::Tensor dlogits = grads ? at::empty({chunk, vocab}, h.options()) : at::Tensor();
+  at::Tensor dlogits = grads ? at::empty({group, vocab}, h.options()) : at::Tensor();
   at::Tensor loss_rows = at::empty({tokens}, f32);
   at::Tensor dh = compute_dh ? at::empty({tokens, hidden}, h.options()) : at::Tensor();
   at::Tensor dweight32 = compute_dweight ? at::zeros({vocab, hidden}, f32) : at::Tensor();
@@ -454,7 +458,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
     p.bias = bias ? bias_c.data_ptr() : nullptr;
     p.targets = labels.data_ptr<int64_t>() + start;
     p.loss = loss_rows.data_ptr<float>() + start;
-    p.dlogits = grads ? dlogits.data_ptr() : nullptr;
+    const int64_t group_row = start % group;  // where this chunk's gradient rows go
+    p.dlogits = grads ? dlogits[group_row].data_ptr() : nullptr;
     p.scale = scale.data_ptr<float>();
     p.row_scale = row_scale.defined() ? row_scale.data_ptr<float>() + start : nullptr;
     p.rows = rows;
@@ -468,14 +473,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
     k::cross_entropy_rows(p, stream);
 
     if (!grads) continue;
-    const at::Tensor dlogits_chunk = dlogits.narrow(0, 0, rows);
+    const at::Tensor dlogits_chunk = dlogits.narrow(0, group_row, rows);
     if (compute_dh) {
       at::Tensor dh_chunk = dh.narrow(0, start, rows);
       at::mm_out(dh_chunk, dlogits_chunk, weight_c);
     }
-    // fp32 accumulation over the chunks, cast once at the end.
-    if (compute_dweight) at::addmm_out(dweight32, dweight32, dlogits_chunk.t(), h_chunk, at::kFloat);
     if (compute_dbias) dbias32.add_(dlogits_chunk.sum(0, /*keepdim=*/false, at::kFloat));
+    // fp32 accumulation over the groups of chunks, cast once at the end.
+    const bool group_full = group_row + rows == group || start + rows == tokens;
+    if (compute_dweight && group_full) {
+      const int64_t group_start = start - group_row;
+      at::addmm_out(dweight32, dweight32, dlogits.narrow(0, 0, group_row + rows).t(),
+                    h.narrow(0, group_start, group_row + rows), at::kFloat);
+    }
   }
 
   at::Tensor loss;

@@ -150,6 +150,19 @@ def test_cuda_no_worse_than_torch(dtype, shape, options, reduction):
 
 
 @pytest.mark.gpu
+def test_cuda_many_chunks_and_dweight_groups():
+    # 10000 tokens at vocab 32000: five chunks of logits, dW accumulated over two groups.
+    h, weight, bias, labels = random_problem(10000, 64, 32000, torch.bfloat16, "cuda", with_bias=True)
+    loss = linear_cross_entropy(h, weight, labels, bias, label_smoothing=0.1)
+    grads = torch.autograd.grad(loss, (h, weight, bias))
+    torch_grads = torch.autograd.grad(unfused_loss(h, weight, labels, bias, 0.1, 0.0, 0.0, "mean"), (h, weight, bias))
+    exact = [t.detach().double().requires_grad_() for t in (h, weight, bias)]
+    exact_grads = torch.autograd.grad(unfused_loss(*exact[:2], labels, exact[2], 0.1, 0.0, 0.0, "mean"), exact)
+    for name, ours, theirs, ref in zip(("dh", "dweight", "dbias"), grads, torch_grads, exact_grads):
+        assert_no_worse_than_torch(name, ours, theirs, ref)
+
+
+@pytest.mark.gpu
 def test_cuda_never_holds_the_logits():
     tokens, hidden, vocab = 8192, 1024, 128256
     h, weight, _, labels = random_problem(tokens, hidden, vocab, torch.bfloat16, "cuda")
