@@ -64,12 +64,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(const Cros
   if (!ignored) {
     for (int64_t v = threadIdx.x; v < num_vecs; v += kThreads) {
       float values[kVec];
-      if constexpr (kVec == 4) {
-        const float4 loaded = *reinterpret_cast<const float4*>(z + v * 4);
-        values[0] = loaded.x, values[1] = loaded.y, values[2] = loaded.z, values[3] = loaded.w;
-      } else {
-        values[0] = z[v];
-      }
+      load_as_float<float, kVec>(z + v * kVec, values);
       float chunk_max = -INFINITY;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
@@ -130,12 +125,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_rows_kernel(const Cros
       for (int e = 0; e < kVec; ++e) out[e] = 0.0f;
     } else {
       float values[kVec];
-      if constexpr (kVec == 4) {
-        const float4 loaded = *reinterpret_cast<const float4*>(z + v * 4);
-        values[0] = loaded.x, values[1] = loaded.y, values[2] = loaded.z, values[3] = loaded.w;
-      } else {
-        values[0] = z[v];
-      }
+      load_as_float<float, kVec>(z + v * kVec, values);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const int64_t column = v * kVec + e;
