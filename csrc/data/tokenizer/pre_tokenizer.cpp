@@ -1,0 +1,143 @@
+#include "data/tokenizer/pre_tokenizer.h"
+
+#include "data/tokenizer/unicode.h"
+
+namespace barqtrain::tokenizer {
+namespace {
+
+using unicode::CodePointClass;
+
+constexpr std::string_view kGpt2Regex =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+// Walks the code points of one text; positions are byte offsets.
+class Scanner {
+ public:
+  explicit Scanner(std::string_view text) : text_(text) {}
+
+  size_t size() const { return text_.size(); }
+  char32_t code_point_at(size_t pos) const { return unicode::decode_at(text_, pos).code_point; }
+  size_t next(size_t pos) const { return pos + unicode::decode_at(text_, pos).length; }
+  CodePointClass class_at(size_t pos) const { return unicode::classify(code_point_at(pos)); }
+  bool is_at(size_t pos, CodePointClass c) const { return pos < text_.size() && class_at(pos) == c; }
+
+  // The end of the run of code points of class c that starts at pos, at most max_count long.
+  size_t skip_class(size_t pos, CodePointClass c, size_t max_count = SIZE_MAX) const {
+    for (size_t count = 0; count < max_count && is_at(pos, c); ++count) pos = next(pos);
+    return pos;
+  }
+
+  // The end of a contraction ('s 't 're 've 'm 'll 'd) at pos, or pos when there is none.
+  size_t match_contraction(size_t pos, bool ignore_case) const {
+    if (pos >= text_.size() || text_[pos] != '\'') return pos;
+    auto letter_at = [&](size_t at) -> char32_t {
+      if (at >= text_.size()) return 0;
+      const char32_t cp = code_point_at(at);
+      if (!ignore_case) return cp;
+      if (cp >= 'A' && cp <= 'Z') return cp - 'A' + 'a';
+      return cp == 0x17F ? U's' : cp;  // LATIN SMALL LETTER LONG S case-folds to s
+    };
+    const size_t first = pos + 1;
+    const char32_t a = letter_at(first);
+    if (a == 's' || a == 't' || a == 'm' || a == 'd') return next(first);
+    if (a != 'r' && a != 'v' && a != 'l') return pos;
+    const size_t second = next(first);
+    const char32_t b = letter_at(second);
+    if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return next(second);
+    return pos;
+  }
+
+  // \s+(?!\S)|\s+ at pos, which starts a run of white space: the run, less its last
+  // character when a non-space follows and the run is longer than one character.
+  size_t match_trailing_white_space(size_t pos) const {
+    size_t last_start = pos;
+    size_t end = pos;
+    while (is_at(end, CodePointClass::kWhiteSpace)) {
+      last_start = end;
+      end = next(end);
+    }
+    if (end == text_.size() || last_start == pos) return end;
+    return last_start;
+  }
+
+ private:
+  std::string_view text_;
+};
+
+size_t match_gpt2(const Scanner& s, size_t pos) {
+  if (const size_t end = s.match_contraction(pos, /*ignore_case=*/false); end != pos) return end;
+  // ` ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+`
+  const size_t body = s.code_point_at(pos) == ' ' ? pos + 1 : pos;
+  if (body < s.size()) {
+    const CodePointClass c = s.class_at(body);
+    if (c != CodePointClass::kWhiteSpace) return s.skip_class(body, c);
+  }
+  return s.match_trailing_white_space(pos);
+}
+
+bool is_line_break(char32_t cp) { return cp == '\r' || cp == '\n'; }
+
+size_t match_llama3_family(const Scanner& s, size_t pos, size_t max_digits) {
+  if (const size_t end = s.match_contraction(pos, /*ignore_case=*/true); end != pos) return end;
+  const char32_t cp = s.code_point_at(pos);
+  const CodePointClass c = unicode::classify(cp);
+  // `[^\r\n\p{L}\p{N}]?\p{L}+`
+  if (c == CodePointClass::kLetter) return s.skip_class(pos, c);
+  if (c != CodePointClass::kNumber && !is_line_break(cp) && s.is_at(s.next(pos), CodePointClass::kLetter)) {
+    return s.skip_class(s.next(pos), CodePointClass::kLetter);
+  }
+  // `\p{N}{1,3}` or `\p{N}`
+  if (c == CodePointClass::kNumber) return s.skip_class(pos, c, max_digits);
+  // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
+  const size_t body = cp == ' ' ? pos + 1 : pos;
+  if (s.is_at(body, CodePointClass::kOther)) {
+    size_t end = s.skip_class(body, CodePointClass::kOther);
+    while (end < s.size() && is_line_break(s.code_point_at(end))) ++end;
+    return end;
+  }
+  // `\s*[\r\n]+`: the white space up to and including its last line break.
+  size_t after_last_break = pos;
+  for (size_t at = pos; s.is_at(at, CodePointClass::kWhiteSpace); at = s.next(at)) {
+    if (is_line_break(s.code_point_at(at))) after_last_break = at + 1;
+  }
+  if (after_last_break != pos) return after_last_break;
+  return s.match_trailing_white_space(pos);
+}
+
+}  // namespace
+
+std::optional<SplitPattern> split_pattern_from_regex(std::string_view regex) {
+  for (const SplitPattern pattern : {SplitPattern::kGpt2, SplitPattern::kLlama3, SplitPattern::kQwen2}) {
+    if (regex == regex_of(pattern)) return pattern;
+  }
+  return std::nullopt;
+}
+
+std::string_view regex_of(SplitPattern pattern) {
+  switch (pattern) {
+    case SplitPattern::kGpt2: return kGpt2Regex;
+    case SplitPattern::kLlama3: return kLlama3Regex;
+    case SplitPattern::kQwen2: return kQwen2Regex;
+  }
+  return {};
+}
+
+void split(SplitPattern pattern, std::string_view text, std::vector<std::string_view>& pieces) {
+  const Scanner scanner(text);
+  for (size_t pos = 0; pos < text.size();) {
+    size_t end = 0;
+    switch (pattern) {
+      case SplitPattern::kGpt2: end = match_gpt2(scanner, pos); break;
+      case SplitPattern::kLlama3: end = match_llama3_family(scanner, pos, 3); break;
+      case SplitPattern::kQwen2: end = match_llama3_family(scanner, pos, 1); break;
+    }
+    pieces.push_back(text.substr(pos, end - pos));
+    pos = end;
+  }
+}
+
+}  // namespace barqtrain::tokenizer

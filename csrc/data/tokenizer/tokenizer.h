@@ -1,0 +1,94 @@
+// A Hugging Face tokenizer.json tokenizer for byte-level BPE models (GPT-2, Llama-3,
+// Qwen2/2.5) whose output is identical to Hugging Face tokenizers'.
+//
+//   auto tokenizer = barqtrain::tokenizer::Tokenizer::from_file("tokenizer.json");
+//   std::vector<TokenId> ids = tokenizer.encode("Hello world");
+//   std::string text = tokenizer.decode(ids);
+//
+// A Tokenizer is immutable after loading and safe to use from many threads at once.
+// Anything in the file it does not implement is a TokenizerError naming the feature.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/json.h"
+#include "data/tokenizer/bpe.h"
+#include "data/tokenizer/error.h"
+#include "data/tokenizer/pre_tokenizer.h"
+
+namespace barqtrain::tokenizer {
+
+struct EncodeOptions {
+  // Add the post-processor's special tokens (such as BOS) around the text.
+  bool add_special_tokens = true;
+  // Treat special tokens written in the text as plain text instead of matching them
+  // (Hugging Face's encode_special_tokens); other added tokens are still matched.
+  bool split_special_tokens = false;
+};
+
+class Tokenizer {
+ public:
+  static Tokenizer from_file(const std::string& path);
+  explicit Tokenizer(const json::Value& config);
+
+  // text must be valid UTF-8; otherwise a TokenizerError names the offset of the first bad byte.
+  std::vector<TokenId> encode(std::string_view text, const EncodeOptions& options = {}) const;
+
+  // Encodes texts on num_threads threads (0: one per hardware thread).
+  std::vector<std::vector<TokenId>> encode_batch(const std::vector<std::string_view>& texts,
+                                                 const EncodeOptions& options = {},
+                                                 size_t num_threads = 0) const;
+
+  // The text of ids; byte sequences that are not valid UTF-8 become U+FFFD. An id that is
+  // neither in the vocabulary nor an added token is a TokenizerError.
+  std::string decode(const std::vector<TokenId>& ids, bool skip_special_tokens = false) const;
+
+  // One more than the largest token id, added tokens included.
+  size_t id_bound() const;
+
+ private:
+  struct AddedToken {
+    std::string content;
+    TokenId id;
+    bool special;
+  };
+
+  // Finds added tokens in text, leftmost first and longest among those starting there.
+  class AddedTokenMatcher {
+   public:
+    void add(const AddedToken& token);
+    void finish();
+    bool empty() const { return tokens_.empty(); }
+    // The first match at or after `from`, or nullptr; its offset goes to *at.
+    const AddedToken* find(std::string_view text, size_t from, bool skip_special, size_t* at) const;
+
+   private:
+    std::vector<AddedToken> tokens_;
+    std::array<bool, 256> starts_token_{};
+  };
+
+  template <typename Emit>
+  void split_added_tokens(const AddedTokenMatcher& matcher, std::string_view text, bool skip_special,
+                          Emit&& emit) const;
+  void encode_text(std::string_view text, std::vector<TokenId>& out) const;
+  void encode_pieces(std::string_view text, std::vector<TokenId>& out) const;
+
+  std::shared_ptr<const BpeModel> model_;
+  AddedTokenMatcher raw_added_tokens_;         // matched before normalization
+  AddedTokenMatcher normalized_added_tokens_;  // matched in normalized text
+  std::vector<std::optional<std::string>> added_token_bytes_;  // by id, for decode
+  std::vector<bool> special_ids_;
+  bool nfc_ = false;
+  std::optional<SplitPattern> split_pattern_;
+  bool add_prefix_space_ = false;
+  std::vector<TokenId> prefix_, suffix_;  // from TemplateProcessing
+  uint64_t serial_;                       // identifies this tokenizer to per-thread caches
+};
+
+}  // namespace barqtrain::tokenizer

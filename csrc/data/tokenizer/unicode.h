@@ -1,0 +1,47 @@
+// UTF-8 and Unicode services for the tokenizer: code point classes for the pre-tokenizer
+// scanners, UTF-8 validation and lossy decoding, and NFC normalization.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace barqtrain::tokenizer::unicode {
+
+// The classes the supported split patterns distinguish; every code point is in exactly one.
+enum class CodePointClass : uint8_t { kOther, kLetter, kNumber, kWhiteSpace };
+
+CodePointClass classify(char32_t code_point);
+
+struct DecodedCodePoint {
+  char32_t code_point;
+  uint32_t length;  // in bytes
+};
+
+// Decodes the code point starting at text[pos]; text must be valid UTF-8.
+inline DecodedCodePoint decode_at(std::string_view text, size_t pos) {
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data()) + pos;
+  if (p[0] < 0x80) return {p[0], 1};
+  if (p[0] < 0xE0) return {static_cast<char32_t>(((p[0] & 0x1F) << 6) | (p[1] & 0x3F)), 2};
+  if (p[0] < 0xF0) {
+    return {static_cast<char32_t>(((p[0] & 0x0F) << 12) | ((p[1] & 0x3F) << 6) | (p[2] & 0x3F)), 3};
+  }
+  return {static_cast<char32_t>(((p[0] & 0x07) << 18) | ((p[1] & 0x3F) << 12) | ((p[2] & 0x3F) << 6) |
+                                (p[3] & 0x3F)),
+          4};
+}
+
+void append_utf8(std::string& out, char32_t code_point);
+
+// The offset of the first byte that is not part of well-formed UTF-8, or text.size().
+size_t find_invalid_utf8(std::string_view text);
+
+// Replaces each maximal ill-formed subsequence with U+FFFD, as Python's
+// bytes.decode("utf-8", "replace") and Rust's String::from_utf8_lossy do.
+std::string decode_utf8_lossy(std::string_view bytes);
+
+// Appends the NFC normalization of text (valid UTF-8) to out.
+void append_nfc(std::string_view text, std::string& out);
+
+}  // namespace barqtrain::tokenizer::unicode

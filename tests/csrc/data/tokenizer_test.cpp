@@ -1,0 +1,176 @@
+#include "data/tokenizer/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "data/tokenizer/unicode.h"
+
+namespace barqtrain::tokenizer {
+namespace {
+
+// GPT-2's byte-level spelling of one byte, written out so the test does not depend on the
+// implementation's table.
+std::string byte_level_char(int byte) {
+  const bool printable = (byte >= '!' && byte <= '~') || (byte >= 0xA1 && byte <= 0xAC) || byte >= 0xAE;
+  int code_point = byte;
+  if (!printable) {
+    code_point = 256;
+    for (int b = 0; b < byte; ++b) {
+      if (!((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE)) ++code_point;
+    }
+  }
+  std::string out;
+  unicode::append_utf8(out, static_cast<char32_t>(code_point));
+  return out;
+}
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// A tiny byte-level BPE: the 256 byte tokens (ids 0..255), then "Ġt" (256), "he" (257),
+// "Ġthe" (258), "ll" (259); merges in that order; "<|eot|>" (300) is a special token.
+std::string tiny_tokenizer_json(const std::string& extra_model_options = "",
+                                const std::string& post_processor = "null",
+                                const std::string& normalizer = "null") {
+  std::string vocab;
+  for (int b = 0; b < 256; ++b) vocab += json_string(byte_level_char(b)) + ": " + std::to_string(b) + ", ";
+  vocab += R"("Ġt": 256, "he": 257, "Ġthe": 258, "ll": 259)";
+  return R"({"version": "1.0", "truncation": null, "padding": null,
+    "added_tokens": [{"id": 300, "content": "<|eot|>", "single_word": false, "lstrip": false,
+                      "rstrip": false, "normalized": false, "special": true}],
+    "normalizer": )" + normalizer + R"(,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "post_processor": )" + post_processor + R"(,
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+              "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false)" + extra_model_options + R"(,
+              "vocab": {)" + vocab + R"(}, "merges": ["Ġ t", "h e", "Ġt he", ["l", "l"]]}})";
+}
+
+Tokenizer tiny(const std::string& extra_model_options = "", const std::string& post_processor = "null",
+               const std::string& normalizer = "null") {
+  return Tokenizer(json::parse(tiny_tokenizer_json(extra_model_options, post_processor, normalizer)));
+}
+
+std::string error_of(const std::string& config) {
+  try {
+    Tokenizer{json::parse(config)};
+  } catch (const TokenizerError& error) {
+    return error.what();
+  }
+  return "";
+}
+
+using Ids = std::vector<TokenId>;
+
+TEST(Tokenizer, MergesByRank) {
+  const Tokenizer tokenizer = tiny();
+  // " the" -> Ġ t h e -> Ġt h e -> Ġt he -> Ġthe; "hello" -> h e l l o -> he l l o -> he ll o.
+  EXPECT_EQ(tokenizer.encode(" the hello"), (Ids{258, ' ', 257, 259, 'o'}));
+  EXPECT_EQ(tokenizer.encode(""), Ids{});
+}
+
+TEST(Tokenizer, MatchesSpecialTokensUnlessAskedNotTo) {
+  const Tokenizer tokenizer = tiny();
+  EXPECT_EQ(tokenizer.encode("a<|eot|>b"), (Ids{'a', 300, 'b'}));
+  EncodeOptions as_text;
+  as_text.split_special_tokens = true;
+  EXPECT_EQ(tokenizer.encode("a<|eot|>", as_text), (Ids{'a', '<', '|', 'e', 'o', 't', '|', '>'}));
+}
+
+TEST(Tokenizer, TemplateProcessingAddsSpecialTokens) {
+  const Tokenizer tokenizer = tiny("", R"({"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [], "special_tokens": {"<|eot|>": {"id": "<|eot|>", "ids": [300], "tokens": ["<|eot|>"]}}})");
+  EXPECT_EQ(tokenizer.encode("a"), (Ids{300, 'a'}));
+  EncodeOptions plain;
+  plain.add_special_tokens = false;
+  EXPECT_EQ(tokenizer.encode("a", plain), (Ids{'a'}));
+}
+
+TEST(Tokenizer, IgnoreMergesEmitsAVocabularyWordWhole) {
+  // "Ġthe" is in the vocabulary; with ignore_merges it is found without merging, which
+  // matters only when the merges would not reach it. Here both agree.
+  EXPECT_EQ(tiny(R"(, "ignore_merges": true)").encode(" the"), (Ids{258}));
+}
+
+TEST(Tokenizer, DecodeInvertsEncodeAndReplacesInvalidUtf8) {
+  const Tokenizer tokenizer = tiny();
+  const std::string text = " the hello, \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x98\x80<|eot|>";
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode(text)), text);
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode(text), /*skip_special_tokens=*/true),
+            text.substr(0, text.size() - 7));
+  EXPECT_EQ(tokenizer.decode(Ids{0xE4, 'a'}), "\xEF\xBF\xBD" "a");
+  EXPECT_THROW(tokenizer.decode(Ids{299}), TokenizerError);
+}
+
+TEST(Tokenizer, NfcNormalizerComposes) {
+  const Tokenizer tokenizer = tiny("", "null", R"({"type": "NFC"})");
+  // e + COMBINING ACUTE ACCENT -> U+00E9; HANGUL L + V -> one syllable.
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("e\xCC\x81")), "\xC3\xA9");
+  EXPECT_EQ(tokenizer.decode(tokenizer.encode("\xE1\x84\x80\xE1\x85\xA1")), "\xEA\xB0\x80");
+}
+
+TEST(Tokenizer, RejectsInvalidUtf8Input) {
+  try {
+    tiny().encode("ab\xFF");
+    FAIL() << "expected a TokenizerError";
+  } catch (const TokenizerError& error) {
+    EXPECT_STREQ(error.what(), "input text is not valid UTF-8 (byte offset 2)");
+  }
+}
+
+TEST(Tokenizer, BatchEqualsOneByOne) {
+  const Tokenizer tokenizer = tiny();
+  std::vector<std::string> texts;
+  for (int i = 0; i < 100; ++i) texts.push_back(std::string(i, 'x') + " the hello " + std::to_string(i));
+  const std::vector<std::string_view> views(texts.begin(), texts.end());
+  const auto batch = tokenizer.encode_batch(views, {}, 4);
+  ASSERT_EQ(batch.size(), texts.size());
+  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(batch[i], tokenizer.encode(texts[i]));
+}
+
+TEST(Tokenizer, UnsupportedFeaturesAreNamed) {
+  std::string config = tiny_tokenizer_json();
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string copy = config;
+    copy.replace(copy.find(from), from.size(), to);
+    return copy;
+  };
+  EXPECT_NE(error_of(replaced(R"("normalizer": null)", R"("normalizer": {"type": "NFKC"})")).find("normalizer NFKC"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("byte_fallback": false)", R"("byte_fallback": true)")).find("byte_fallback"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("type": "BPE")", R"("type": "WordPiece")")).find("model type WordPiece"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("decoder": {"type": "ByteLevel")", R"("decoder": {"type": "Metaspace")"))
+                .find("decoder Metaspace"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("pre_tokenizer": {"type": "ByteLevel")", R"("pre_tokenizer": {"type": "Metaspace")"))
+                .find("pre_tokenizer Metaspace"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("post_processor": null)", R"("post_processor": {"type": "BertProcessing"})"))
+                .find("post_processor BertProcessing"),
+            std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("Ġt he")", R"("Ġt hx")")).find("merges[2]"), std::string::npos);
+}
+
+TEST(Tokenizer, MissingFileIsNamed) {
+  try {
+    Tokenizer::from_file("/nonexistent/tokenizer.json");
+    FAIL() << "expected a TokenizerError";
+  } catch (const TokenizerError& error) {
+    EXPECT_STREQ(error.what(), "cannot open /nonexistent/tokenizer.json");
+  }
+}
+
+}  // namespace
+}  // namespace barqtrain::tokenizer
