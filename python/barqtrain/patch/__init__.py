@@ -11,8 +11,10 @@ Per family (the Hugging Face classes change, so models created afterwards are pa
     barqtrain.apply_to_llama()              # or apply_to_family("llama")
     barqtrain.revert_class_patches()
 
-Both take ops=(...) to patch in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope, and
-add_rms_norm (the residual add before a decoder layer's second norm).
+Both take ops=(...) to patch in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope,
+add_rms_norm (the residual add before a decoder layer's second norm), and
+linear_cross_entropy (the training loss of <Family>ForCausalLM without the logits: in
+training with labels, its output's logits are None).
 """
 
 from barqtrain.patch.classes import (

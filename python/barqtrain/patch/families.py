@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from barqtrain.patch import attention, decoder_layer, mlp, rmsnorm
+from barqtrain.patch import attention, causal_lm, decoder_layer, mlp, rmsnorm
 from barqtrain.patch.attention import AttentionVariant, config_sliding_window, layer_sliding_window
 from barqtrain.patch.replacement import ModuleReplacement, hf_class_path
 from barqtrain.patch.rmsnorm import GEMMA_STYLE, LLAMA_STYLE, RMSNormClass, RMSNormStyle
@@ -25,7 +25,7 @@ class UnsupportedModelError(ValueError):
 
 
 # Every op that patching can route modules through, in report order.
-OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP)
+OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP, causal_lm.OP)
 
 # Per op: how to recognize a module of that kind that no row covers, so that it is
 # reported as not patched instead of passing unnoticed.
@@ -34,6 +34,7 @@ OP_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {
     mlp.OP: mlp.looks_like_mlp,
     attention.OP: attention.looks_like_attention,
     decoder_layer.OP: decoder_layer.looks_like_decoder_layer,
+    causal_lm.OP: causal_lm.looks_like_causal_lm,
 }
 
 
@@ -57,9 +58,10 @@ def _family(
     fused_gate_up: bool = False,
     residual_dropout: bool = False,
     sandwich_norms: bool = False,
+    final_logit_softcapping: bool = False,
 ) -> ModelFamily:
-    """The rows of a family whose classes are <class_prefix>RMSNorm, ...MLP, ...Attention and
-    ...DecoderLayer in transformers/models/<name>/modeling_<name>.py."""
+    """The rows of a family whose classes are <class_prefix>RMSNorm, ...MLP, ...Attention,
+    ...DecoderLayer and ...ForCausalLM in transformers/models/<name>/modeling_<name>.py."""
 
     def path(suffix: str) -> str:
         return hf_class_path(name, class_prefix + suffix)
@@ -77,6 +79,7 @@ def _family(
             (mlp.fused_gate_up_mlp if fused_gate_up else mlp.gate_up_mlp)(path("MLP")),
             attention.attention_with_rope(path("Attention"), attention_variant),
             layer,
+            causal_lm.causal_lm(path("ForCausalLM"), final_logit_softcapping=final_logit_softcapping),
         ),
     )
 
@@ -101,6 +104,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         norm_style=GEMMA_STYLE,
         attention_variant=AttentionVariant(sliding_window=layer_sliding_window, softcap=True),
         sandwich_norms=True,
+        final_logit_softcapping=True,
     ),
     # gemma3_text is Gemma3ForCausalLM; the multimodal "gemma3" is not covered yet.
     _family(
@@ -110,6 +114,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
         norm_style=GEMMA_STYLE,
         attention_variant=AttentionVariant(qk_norm=True, sliding_window=layer_sliding_window),
         sandwich_norms=True,
+        final_logit_softcapping=True,
     ),
 )
 

@@ -18,7 +18,7 @@ from barqtrain.patch.report import (
     CLASS_REPLACED,
     NOT_REQUESTED,
 )
-from tiny_models import FAMILIES, assert_patching_keeps_outputs, plain_batch, tiny_model
+from tiny_models import FAMILIES, LOGIT_OPS, OP_CLASS_SUFFIXES, assert_patching_keeps_outputs, plain_batch, tiny_model
 from torch import nn
 
 
@@ -30,10 +30,10 @@ def reverted_afterwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def hf_classes(family: str) -> list[type]:
-    """The family's RMSNorm, MLP, Attention and DecoderLayer classes, in OPS order."""
+    """The family's RMSNorm, MLP, Attention, DecoderLayer and ForCausalLM classes, in OPS order."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     prefix = FAMILIES[family].class_prefix
-    return [getattr(module, prefix + suffix) for suffix in ("RMSNorm", "MLP", "Attention", "DecoderLayer")]
+    return [getattr(module, prefix + OP_CLASS_SUFFIXES[op]) for op in OPS]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -48,7 +48,7 @@ def test_apply_patches_the_family_classes_and_revert_restores_them_exactly(famil
     assert report.not_patched == ()
     assert all(vars(cls)["forward"] is not original for cls, original in zip(classes, originals, strict=True))
 
-    assert revert_class_patches(family) == 4
+    assert revert_class_patches(family) == 5
     assert [vars(cls)["forward"] for cls in classes] == originals
     assert revert_class_patches() == 0
 
@@ -59,7 +59,7 @@ def test_models_created_after_apply_compute_as_hugging_face(family: str) -> None
     batch = plain_batch()
     expected = expected_model(**batch).logits.detach()
 
-    barqtrain.patch.apply_to_family(family)
+    barqtrain.patch.apply_to_family(family, ops=LOGIT_OPS)
     model = tiny_model(family)
 
     assert all("forward" not in vars(module) for module in model.modules())  # the classes compute
@@ -68,7 +68,7 @@ def test_models_created_after_apply_compute_as_hugging_face(family: str) -> None
 
 def test_apply_changes_existing_models_too_with_the_same_gradients() -> None:
     model = tiny_model("qwen3")
-    assert_patching_keeps_outputs(model, lambda _: barqtrain.apply_to_qwen3(), torch.float32)
+    assert_patching_keeps_outputs(model, lambda _: barqtrain.apply_to_qwen3(ops=LOGIT_OPS), torch.float32)
 
 
 def test_apply_twice_and_with_some_ops_then_the_rest() -> None:
@@ -78,10 +78,11 @@ def test_apply_twice_and_with_some_ops_then_the_rest() -> None:
         ("rms_norm", NOT_REQUESTED),
         ("rope", NOT_REQUESTED),
         ("add_rms_norm", NOT_REQUESTED),
+        ("linear_cross_entropy", NOT_REQUESTED),
     ]
 
     second = barqtrain.apply_to_mistral()
-    assert list(second.patched) == ["rms_norm", "rope", "add_rms_norm"]
+    assert list(second.patched) == ["rms_norm", "rope", "add_rms_norm", "linear_cross_entropy"]
     assert [(entry.class_name, entry.reason) for entry in second.not_patched] == [("MistralMLP", ALREADY_PATCHED)]
     assert barqtrain.apply_to_mistral().already_patched
     assert "MistralMLP" in str(second) and "already patched" in str(second)
@@ -124,7 +125,7 @@ def test_decoder_layer_of_a_patched_class_computes_a_swapped_norm_unfused() -> N
     batch = plain_batch()
     expected = model(**batch).logits.detach()
 
-    barqtrain.apply_to_llama()
+    barqtrain.apply_to_llama(ops=LOGIT_OPS)
 
     torch.testing.assert_close(model(**batch).logits.detach(), expected, rtol=1e-5, atol=1e-7)
 
@@ -143,7 +144,7 @@ def test_classes_changed_by_another_library_are_left_alone(monkeypatch: pytest.M
 
     report = barqtrain.apply_to_llama()
 
-    assert list(report.patched) == ["rms_norm", "add_rms_norm"]
+    assert list(report.patched) == ["rms_norm", "add_rms_norm", "linear_cross_entropy"]
     assert [(entry.class_name, entry.reason) for entry in report.not_patched] == [
         ("LlamaMLP", CLASS_REPLACED),
         ("LlamaAttention", CLASS_FORWARD_OVERRIDDEN),
@@ -156,7 +157,7 @@ def test_revert_of_one_family_leaves_the_others() -> None:
     barqtrain.apply_to_llama()
     barqtrain.apply_to_gemma3()
 
-    assert revert_class_patches("llama") == 4
+    assert revert_class_patches("llama") == 5
 
     llama_norm, gemma3_norm = hf_classes("llama")[0], hf_classes("gemma3")[0]
     assert vars(llama_norm)["forward"].__qualname__ == "LlamaRMSNorm.forward"
@@ -181,4 +182,5 @@ def test_report_is_a_readable_table() -> None:
         ["glu", "Phi3MLP", "patched"],
         ["rope", "Phi3Attention", "patched"],
         ["add_rms_norm", "Phi3DecoderLayer", f"not patched: {NOT_REQUESTED}"],
+        ["linear_cross_entropy", "Phi3ForCausalLM", f"not patched: {NOT_REQUESTED}"],
     ]

@@ -52,12 +52,13 @@ def test_report_lists_every_op_with_its_modules() -> None:
     report = patch_model(model)
 
     assert (report.family, report.model_type, report.model_class) == ("qwen3", "qwen3", "Qwen3ForCausalLM")
-    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm")
+    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm", "linear_cross_entropy")
     assert {op: (entry.class_names, entry.count) for op, entry in report.patched.items()} == {
         "rms_norm": (("Qwen3RMSNorm",), 9),  # 2 per layer, q_norm and k_norm, and the final norm
         "glu": (("Qwen3MLP",), 2),
         "rope": (("Qwen3Attention",), 2),
         "add_rms_norm": (("Qwen3DecoderLayer",), 2),
+        "linear_cross_entropy": (("Qwen3ForCausalLM",), 1),
     }
     assert report.patched["rope"].module_names == ("model.layers.0.self_attn", "model.layers.1.self_attn")
     assert report.not_patched == ()
@@ -77,17 +78,18 @@ def test_report_is_a_readable_table() -> None:
         ["glu", "Qwen2MLP", "1", "not patched: activation GELU is neither SiLU nor tanh-approximated GELU"],
         ["rope", "Qwen2Attention", "2", f"not patched: {NOT_REQUESTED}"],
         ["add_rms_norm", "Qwen2DecoderLayer", "2", "patched"],
+        ["linear_cross_entropy", "Qwen2ForCausalLM", "1", f"not patched: {NOT_REQUESTED}"],
     ]
 
 
 def test_report_names_op_kinds_the_model_has_none_of() -> None:
     model = tiny_model("llama")
-    model.model.layers = nn.ModuleList()  # a model of no layers: only the final norm
+    model.model.layers = nn.ModuleList()  # a model of no layers: only the final norm and the head
 
     report = patch_model(model)
 
-    assert report.patched_count("rms_norm") == 1
-    assert [line.split(maxsplit=3)[3] for line in str(report).splitlines()[3:]] == [NO_MODULE_OF_THIS_KIND] * 3
+    assert report.patched_count("rms_norm") == report.patched_count("linear_cross_entropy") == 1
+    assert [line.split(maxsplit=3)[3] for line in str(report).splitlines()[3:6]] == [NO_MODULE_OF_THIS_KIND] * 3
 
 
 def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None:
@@ -95,21 +97,22 @@ def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None
 
     first = patch_model(model, ops=("rms_norm", "glu"))
 
-    assert [first.patched_count(op) for op in OPS] == [5, 2, 0, 0]
+    assert [first.patched_count(op) for op in OPS] == [5, 2, 0, 0, 0]
     assert {(entry.op, entry.reason) for entry in first.not_patched} == {
         ("rope", NOT_REQUESTED),
         ("add_rms_norm", NOT_REQUESTED),
+        ("linear_cross_entropy", NOT_REQUESTED),
     }
     assert all("forward" not in vars(module) for module in modules_of(model, "phi3", "rope"))
 
     second = patch_model(model)
 
-    assert [second.patched_count(op) for op in OPS] == [0, 0, 2, 2]
+    assert [second.patched_count(op) for op in OPS] == [0, 0, 2, 2, 1]
     assert {(entry.op, entry.reason, entry.count) for entry in second.not_patched} == {
         ("rms_norm", ALREADY_PATCHED, 5),
         ("glu", ALREADY_PATCHED, 2),
     }
-    assert unpatch_model(model) == 11
+    assert unpatch_model(model) == 12
 
 
 def test_ops_argument_is_checked() -> None:
@@ -130,7 +133,7 @@ def test_unpatch_restores_the_original_forwards() -> None:
 
     report = patch_model(model)
     patched = patched_modules(model)
-    assert len(patched) == sum(report.patched_count(op) for op in OPS) == 13 + 2 + 2 + 2
+    assert len(patched) == sum(report.patched_count(op) for op in OPS) == 13 + 2 + 2 + 2 + 1
     assert all(vars(module)["forward"].__self__ is module for module in patched)
     assert unpatch_model(model) == len(patched)
 
@@ -155,6 +158,7 @@ def test_patching_twice_is_idempotent() -> None:
         ("glu", "LlamaMLP", ALREADY_PATCHED, 2),
         ("rope", "LlamaAttention", ALREADY_PATCHED, 2),
         ("add_rms_norm", "LlamaDecoderLayer", ALREADY_PATCHED, 2),
+        ("linear_cross_entropy", "LlamaForCausalLM", ALREADY_PATCHED, 1),
     ]
     assert {module: vars(module)["forward"] for module in patched_modules(model)} == forwards  # not wrapped twice
     assert "already patched" in str(second)
@@ -185,11 +189,11 @@ class CustomRMSNorm(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def logits_and_loss_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    output = model(**plain_batch())
-    output.loss.backward()
-    return output.logits.detach(), [p.grad.clone() for p in model.parameters()]
+    loss = model(**plain_batch()).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def assert_same_outputs(
@@ -202,7 +206,7 @@ def test_unknown_norm_classes_are_reported_and_computed_as_they_are() -> None:
     model = tiny_model("mistral")
     model.model.norm = CustomRMSNorm(model.config.hidden_size)
     model.model.layers[0].post_attention_layernorm = CustomRMSNorm(model.config.hidden_size)
-    expected = logits_and_loss_grads(model)
+    expected = loss_and_grads(model)
 
     report = patch_model(model)
 
@@ -219,12 +223,12 @@ def test_unknown_norm_classes_are_reported_and_computed_as_they_are() -> None:
         ("rms_norm", "CustomRMSNorm", UNRECOGNIZED_CLASS, ("model.layers.0.post_attention_layernorm", "model.norm")),
     ]
     assert "forward" not in vars(model.model.norm)
-    assert_same_outputs(logits_and_loss_grads(model), expected)
+    assert_same_outputs(loss_and_grads(model), expected)
 
 
 def test_mlp_with_an_activation_the_op_does_not_compute_is_left_alone() -> None:
     model = tiny_model("llama", hidden_act="gelu")  # erf GELU
-    expected = logits_and_loss_grads(model)
+    expected = loss_and_grads(model)
 
     report = patch_model(model)
 
@@ -235,8 +239,13 @@ def test_mlp_with_an_activation_the_op_does_not_compute_is_left_alone() -> None:
         "activation GELUActivation is neither SiLU nor tanh-approximated GELU",
         2,
     )
-    assert [report.patched_count(op) for op in ("rms_norm", "rope", "add_rms_norm")] == [5, 2, 2]
-    assert_same_outputs(logits_and_loss_grads(model), expected)
+    assert [report.patched_count(op) for op in ("rms_norm", "rope", "add_rms_norm", "linear_cross_entropy")] == [
+        5,
+        2,
+        2,
+        1,
+    ]
+    assert_same_outputs(loss_and_grads(model), expected)
 
 
 def test_activation_swapped_after_patching_runs_the_original_forward_with_a_warning() -> None:
@@ -262,7 +271,7 @@ def test_forward_replaced_by_another_library_is_left_alone() -> None:
 
     [entry] = report.not_patched
     assert (entry.reason, entry.module_names) == (FORWARD_OVERRIDDEN, ("model.norm",))
-    assert unpatch_model(model) == 4 + 2 + 2 + 2  # all the other modules
+    assert unpatch_model(model) == 4 + 2 + 2 + 2 + 1  # all the other modules
     assert vars(final_norm)["forward"] is hooked_forward
 
 

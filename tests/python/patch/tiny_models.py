@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 import transformers
+from barqtrain.patch import OPS, patch_model
 from torch import nn
 
 VOCAB = 256
@@ -60,7 +61,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 ATTENTION_IMPLEMENTATIONS = ["eager", "sdpa"]
 
 # op -> the suffix of the Hugging Face class it patches.
-OP_CLASS_SUFFIXES = {"rms_norm": "RMSNorm", "glu": "MLP", "rope": "Attention", "add_rms_norm": "DecoderLayer"}
+OP_CLASS_SUFFIXES = {
+    "rms_norm": "RMSNorm",
+    "glu": "MLP",
+    "rope": "Attention",
+    "add_rms_norm": "DecoderLayer",
+    "linear_cross_entropy": "ForCausalLM",
+}
+
+# The ops that keep the logits: in training with labels, linear_cross_entropy returns none.
+LOGIT_OPS = tuple(op for op in OPS if op != "linear_cross_entropy")
 
 
 def tiny_config(family: str, **overrides: object) -> transformers.PretrainedConfig:
@@ -92,6 +102,14 @@ def modules_of(model: nn.Module, family: str, op: str) -> list[nn.Module]:
     """The modules of the Hugging Face class that `op` patches in `family`."""
     class_name = FAMILIES[family].class_prefix + OP_CLASS_SUFFIXES[op]
     return [module for module in model.modules() if type(module).__name__ == class_name]
+
+
+def patch_everything(model: nn.Module, ops: tuple[str, ...] = OPS) -> None:
+    """patch_model(model, ops=ops), checked to have patched every module of each op."""
+    report = patch_model(model, ops=ops)
+    assert {entry.op for entry in report.not_patched} <= set(OPS) - set(ops)
+    for op in ops:
+        assert report.patched_count(op) == len(modules_of(model, report.family, op)) > 0, op
 
 
 Batch = dict[str, torch.Tensor]
