@@ -1,0 +1,177 @@
+"""Differential tests: barqtrain.data.Tokenizer against Hugging Face tokenizers on the
+real tokenizer.json files of GPT-2, Llama-3 and Qwen2/2.5."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from barqtrain.data import Tokenizer, TokenizerError
+
+hf_tokenizers = pytest.importorskip(
+    "tokenizers", reason="Hugging Face tokenizers (the oracle) is not installed; pip install tokenizers"
+)
+
+SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
+TOKENIZERS = SHARED / "tokenizers"
+NAMES = ["gpt2", "llama3", "qwen2.5", "qwen2-minified"]
+
+if not TOKENIZERS.is_dir():
+    pytest.skip(f"the shared tokenizer files are not at {TOKENIZERS}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def pair(request):
+    path = TOKENIZERS / request.param / "tokenizer.json"
+    return Tokenizer.from_file(path), hf_tokenizers.Tokenizer.from_file(str(path))
+
+
+def shakespeare_lines():
+    text = (SHARED / "text" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    return text.splitlines(keepends=True)[:3000] + [text[:100_000]]
+
+
+def chinese_instructions():
+    records = json.loads((SHARED / "instruct" / "llama-factory" / "alpaca_zh_demo.json").read_text(encoding="utf-8"))
+    return ["\n".join([r["instruction"], r.get("input", ""), r["output"]]) for r in records[:300]]
+
+
+CODE = '''def f(x):\n\tif x >= 10_000:  # comment\n\t\treturn {"a": [1, 2.5e-3]}\r\n    return x**2 // 3\n'''
+SCRIPTS = [
+    "Привет, мир! Ünïcödé façade naïve résumé",
+    "مرحبا بالعالم ١٢٣ שלום עולם",
+    "नमस्ते दुनिया ५६७ தமிழ் ไทย ภาษา",
+    "日本語のテキスト、カタカナ。한국어 텍스트 ㄱㄴ",
+    "emoji 😀👍🏽👨‍👩‍👧‍👦 🇯🇵 ❤️ ✨",
+    "Ελληνικά Ἀθῆναι ᾅ ǅ Ǆ ǆ ﬁ ﬆ Ⅻ ½ ² ①",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟘𝟙𝟚 𐍈 𓀀",
+]
+ADVERSARIAL = [
+    "",
+    " ",
+    "\n",
+    "a" * 5000,
+    "x" + "é" * 3000,
+    "  \n\n \t\t \r\n\r\n   x   y \u00a0\u3000z\u2028 ",
+    " " * 100 + "word" + "\n" * 50,
+    "1234567890 123 1.5 1,000,000 ٣٤٥٦ 12a34 ⅛⅜",
+    "don't I'M we'LL they'Re 'ſx 's 'S ''s '",
+    "e\u0301 a\u0308\u0304 \u1100\u1161\u11a8 \u0041\u030a \u212b \u0344 ḍ̇ q\u0307\u0323",
+    "\u0301\u0301 starts with a mark",
+    "\ufeffBOM \u200b zero width \u200d joiner",
+    "<|endoftext|>hello<|endoftext|> <|im_start|>user\nhi<|im_end|> <|begin_of_text|><|eot_id|>",
+    "<|endoftext|<|endoftext|>>",
+    b"invalid \xff\xfe bytes \xc3( \xe2\x82 \xf0\x9f\x98".decode("utf-8", errors="replace"),
+    "\x00\x01\x1f control \x7f \x85 chars",
+]
+
+
+def assert_same(ours: Tokenizer, theirs, text: str, add_special_tokens: bool = True) -> None:
+    expected = theirs.encode(text, add_special_tokens=add_special_tokens).ids
+    assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, repr(text[:200])
+
+
+@pytest.mark.parametrize("text", SCRIPTS + ADVERSARIAL + [CODE])
+def test_matches_hugging_face(pair, text):
+    assert_same(*pair, text)
+    assert_same(*pair, text, add_special_tokens=False)
+
+
+def test_matches_hugging_face_on_shakespeare_and_chinese(pair):
+    ours, theirs = pair
+    texts = shakespeare_lines() + chinese_instructions()
+    expected = [e.ids for e in theirs.encode_batch(texts)]
+    assert ours.encode_batch(texts) == expected
+    assert [ours.encode(t) for t in texts[:500]] == expected[:500]
+
+
+def test_matches_hugging_face_on_random_mixtures(pair):
+    ours, theirs = pair
+    alphabet = "".join(SCRIPTS + ADVERSARIAL[4:] + [CODE])
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80)))
+        assert_same(ours, theirs, text)
+
+
+def test_split_special_tokens_reads_them_as_text(pair):
+    ours, theirs = pair
+    text = "a<|endoftext|>b<|im_start|>"
+    theirs.encode_special_tokens = True
+    try:
+        assert ours.encode(text, split_special_tokens=True) == theirs.encode(text).ids
+    finally:
+        theirs.encode_special_tokens = False
+
+
+@pytest.mark.parametrize("text", SCRIPTS + ADVERSARIAL + [CODE])
+def test_decode_inverts_encode(pair, text):
+    ours, theirs = pair
+    ids = ours.encode(text)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    # NFC (Qwen2) changes the text it encodes; every other tokenizer round-trips exactly.
+    if theirs.normalizer is None:
+        assert ours.decode(ids) == text
+
+
+def test_decode_of_partial_utf8_matches(pair):
+    ours, theirs = pair
+    ids = ours.encode("😀 中文", add_special_tokens=False)
+    for end in range(len(ids) + 1):
+        assert ours.decode(ids[:end]) == theirs.decode(ids[:end])
+        assert ours.decode(ids[end:]) == theirs.decode(ids[end:])
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(TokenizerError, match="cannot open .*nope.json"):
+        Tokenizer.from_file(tmp_path / "nope.json")
+
+
+def test_malformed_file_names_line_and_column(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text('{\n  "model": [1,,]\n}')
+    with pytest.raises(TokenizerError, match="line 2, column"):
+        Tokenizer.from_file(path)
+
+
+def test_unsupported_features_are_named(tmp_path):
+    config = json.loads((TOKENIZERS / "gpt2" / "tokenizer.json").read_text(encoding="utf-8"))
+    cases = {
+        "normalizer NFKC": ("normalizer", {"type": "NFKC"}),
+        "pre_tokenizer Metaspace": ("pre_tokenizer", {"type": "Metaspace", "replacement": "▁"}),
+        "decoder WordPiece": ("decoder", {"type": "WordPiece"}),
+        "post_processor RobertaProcessing": ("post_processor", {"type": "RobertaProcessing"}),
+        "truncation": ("truncation", {"max_length": 8}),
+    }
+    for message, (key, value) in cases.items():
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps({**config, key: value}))
+        with pytest.raises(TokenizerError, match=message):
+            Tokenizer.from_file(path)
+    pattern = config | {
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "\\w+"}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        }
+    }
+    path.write_text(json.dumps(pattern))
+    with pytest.raises(TokenizerError, match=r"pattern \\w\+"):
+        Tokenizer.from_file(path)
+    fallback = config | {"model": config["model"] | {"byte_fallback": True}}
+    path.write_text(json.dumps(fallback))
+    with pytest.raises(TokenizerError, match="byte_fallback"):
+        Tokenizer.from_file(path)
+
+
+def test_tokenizer_directory_and_bad_ids():
+    tok = Tokenizer.from_file(TOKENIZERS / "gpt2")
+    assert tok.id_bound == 50257
+    with pytest.raises(TokenizerError, match="token id 99999999"):
+        tok.decode([99999999])
