@@ -13,7 +13,10 @@ using barqtrain::tokenizer::TokenId;
 using barqtrain::tokenizer::Tokenizer;
 using barqtrain::tokenizer::TokenizerError;
 
+void register_pipeline(nb::module_& m);  // csrc/bindings/pipeline.cpp: packing, readers
+
 NB_MODULE(_native, m) {
+  register_pipeline(m);
   nb::exception<TokenizerError>(m, "TokenizerError", PyExc_ValueError);
 
   nb::class_<Tokenizer>(m, "Tokenizer")

@@ -1,5 +1,7 @@
-"""BarqTrain's data pipeline: a C++ tokenizer identical to Hugging Face tokenizers."""
+"""BarqTrain's data pipeline: a C++ tokenizer identical to Hugging Face tokenizers, and a
+C++ packer into fixed-length rows in the DataCollatorWithFlattening format."""
 
+from barqtrain.data.packing import PackedBatch, PackedLoader, Packing, PackingError, pack
 from barqtrain.data.tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["Tokenizer", "TokenizerError"]
+__all__ = ["PackedBatch", "PackedLoader", "Packing", "PackingError", "Tokenizer", "TokenizerError", "pack"]
