@@ -1,5 +1,7 @@
 #include "data/tokenizer/pre_tokenizer.h"
 
+#include <cstdint>
+
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
@@ -14,20 +16,50 @@ constexpr std::string_view kLlama3Regex =
 constexpr std::string_view kQwen2Regex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-// Walks the code points of one text; positions are byte offsets.
+// Walks the code points of one text; positions are byte offsets. ASCII bytes, nearly all of
+// English text and code, are classified by a 128-entry table without decoding, and each
+// code point is decoded once per step.
 class Scanner {
  public:
   explicit Scanner(std::string_view text) : text_(text) {}
 
+  struct CodePoint {
+    char32_t code_point;
+    uint32_t length;
+    CodePointClass code_class;
+  };
+
   size_t size() const { return text_.size(); }
-  char32_t code_point_at(size_t pos) const { return unicode::decode_at(text_, pos).code_point; }
-  size_t next(size_t pos) const { return pos + unicode::decode_at(text_, pos).length; }
-  CodePointClass class_at(size_t pos) const { return unicode::classify(code_point_at(pos)); }
-  bool is_at(size_t pos, CodePointClass c) const { return pos < text_.size() && class_at(pos) == c; }
+  // The code point at pos < size().
+  CodePoint at(size_t pos) const {
+    const auto byte = static_cast<unsigned char>(text_[pos]);
+    if (byte < 0x80) return {byte, 1, unicode::classify_ascii(byte)};
+    const auto decoded = unicode::decode_at(text_, pos);
+    return {decoded.code_point, decoded.length, unicode::classify(decoded.code_point)};
+  }
+  char32_t code_point_at(size_t pos) const {
+    const auto byte = static_cast<unsigned char>(text_[pos]);
+    return byte < 0x80 ? byte : unicode::decode_at(text_, pos).code_point;
+  }
+  size_t next(size_t pos) const {
+    return static_cast<unsigned char>(text_[pos]) < 0x80 ? pos + 1 : pos + unicode::decode_at(text_, pos).length;
+  }
+  bool is_at(size_t pos, CodePointClass c) const { return pos < text_.size() && at(pos).code_class == c; }
 
   // The end of the run of code points of class c that starts at pos, at most max_count long.
   size_t skip_class(size_t pos, CodePointClass c, size_t max_count = SIZE_MAX) const {
-    for (size_t count = 0; count < max_count && is_at(pos, c); ++count) pos = next(pos);
+    const size_t n = text_.size();
+    for (size_t count = 0; count < max_count && pos < n; ++count) {
+      const auto byte = static_cast<unsigned char>(text_[pos]);
+      if (byte < 0x80) {
+        if (unicode::classify_ascii(byte) != c) break;
+        ++pos;
+        continue;
+      }
+      const auto decoded = unicode::decode_at(text_, pos);
+      if (unicode::classify(decoded.code_point) != c) break;
+      pos += decoded.length;
+    }
     return pos;
   }
 
@@ -56,9 +88,11 @@ class Scanner {
   size_t match_trailing_white_space(size_t pos) const {
     size_t last_start = pos;
     size_t end = pos;
-    while (is_at(end, CodePointClass::kWhiteSpace)) {
+    while (end < text_.size()) {
+      const CodePoint c = at(end);
+      if (c.code_class != CodePointClass::kWhiteSpace) break;
       last_start = end;
-      end = next(end);
+      end += c.length;
     }
     if (end == text_.size() || last_start == pos) return end;
     return last_start;
@@ -73,8 +107,10 @@ size_t match_gpt2(const Scanner& s, size_t pos) {
   // ` ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+`
   const size_t body = s.code_point_at(pos) == ' ' ? pos + 1 : pos;
   if (body < s.size()) {
-    const CodePointClass c = s.class_at(body);
-    if (c != CodePointClass::kWhiteSpace) return s.skip_class(body, c);
+    const Scanner::CodePoint first = s.at(body);
+    if (first.code_class != CodePointClass::kWhiteSpace) {
+      return s.skip_class(body + first.length, first.code_class);
+    }
   }
   return s.match_trailing_white_space(pos);
 }
@@ -83,15 +119,14 @@ bool is_line_break(char32_t cp) { return cp == '\r' || cp == '\n'; }
 
 size_t match_llama3_family(const Scanner& s, size_t pos, size_t max_digits) {
   if (const size_t end = s.match_contraction(pos, /*ignore_case=*/true); end != pos) return end;
-  const char32_t cp = s.code_point_at(pos);
-  const CodePointClass c = unicode::classify(cp);
+  const auto [cp, length, c] = s.at(pos);
   // `[^\r\n\p{L}\p{N}]?\p{L}+`
-  if (c == CodePointClass::kLetter) return s.skip_class(pos, c);
-  if (c != CodePointClass::kNumber && !is_line_break(cp) && s.is_at(s.next(pos), CodePointClass::kLetter)) {
-    return s.skip_class(s.next(pos), CodePointClass::kLetter);
+  if (c == CodePointClass::kLetter) return s.skip_class(pos + length, c);
+  if (c != CodePointClass::kNumber && !is_line_break(cp) && s.is_at(pos + length, CodePointClass::kLetter)) {
+    return s.skip_class(pos + length, CodePointClass::kLetter);
   }
   // `\p{N}{1,3}` or `\p{N}`
-  if (c == CodePointClass::kNumber) return s.skip_class(pos, c, max_digits);
+  if (c == CodePointClass::kNumber) return s.skip_class(pos + length, c, max_digits - 1);
   // ` ?[^\s\p{L}\p{N}]+[\r\n]*`
   const size_t body = cp == ' ' ? pos + 1 : pos;
   if (s.is_at(body, CodePointClass::kOther)) {
@@ -101,8 +136,11 @@ size_t match_llama3_family(const Scanner& s, size_t pos, size_t max_digits) {
   }
   // `\s*[\r\n]+`: the white space up to and including its last line break.
   size_t after_last_break = pos;
-  for (size_t at = pos; s.is_at(at, CodePointClass::kWhiteSpace); at = s.next(at)) {
-    if (is_line_break(s.code_point_at(at))) after_last_break = at + 1;
+  for (size_t at = pos; at < s.size();) {
+    const Scanner::CodePoint here = s.at(at);
+    if (here.code_class != CodePointClass::kWhiteSpace) break;
+    if (is_line_break(here.code_point)) after_last_break = at + 1;
+    at += here.length;
   }
   if (after_last_break != pos) return after_last_break;
   return s.match_trailing_white_space(pos);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -25,8 +26,10 @@ bool flag(const json::Value& component, const char* name, bool fallback) {
   throw TokenizerError("unsupported tokenizer.json feature: " + what);
 }
 
-// Pre-tokens already encoded by this thread, in a direct-mapped table: a hit costs one hash
-// and one comparison, and the memory stays bounded. English text hits nearly always.
+// Pre-tokens already encoded by this thread, in an open-addressing table whose pieces and
+// ids live in two arenas: a hit costs one hash over the piece's bytes, one probe or two and
+// one memcmp, and allocates nothing. When half the slots are used the whole cache is
+// dropped (English text refills it with its few thousand frequent words at once).
 class PieceCache {
  public:
   static constexpr size_t kMaxPieceBytes = 64;
@@ -35,37 +38,89 @@ class PieceCache {
   void bind(uint64_t tokenizer_serial) {
     if (tokenizer_serial_ == tokenizer_serial) return;
     tokenizer_serial_ = tokenizer_serial;
-    entries_.assign(kEntries, Entry{});
+    clear();
   }
 
-  // The cached tokens of piece, or nullptr; `slot` is where to store them on a miss.
-  const std::vector<TokenId>* find(std::string_view piece, size_t* slot) const {
-    *slot = hash(piece) & (kEntries - 1);
-    const Entry& entry = entries_[*slot];
-    return entry.filled && entry.piece == piece ? &entry.ids : nullptr;
+  static uint64_t hash(std::string_view piece) {
+    // Eight bytes at a time, with a multiply-xorshift mix (wyhash/splitmix style).
+    const char* p = piece.data();
+    const size_t n = piece.size();
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xFF51AFD7ED558CCDull);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, p + i, 8);
+      h = (h ^ word) * 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 31;
+    }
+    if (i < n) {
+      uint64_t word = 0;
+      std::memcpy(&word, p + i, n - i);
+      h = (h ^ word) * 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 31;
+    }
+    h *= 0x94D049BB133111EBull;
+    return h ^ (h >> 32);
   }
 
-  void store(size_t slot, std::string_view piece, const TokenId* ids, size_t count) {
-    Entry& entry = entries_[slot];
-    entry.filled = true;
-    entry.piece.assign(piece.data(), piece.size());  // reuses the entry's capacity
-    entry.ids.assign(ids, ids + count);
+  // The cached ids of piece (hash(piece) == h), or nullptr; their number goes to *count.
+  const TokenId* find(std::string_view piece, uint64_t h, size_t* count) const {
+    const uint32_t tag = static_cast<uint32_t>(h >> 32);
+    for (size_t i = h & kMask;; i = (i + 1) & kMask) {
+      const Slot slot = slots_[i];
+      if (slot.entry == 0) return nullptr;
+      if (slot.tag != tag) continue;
+      const Entry& entry = entries_[slot.entry - 1];
+      if (entry.length == piece.size() &&
+          std::memcmp(bytes_.data() + entry.bytes_offset, piece.data(), piece.size()) == 0) {
+        *count = entry.count;
+        return ids_.data() + entry.ids_offset;
+      }
+    }
+  }
+
+  // Stores the ids of piece, which is not in the cache yet (1 <= size <= kMaxPieceBytes).
+  void store(std::string_view piece, uint64_t h, const TokenId* ids, size_t count) {
+    if (entries_.size() >= kSlots / 2) clear();
+    size_t i = h & kMask;
+    while (slots_[i].entry != 0) i = (i + 1) & kMask;
+    entries_.push_back(Entry{static_cast<uint32_t>(bytes_.size()), static_cast<uint32_t>(ids_.size()),
+                             static_cast<uint8_t>(piece.size()), static_cast<uint8_t>(count)});
+    slots_[i] = Slot{static_cast<uint32_t>(h >> 32), static_cast<uint32_t>(entries_.size())};
+    bytes_.append(piece.data(), piece.size());
+    ids_.insert(ids_.end(), ids, ids + count);
   }
 
  private:
-  static constexpr size_t kEntries = size_t{1} << 14;
-  struct Entry {
-    bool filled = false;
-    std::string piece;
-    std::vector<TokenId> ids;
+  // 8-byte slots keep the probed table small (512 KiB); the entries they point to are in
+  // insertion order, so the frequent pieces, seen first, share cache lines.
+  static constexpr size_t kSlots = size_t{1} << 16;
+  static constexpr size_t kMask = kSlots - 1;
+  struct Slot {
+    uint32_t tag;    // the hash's upper half
+    uint32_t entry;  // 1 + index into entries_, 0 for a free slot
   };
-  static uint64_t hash(std::string_view bytes) {
-    uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a
-    for (const char c : bytes) h = (h ^ static_cast<uint8_t>(c)) * 0x100000001B3ull;
-    return h ^ (h >> 29);
+  // A piece of n bytes has at most n tokens, so both counts fit a byte.
+  struct Entry {
+    uint32_t bytes_offset;
+    uint32_t ids_offset;
+    uint8_t length;
+    uint8_t count;
+  };
+  static_assert(kMaxPieceBytes < 256, "piece lengths are stored in a byte");
+
+  void clear() {
+    slots_.assign(kSlots, Slot{0, 0});
+    entries_.clear();
+    bytes_.clear();
+    ids_.clear();
   }
+
   uint64_t tokenizer_serial_ = 0;
+  std::vector<Slot> slots_;
   std::vector<Entry> entries_;
+  std::string bytes_;
+  std::vector<TokenId> ids_;
 };
 
 thread_local PieceCache piece_cache;
@@ -164,6 +219,15 @@ void Tokenizer::AddedTokenMatcher::add(const AddedToken& token) {
 }
 
 void Tokenizer::AddedTokenMatcher::finish() {
+  single_start_ = -1;
+  for (int byte = 0; byte < 256; ++byte) {
+    if (!starts_token_[byte]) continue;
+    if (single_start_ >= 0) {
+      single_start_ = -1;
+      break;
+    }
+    single_start_ = byte;
+  }
   // Longest first, so the first token that matches at an offset is the longest there.
   std::stable_sort(tokens_.begin(), tokens_.end(),
                    [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
@@ -173,7 +237,14 @@ const Tokenizer::AddedToken* Tokenizer::AddedTokenMatcher::find(std::string_view
                                                                 bool skip_special, size_t* at) const {
   if (tokens_.empty()) return nullptr;
   for (size_t pos = from; pos < text.size(); ++pos) {
-    if (!starts_token_[static_cast<uint8_t>(text[pos])]) continue;
+    if (single_start_ >= 0) {
+      // Every token starts with the same byte ("<" of "<|endoftext|>"): memchr skips to it.
+      const void* hit = std::memchr(text.data() + pos, single_start_, text.size() - pos);
+      if (!hit) return nullptr;
+      pos = static_cast<const char*>(hit) - text.data();
+    } else if (!starts_token_[static_cast<uint8_t>(text[pos])]) {
+      continue;
+    }
     for (const AddedToken& token : tokens_) {
       if (skip_special && token.special) continue;
       if (text.compare(pos, token.content.size(), token.content) == 0) {
@@ -306,19 +377,26 @@ void Tokenizer::encode_pieces(std::string_view text, std::vector<TokenId>& out) 
   } else {
     pieces.push_back(text);
   }
+  PieceCache& cache = piece_cache;
   for (const std::string_view piece : pieces) {
     if (piece.size() > PieceCache::kMaxPieceBytes) {
       model_->encode_piece(piece, out);
       continue;
     }
-    size_t slot;
-    if (const std::vector<TokenId>* cached = piece_cache.find(piece, &slot)) {
-      out.insert(out.end(), cached->begin(), cached->end());
+    const uint64_t h = PieceCache::hash(piece);
+    size_t count;
+    if (const TokenId* cached = cache.find(piece, h, &count)) {
+      // Most pieces are one token: push_back is far cheaper than a range insert.
+      if (count == 1) {
+        out.push_back(*cached);
+      } else {
+        out.insert(out.end(), cached, cached + count);
+      }
       continue;
     }
     const size_t start = out.size();
     model_->encode_piece(piece, out);
-    piece_cache.store(slot, piece, out.data() + start, out.size() - start);
+    cache.store(piece, h, out.data() + start, out.size() - start);
   }
 }
 

@@ -71,6 +71,7 @@ class Tokenizer {
    private:
     std::vector<AddedToken> tokens_;
     std::array<bool, 256> starts_token_{};
+    int single_start_ = -1;  // the first byte of every token when they share one, else -1
   };
 
   template <typename Emit>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "data/tokenizer/unicode_tables.h"
@@ -196,6 +197,12 @@ size_t utf8_sequence_length(std::string_view bytes, size_t pos, size_t* maximal_
 size_t find_invalid_utf8(std::string_view text) {
   size_t subpart;
   for (size_t pos = 0; pos < text.size();) {
+    // ASCII eight bytes at a time.
+    uint64_t word;
+    while (pos + 8 <= text.size() && (std::memcpy(&word, text.data() + pos, 8), (word & 0x8080808080808080ull) == 0)) {
+      pos += 8;
+    }
+    if (pos == text.size()) break;
     const size_t length = utf8_sequence_length(text, pos, &subpart);
     if (length == 0) return pos;
     pos += length;

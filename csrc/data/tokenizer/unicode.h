@@ -14,6 +14,24 @@ enum class CodePointClass : uint8_t { kOther, kLetter, kNumber, kWhiteSpace };
 
 CodePointClass classify(char32_t code_point);
 
+// The classes of the ASCII code points, for the scanners' fast path: letters A-Z a-z,
+// numbers 0-9, white space \t \n \v \f \r and space (Unicode's White_Space).
+inline CodePointClass classify_ascii(unsigned char byte) {
+  struct Table {
+    CodePointClass classes[128];
+    constexpr Table() : classes() {
+      for (int b = 0; b < 128; ++b) {
+        if ((b >= 'A' && b <= 'Z') || (b >= 'a' && b <= 'z')) classes[b] = CodePointClass::kLetter;
+        else if (b >= '0' && b <= '9') classes[b] = CodePointClass::kNumber;
+        else if ((b >= '\t' && b <= '\r') || b == ' ') classes[b] = CodePointClass::kWhiteSpace;
+        else classes[b] = CodePointClass::kOther;
+      }
+    }
+  };
+  static constexpr Table table;
+  return table.classes[byte];
+}
+
 struct DecodedCodePoint {
   char32_t code_point;
   uint32_t length;  // in bytes
