@@ -5,6 +5,7 @@
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
+#include "bindings/tokenizer_batch.h"
 #include "data/tokenizer/tokenizer.h"
 
 namespace nb = nanobind;
@@ -30,14 +31,22 @@ NB_MODULE(_native, m) {
           nb::call_guard<nb::gil_scoped_release>())
       .def(
           "encode_batch",
-          // The strings are copied under the GIL by the argument caster; encoding runs without it.
-          [](const Tokenizer& self, const std::vector<std::string>& texts, bool add_special_tokens,
-             bool split_special_tokens, size_t num_threads) {
-            const std::vector<std::string_view> views(texts.begin(), texts.end());
-            return self.encode_batch(views, EncodeOptions{add_special_tokens, split_special_tokens}, num_threads);
+          [](const Tokenizer& self, nb::handle texts, bool add_special_tokens, bool split_special_tokens,
+             size_t num_threads) {
+            return barqtrain::bindings::encode_batch_lists(
+                self, texts, EncodeOptions{add_special_tokens, split_special_tokens}, num_threads);
           },
           nb::arg("texts"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
-          nb::arg("num_threads") = 0, nb::call_guard<nb::gil_scoped_release>())
+          nb::arg("num_threads") = 0)
+      .def(
+          "encode_batch_flat",
+          [](const Tokenizer& self, nb::handle texts, bool add_special_tokens, bool split_special_tokens,
+             size_t num_threads) {
+            return barqtrain::bindings::encode_batch_flat(
+                self, texts, EncodeOptions{add_special_tokens, split_special_tokens}, num_threads);
+          },
+          nb::arg("texts"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
+          nb::arg("num_threads") = 0)
       .def("decode", &Tokenizer::decode, nb::arg("ids"), nb::arg("skip_special_tokens") = false,
            nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("id_bound", &Tokenizer::id_bound);

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "data/tokenizer/thread_pool.h"
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
@@ -332,12 +333,17 @@ void Tokenizer::split_added_tokens(const AddedTokenMatcher& matcher, std::string
 }
 
 std::vector<TokenId> Tokenizer::encode(std::string_view text, const EncodeOptions& options) const {
+  std::vector<TokenId> ids;
+  ids.reserve(text.size() / 3 + prefix_.size() + suffix_.size());
+  encode_into(text, options, ids);
+  return ids;
+}
+
+void Tokenizer::encode_into(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& ids) const {
   if (const size_t bad = unicode::find_invalid_utf8(text); bad != text.size()) {
     throw TokenizerError("input text is not valid UTF-8 (byte offset " + std::to_string(bad) + ")");
   }
   piece_cache.bind(serial_);
-  std::vector<TokenId> ids;
-  ids.reserve(text.size() / 3 + prefix_.size() + suffix_.size());
   if (options.add_special_tokens) ids.insert(ids.end(), prefix_.begin(), prefix_.end());
   thread_local std::string normalized;
   split_added_tokens(raw_added_tokens_, text, options.split_special_tokens,
@@ -356,7 +362,6 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, const EncodeOption
                                           });
                      });
   if (options.add_special_tokens) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
-  return ids;
 }
 
 void Tokenizer::encode_text(std::string_view text, std::vector<TokenId>& out) const {
@@ -400,30 +405,73 @@ void Tokenizer::encode_pieces(std::string_view text, std::vector<TokenId>& out) 
   }
 }
 
-std::vector<std::vector<TokenId>> Tokenizer::encode_batch(const std::vector<std::string_view>& texts,
-                                                          const EncodeOptions& options, size_t num_threads) const {
-  std::vector<std::vector<TokenId>> results(texts.size());
+namespace {
+
+// Runs encode_chunk(first, last) over [0, count) in chunks on a pool of threads, which take
+// the next chunk from a shared counter (balancing uneven lengths); rethrows the first error.
+template <typename EncodeChunk>
+void run_chunks(size_t count, size_t chunk, size_t num_threads, EncodeChunk&& encode_chunk) {
+  const size_t chunks = (count + chunk - 1) / chunk;
   if (num_threads == 0) num_threads = std::max(1u, std::thread::hardware_concurrency());
-  num_threads = std::min(num_threads, texts.size());
-  // Threads take the next text from a shared counter, which balances uneven lengths.
+  num_threads = std::min(num_threads, chunks);
   std::atomic<size_t> next{0};
   std::exception_ptr failure;
   std::mutex failure_mutex;
-  auto work = [&] {
+  parallel_run(num_threads, [&] {
     try {
-      for (size_t i; (i = next.fetch_add(1)) < texts.size();) results[i] = encode(texts[i], options);
+      for (size_t c; (c = next.fetch_add(1)) < chunks;) encode_chunk(c * chunk, std::min(count, (c + 1) * chunk));
     } catch (...) {
       const std::lock_guard<std::mutex> lock(failure_mutex);
       if (!failure) failure = std::current_exception();
-      next = texts.size();
+      next = chunks;
     }
-  };
-  std::vector<std::thread> threads;
-  for (size_t t = 1; t < num_threads; ++t) threads.emplace_back(work);
-  work();
-  for (std::thread& thread : threads) thread.join();
+  });
   if (failure) std::rethrow_exception(failure);
+}
+
+// Enough chunks per thread to balance the load, few enough to keep the counter cold.
+size_t chunk_size(size_t count) { return std::clamp<size_t>(count / 256, 1, 64); }
+
+}  // namespace
+
+std::vector<std::vector<TokenId>> Tokenizer::encode_batch(const std::vector<std::string_view>& texts,
+                                                          const EncodeOptions& options, size_t num_threads) const {
+  std::vector<std::vector<TokenId>> results(texts.size());
+  run_chunks(texts.size(), chunk_size(texts.size()), num_threads, [&](size_t first, size_t last) {
+    for (size_t i = first; i < last; ++i) results[i] = encode(texts[i], options);
+  });
   return results;
+}
+
+Tokenizer::FlatIds Tokenizer::encode_batch_flat(const std::vector<std::string_view>& texts,
+                                                const EncodeOptions& options, size_t num_threads) const {
+  // Each chunk of texts is encoded into its own buffer, then the buffers are joined.
+  const size_t chunk = chunk_size(texts.size());
+  const size_t chunks = (texts.size() + chunk - 1) / chunk;
+  std::vector<std::vector<TokenId>> chunk_ids(chunks);
+  FlatIds flat;
+  flat.offsets.assign(texts.size() + 1, 0);
+  run_chunks(texts.size(), chunk, num_threads, [&](size_t first, size_t last) {
+    std::vector<TokenId>& ids = chunk_ids[first / chunk];
+    size_t bytes = 0;
+    for (size_t i = first; i < last; ++i) bytes += texts[i].size();
+    ids.reserve(bytes / 3 + 16);
+    for (size_t i = first; i < last; ++i) {
+      encode_into(texts[i], options, ids);
+      flat.offsets[i + 1] = static_cast<int64_t>(ids.size());  // relative to the chunk for now
+    }
+  });
+  size_t total = 0;
+  for (const auto& ids : chunk_ids) total += ids.size();
+  flat.ids.resize(total);
+  int64_t base = 0;
+  for (size_t c = 0; c < chunks; ++c) {
+    std::copy(chunk_ids[c].begin(), chunk_ids[c].end(), flat.ids.begin() + base);
+    for (size_t i = c * chunk; i < std::min(texts.size(), (c + 1) * chunk); ++i) flat.offsets[i + 1] += base;
+    base += static_cast<int64_t>(chunk_ids[c].size());
+    std::vector<TokenId>().swap(chunk_ids[c]);
+  }
+  return flat;
 }
 
 std::string Tokenizer::decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const {

@@ -40,10 +40,21 @@ class Tokenizer {
   // text must be valid UTF-8; otherwise a TokenizerError names the offset of the first bad byte.
   std::vector<TokenId> encode(std::string_view text, const EncodeOptions& options = {}) const;
 
-  // Encodes texts on num_threads threads (0: one per hardware thread).
+  // encode(text), appended to out.
+  void encode_into(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& out) const;
+
+  // Encodes texts on num_threads threads (0: one per hardware thread) of a persistent pool.
   std::vector<std::vector<TokenId>> encode_batch(const std::vector<std::string_view>& texts,
                                                  const EncodeOptions& options = {},
                                                  size_t num_threads = 0) const;
+
+  // The ids of all texts in one buffer: text i's are ids[offsets[i], offsets[i + 1]).
+  struct FlatIds {
+    std::vector<TokenId> ids;
+    std::vector<int64_t> offsets;  // texts.size() + 1 entries
+  };
+  FlatIds encode_batch_flat(const std::vector<std::string_view>& texts, const EncodeOptions& options = {},
+                            size_t num_threads = 0) const;
 
   // The text of ids; byte sequences that are not valid UTF-8 become U+FFFD. An id that is
   // neither in the vocabulary nor an added token is a TokenizerError.

@@ -3,6 +3,7 @@
     tok = Tokenizer.from_file("tokenizer.json")
     ids = tok.encode("Hello world")
     batch = tok.encode_batch(texts)          # all cores, without the GIL
+    ids, offsets = tok.encode_batch_flat(texts)  # the same in two NumPy arrays
     text = tok.decode(ids)
 
 The ids are identical to those of ``tokenizers.Tokenizer.from_file(path).encode(text).ids``.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
+import numpy as np
 
 try:
     from barqtrain.data import _native
@@ -52,8 +55,20 @@ class Tokenizer:
         split_special_tokens: bool = False,
         num_threads: int = 0,
     ) -> list[list[int]]:
-        """encode() of each text, on num_threads threads (0: every core)."""
-        return self._native.encode_batch(list(texts), add_special_tokens, split_special_tokens, num_threads)
+        """encode() of each text, on num_threads threads (0: every core) of a persistent pool,
+        without the GIL."""
+        return self._native.encode_batch(texts, add_special_tokens, split_special_tokens, num_threads)
+
+    def encode_batch_flat(
+        self,
+        texts: Sequence[str],
+        add_special_tokens: bool = True,
+        split_special_tokens: bool = False,
+        num_threads: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """encode_batch() without a Python object per id: (ids, offsets), NumPy arrays of
+        uint32 and int64 where text i's ids are ids[offsets[i]:offsets[i + 1]]."""
+        return self._native.encode_batch_flat(texts, add_special_tokens, split_special_tokens, num_threads)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of ids; byte sequences that are not valid UTF-8 decode to U+FFFD."""

@@ -138,6 +138,34 @@ TEST(Tokenizer, BatchEqualsOneByOne) {
   for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(batch[i], tokenizer.encode(texts[i]));
 }
 
+TEST(Tokenizer, FlatBatchEqualsOneByOneOnAnyThreadCount) {
+  const Tokenizer tokenizer = tiny();
+  std::vector<std::string> texts;
+  for (int i = 0; i < 1000; ++i) texts.push_back(i % 7 == 0 ? "" : std::string(i % 50, 'x') + " the " + std::to_string(i));
+  const std::vector<std::string_view> views(texts.begin(), texts.end());
+  for (const size_t threads : {1, 2, 3, 8}) {
+    const Tokenizer::FlatIds flat = tokenizer.encode_batch_flat(views, {}, threads);
+    ASSERT_EQ(flat.offsets.size(), texts.size() + 1);
+    EXPECT_EQ(flat.offsets.front(), 0);
+    EXPECT_EQ(static_cast<size_t>(flat.offsets.back()), flat.ids.size());
+    for (size_t i = 0; i < texts.size(); ++i) {
+      const std::vector<TokenId> ids(flat.ids.begin() + flat.offsets[i], flat.ids.begin() + flat.offsets[i + 1]);
+      ASSERT_EQ(ids, tokenizer.encode(texts[i])) << "text " << i << ", " << threads << " threads";
+    }
+  }
+  EXPECT_EQ(tokenizer.encode_batch_flat({}, {}, 2).offsets, std::vector<int64_t>{0});
+}
+
+TEST(Tokenizer, BatchRethrowsAnEncodingError) {
+  const Tokenizer tokenizer = tiny();
+  std::vector<std::string_view> views(500, "the hello");
+  views[321] = "bad \xFF";
+  EXPECT_THROW(tokenizer.encode_batch_flat(views, {}, 2), TokenizerError);
+  EXPECT_THROW(tokenizer.encode_batch(views, {}, 2), TokenizerError);
+  views[321] = "fine";
+  EXPECT_EQ(tokenizer.encode_batch(views, {}, 2).size(), views.size());  // the pool still works
+}
+
 TEST(Tokenizer, UnsupportedFeaturesAreNamed) {
   std::string config = tiny_tokenizer_json();
   auto replaced = [&](const std::string& from, const std::string& to) {

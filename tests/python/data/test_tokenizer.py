@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from barqtrain.data import Tokenizer, TokenizerError
@@ -86,6 +87,30 @@ def test_matches_hugging_face_on_shakespeare_and_chinese(pair):
     expected = [e.ids for e in theirs.encode_batch(texts)]
     assert ours.encode_batch(texts) == expected
     assert [ours.encode(t) for t in texts[:500]] == expected[:500]
+
+
+def test_flat_batch_matches_the_lists(pair):
+    ours, _ = pair
+    texts = shakespeare_lines()[:2000] + chinese_instructions()[:50] + SCRIPTS + ["", "x"]
+    lists = ours.encode_batch(texts, num_threads=2)
+    for threads in (1, 2, 3):
+        ids, offsets = ours.encode_batch_flat(texts, num_threads=threads)
+        assert ids.dtype == np.uint32 and offsets.dtype == np.int64
+        assert len(offsets) == len(texts) + 1 and offsets[-1] == len(ids)
+        assert [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(texts))] == lists
+    assert ours.encode_batch(tuple(texts[:10])) == lists[:10]
+    empty_ids, empty_offsets = ours.encode_batch_flat([])
+    assert len(empty_ids) == 0 and empty_offsets.tolist() == [0]
+
+
+def test_batch_rejects_what_is_not_text(pair):
+    ours, _ = pair
+    with pytest.raises(TypeError, match=r"texts\[1\] is bytes"):
+        ours.encode_batch(["a", b"b"])
+    with pytest.raises(TypeError):
+        ours.encode_batch_flat(["a", None])
+    with pytest.raises(UnicodeEncodeError):
+        ours.encode_batch(["lone surrogate \ud800"])
 
 
 def test_matches_hugging_face_on_random_mixtures(pair):
