@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "data/packing.h"
+#include "data/readers.h"
+#include "data/tokenizer/tokenizer.h"
 
 namespace nb = nanobind;
 using namespace barqtrain::data;
@@ -127,6 +129,51 @@ void register_pipeline(nb::module_& m) {
           nb::arg("position_ids"),
           "Writes rows [first_row, last_row) into the int64 [rows, row_length] arrays; returns "
           "(cu_seqlens int32, max_seqlen, sequences).");
+
+  nb::exception<ReaderError>(m, "ReaderError", PyExc_ValueError);
+
+  m.def(
+      "read_dataset",
+      [](const std::string& path, const barqtrain::tokenizer::Tokenizer& tokenizer, const std::string& format,
+         const std::string& kind, const std::string& on_error, const std::string& text_unit,
+         const std::string& text_field, const std::string& chat_template, int64_t eos_id, bool add_special_tokens,
+         size_t max_reported_errors, size_t num_threads) {
+        ReadOptions o;
+        o.format = parse_record_format(format);
+        o.kind = parse_file_kind(kind);
+        o.on_error = parse_on_error(on_error);
+        if (text_unit == "line") {
+          o.text_unit = TextUnit::kLine;
+        } else if (text_unit == "document") {
+          o.text_unit = TextUnit::kDocument;
+        } else {
+          throw ReaderError("unknown text_unit '" + text_unit + "': expected line or document");
+        }
+        o.text_field = text_field;
+        o.chat_template = chat_template;
+        o.eos_id = eos_id;
+        o.add_special_tokens = add_special_tokens;
+        o.max_reported_errors = max_reported_errors;
+        o.num_threads = num_threads;
+        TokenizedData data;
+        ReadReport report;
+        {
+          nb::gil_scoped_release release;
+          report = read_dataset(path, o, tokenizer, data);
+        }
+        nb::dict r;
+        r["path"] = report.path;
+        r["records"] = report.records;
+        r["skipped"] = report.skipped;
+        r["errors"] = report.errors;
+        return nb::make_tuple(to_numpy(std::move(data.tokens)), to_numpy(std::move(data.labels)),
+                              to_numpy(std::move(data.offsets)), r);
+      },
+      nb::arg("path"), nb::arg("tokenizer"), nb::arg("format") = "text", nb::arg("kind") = "auto",
+      nb::arg("on_error") = "raise", nb::arg("text_unit") = "line", nb::arg("text_field") = "text",
+      nb::arg("chat_template") = "chatml", nb::arg("eos_id") = -1, nb::arg("add_special_tokens") = true,
+      nb::arg("max_reported_errors") = 20, nb::arg("num_threads") = 0,
+      "(tokens int32, labels int32, offsets int64, report dict) of every record of a dataset file.");
 
   m.def(
       "shard_indices",

@@ -1,0 +1,314 @@
+#include "data/readers.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string_view>
+
+#include "data/tokenizer/tokenizer.h"
+
+namespace barqtrain::data {
+namespace {
+
+// A read-only memory map of a whole file: pages are read as they are touched, so files
+// larger than RAM stream through the page cache.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    if (fd < 0) throw ReaderError(path + ": cannot open: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int e = errno;
+      ::close(fd);
+      throw ReaderError(path + ": cannot stat: " + std::strerror(e));
+    }
+    if (S_ISDIR(st.st_mode)) {
+      ::close(fd);
+      throw ReaderError(path + ": is a directory, not a dataset file");
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ > 0) {
+      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        const int e = errno;
+        ::close(fd);
+        throw ReaderError(path + ": cannot map: " + std::strerror(e));
+      }
+      ::madvise(p, size_, MADV_SEQUENTIAL);
+      data_ = static_cast<const char*>(p);
+    }
+    ::close(fd);
+  }
+  ~MappedFile() {
+    if (data_) ::munmap(const_cast<char*>(data_), size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  std::string_view view() const { return {data_ ? data_ : "", size_}; }
+
+ private:
+  const char* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::strlen(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+const std::string& string_field(const json::Value& record, const char* name, bool required, const std::string& empty) {
+  const json::Value* v = record.find(name);
+  if (v == nullptr || v->is_null()) {
+    if (required) throw ReaderError(std::string("missing field '") + name + "'");
+    return empty;
+  }
+  if (!v->is_string()) {
+    throw ReaderError(std::string("field '") + name + "' is a " + v->type_name() + ", expected a string");
+  }
+  return v->as_string();
+}
+
+constexpr const char* kAlpacaWithInput =
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n### Instruction:\n";
+constexpr const char* kAlpacaNoInput =
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\n";
+
+std::string_view strip(std::string_view s) {
+  const char* ws = " \t\n\r\f\v";
+  const size_t a = s.find_first_not_of(ws);
+  if (a == std::string_view::npos) return {};
+  const size_t b = s.find_last_not_of(ws);
+  return s.substr(a, b - a + 1);
+}
+
+Example render_messages(const json::Value& record, const std::string& chat_template) {
+  const json::Value* messages = record.find("messages");
+  if (messages == nullptr) throw ReaderError("missing field 'messages'");
+  if (!messages->is_array()) {
+    throw ReaderError(std::string("field 'messages' is a ") + messages->type_name() + ", expected an array");
+  }
+  if (messages->as_array().empty()) throw ReaderError("field 'messages' is empty");
+  const bool llama3 = chat_template == "llama3";
+  Example ex;
+  bool any_assistant = false;
+  size_t i = 0;
+  static const std::string kEmpty;
+  for (const json::Value& m : messages->as_array()) {
+    if (!m.is_object()) {
+      throw ReaderError("messages[" + std::to_string(i) + "] is a " + m.type_name() + ", expected an object");
+    }
+    std::string role, content;
+    try {
+      role = string_field(m, "role", true, kEmpty);
+      content = string_field(m, "content", true, kEmpty);
+    } catch (const ReaderError& e) {
+      throw ReaderError("messages[" + std::to_string(i) + "]: " + e.what());
+    }
+    if (role != "system" && role != "user" && role != "assistant") {
+      throw ReaderError("messages[" + std::to_string(i) + "]: role '" + role +
+                        "' is not one of system, user, assistant");
+    }
+    const bool trained = role == "assistant";
+    any_assistant |= trained;
+    if (llama3) {
+      // Meta's template: the BOS comes from the tokenizer's post-processor; content is stripped.
+      ex.segments.emplace_back("<|start_header_id|>" + role + "<|end_header_id|>\n\n", false);
+      ex.segments.emplace_back(std::string(strip(content)) + "<|eot_id|>", trained);
+    } else {
+      ex.segments.emplace_back("<|im_start|>" + role + "\n", false);
+      ex.segments.emplace_back(content + "<|im_end|>", trained);
+      ex.segments.emplace_back("\n", false);
+    }
+    ++i;
+  }
+  if (!any_assistant) throw ReaderError("no assistant message: nothing to learn");
+  return ex;
+}
+
+std::string located(const std::string& path, size_t line, const std::string& what) {
+  return path + ":" + std::to_string(line) + ": " + what;
+}
+
+}  // namespace
+
+FileKind parse_file_kind(const std::string& name) {
+  if (name == "auto") return FileKind::kAuto;
+  if (name == "jsonl") return FileKind::kJsonl;
+  if (name == "json") return FileKind::kJson;
+  if (name == "text") return FileKind::kText;
+  throw ReaderError("unknown file kind '" + name + "': expected auto, jsonl, json or text");
+}
+
+RecordFormat parse_record_format(const std::string& name) {
+  if (name == "text") return RecordFormat::kText;
+  if (name == "alpaca") return RecordFormat::kAlpaca;
+  if (name == "messages") return RecordFormat::kMessages;
+  throw ReaderError("unknown format '" + name + "': expected text, alpaca or messages");
+}
+
+OnError parse_on_error(const std::string& name) {
+  if (name == "raise") return OnError::kRaise;
+  if (name == "skip") return OnError::kSkip;
+  throw ReaderError("unknown on_error '" + name + "': expected raise or skip");
+}
+
+void check_chat_template(const std::string& name) {
+  if (name == "chatml" || name == "llama3") return;
+  throw ReaderError("chat template '" + (name.size() > 60 ? name.substr(0, 60) + "..." : name) +
+                    "' is not built in: BarqTrain renders only 'chatml' (Qwen, no default system prompt) and "
+                    "'llama3' so far; Jinja chat templates from tokenizer_config.json are not supported yet");
+}
+
+Example render_record(const json::Value& record, const ReadOptions& options) {
+  if (!record.is_object()) {
+    throw ReaderError(std::string("the record is a ") + record.type_name() + ", expected an object");
+  }
+  static const std::string kEmpty;
+  Example ex;
+  switch (options.format) {
+    case RecordFormat::kText:
+      ex.segments.emplace_back(string_field(record, options.text_field.c_str(), true, kEmpty), true);
+      break;
+    case RecordFormat::kAlpaca: {
+      const std::string& instruction = string_field(record, "instruction", true, kEmpty);
+      const std::string& input = string_field(record, "input", false, kEmpty);
+      const std::string& output = string_field(record, "output", true, kEmpty);
+      std::string prompt = input.empty() ? kAlpacaNoInput : kAlpacaWithInput;
+      prompt += instruction;
+      if (!input.empty()) prompt += "\n\n### Input:\n" + input;
+      prompt += "\n\n### Response:\n";
+      ex.segments.emplace_back(std::move(prompt), false);
+      ex.segments.emplace_back(output, true);
+      break;
+    }
+    case RecordFormat::kMessages:
+      check_chat_template(options.chat_template);
+      return render_messages(record, options.chat_template);
+  }
+  return ex;
+}
+
+namespace {
+
+// Tokenizes examples and appends them to out: each segment separately (so the mask falls
+// exactly on segment boundaries), the first with the post-processor's tokens, then EOS.
+void tokenize_chunk(std::vector<Example>& chunk, const ReadOptions& options, const tokenizer::Tokenizer& tok,
+                    TokenizedData& out) {
+  if (chunk.empty()) return;
+  std::vector<std::string_view> first, rest;
+  for (const Example& ex : chunk) {
+    for (size_t s = 0; s < ex.segments.size(); ++s) (s == 0 ? first : rest).push_back(ex.segments[s].first);
+  }
+  const auto first_ids = tok.encode_batch(first, {options.add_special_tokens, false}, options.num_threads);
+  const auto rest_ids = tok.encode_batch(rest, {false, false}, options.num_threads);
+  size_t f = 0, r = 0;
+  for (const Example& ex : chunk) {
+    for (size_t s = 0; s < ex.segments.size(); ++s) {
+      const auto& ids = s == 0 ? first_ids[f++] : rest_ids[r++];
+      const bool trained = ex.segments[s].second;
+      for (const auto id : ids) {
+        out.tokens.push_back(static_cast<int32_t>(id));
+        out.labels.push_back(trained ? static_cast<int32_t>(id) : -100);
+      }
+    }
+    if (options.eos_id >= 0) {
+      out.tokens.push_back(static_cast<int32_t>(options.eos_id));
+      out.labels.push_back(static_cast<int32_t>(options.eos_id));
+    }
+    out.offsets.push_back(static_cast<int64_t>(out.tokens.size()));
+  }
+  chunk.clear();
+}
+
+}  // namespace
+
+ReadReport read_dataset(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer,
+                        TokenizedData& out) {
+  if (options.format == RecordFormat::kMessages) check_chat_template(options.chat_template);
+  FileKind kind = options.kind;
+  if (kind == FileKind::kAuto) {
+    kind = ends_with(path, ".jsonl") || ends_with(path, ".ndjson") ? FileKind::kJsonl
+           : ends_with(path, ".json")                               ? FileKind::kJson
+                                                                    : FileKind::kText;
+  }
+  if (kind == FileKind::kText && options.format != RecordFormat::kText) {
+    throw ReaderError(path + ": plain text files hold the text format only, not alpaca or messages");
+  }
+  ReadReport report;
+  report.path = path;
+  const MappedFile file(path);
+  const std::string_view text = file.view();
+  std::vector<Example> chunk;
+  const size_t chunk_records = std::max<size_t>(options.chunk_records, 1);
+
+  auto fail = [&](const std::string& message) {
+    if (options.on_error == OnError::kRaise) throw ReaderError(message);
+    ++report.skipped;
+    if (report.errors.size() < options.max_reported_errors) report.errors.push_back(message);
+  };
+  auto add = [&](Example&& ex) {
+    chunk.push_back(std::move(ex));
+    ++report.records;
+    if (chunk.size() >= chunk_records) tokenize_chunk(chunk, options, tokenizer, out);
+  };
+
+  if (kind == FileKind::kJson) {
+    json::Value doc;
+    try {
+      doc = json::parse(text);
+    } catch (const json::JsonError& e) {
+      throw ReaderError(path + ": " + e.what());  // a broken document cannot be read past
+    }
+    if (!doc.is_array()) throw ReaderError(path + ": the JSON document is a " + doc.type_name() + ", expected an array of records");
+    size_t index = 0;
+    for (const json::Value& record : doc.as_array()) {
+      try {
+        add(render_record(record, options));
+      } catch (const ReaderError& e) {
+        fail(path + ": record " + std::to_string(index) + ": " + e.what());
+      }
+      ++index;
+    }
+  } else {
+    if (kind == FileKind::kText && options.text_unit == TextUnit::kDocument) {
+      Example ex;
+      ex.segments.emplace_back(std::string(text), true);
+      if (!strip(text).empty()) add(std::move(ex));
+    } else {
+      size_t line_no = 0;
+      for (size_t pos = 0; pos < text.size();) {
+        size_t end = text.find('\n', pos);
+        if (end == std::string_view::npos) end = text.size();
+        std::string_view line = text.substr(pos, end - pos);
+        pos = end + 1;
+        ++line_no;
+        if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+        if (strip(line).empty()) continue;
+        if (kind == FileKind::kText) {
+          Example ex;
+          ex.segments.emplace_back(std::string(line), true);
+          add(std::move(ex));
+          continue;
+        }
+        try {
+          add(render_record(json::parse(line), options));
+        } catch (const json::JsonError& e) {
+          fail(located(path, line_no, e.what()));
+        } catch (const ReaderError& e) {
+          fail(located(path, line_no, e.what()));
+        }
+      }
+    }
+  }
+  tokenize_chunk(chunk, options, tokenizer, out);
+  return report;
+}
+
+}  // namespace barqtrain::data

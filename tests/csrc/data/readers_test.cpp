@@ -1,0 +1,130 @@
+#include "data/readers.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer/tokenizer.h"
+#include "data/tokenizer/unicode.h"
+
+namespace barqtrain::data {
+namespace {
+
+// A byte-level BPE with no merges: every byte is its own token, so ids are the bytes.
+tokenizer::Tokenizer bytes_tokenizer() {
+  std::string vocab;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    int cp = b;
+    if (!printable) {
+      cp = 256;
+      for (int c = 0; c < b; ++c) cp += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE);
+    }
+    std::string ch;
+    tokenizer::unicode::append_utf8(ch, static_cast<char32_t>(cp));
+    if (ch == "\"" || ch == "\\") ch = "\\" + ch;
+    vocab += (b ? ", \"" : "\"") + ch + "\": " + std::to_string(b);
+  }
+  return tokenizer::Tokenizer(json::parse(R"({"added_tokens": [], "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "post_processor": null,
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+              "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false,
+              "vocab": {)" + vocab + R"(}, "merges": []}})"));
+}
+
+std::string write_file(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+TEST(Readers, AlpacaMasksThePromptAndAppendsEos) {
+  const auto tok = bytes_tokenizer();
+  ReadOptions options;
+  options.format = RecordFormat::kAlpaca;
+  options.eos_id = 255;
+  const std::string path = write_file("a.jsonl", R"({"instruction": "Add", "input": "1+1", "output": "2"})" "\n");
+  TokenizedData data;
+  const ReadReport report = read_dataset(path, options, tok, data);
+  ASSERT_EQ(report.records, 1u);
+  ASSERT_EQ(data.size(), 1u);
+  const std::string prompt =
+      "Below is an instruction that describes a task, paired with an input that provides further context. "
+      "Write a response that appropriately completes the request.\n\n### Instruction:\nAdd\n\n### Input:\n1+1"
+      "\n\n### Response:\n";
+  ASSERT_EQ(data.tokens.size(), prompt.size() + 2);
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    ASSERT_EQ(data.tokens[i], static_cast<unsigned char>(prompt[i]));
+    ASSERT_EQ(data.labels[i], -100);
+  }
+  EXPECT_EQ(data.tokens[prompt.size()], '2');
+  EXPECT_EQ(data.labels[prompt.size()], '2');
+  EXPECT_EQ(data.tokens.back(), 255);
+  EXPECT_EQ(data.labels.back(), 255);
+}
+
+TEST(Readers, MalformedJsonlLinesNameFileAndLine) {
+  const auto tok = bytes_tokenizer();
+  const std::string path = write_file("bad.jsonl", "{\"text\": \"ok\"}\n\n{\"text\": 3}\n{\"text\": \"x\"\n{\"text\": \"y\"}\n");
+  ReadOptions options;
+  TokenizedData data;
+  try {
+    read_dataset(path, options, tok, data);
+    FAIL() << "expected a ReaderError";
+  } catch (const ReaderError& e) {
+    EXPECT_EQ(std::string(e.what()), path + ":3: field 'text' is a number, expected a string");
+  }
+  options.on_error = OnError::kSkip;
+  TokenizedData kept;
+  const ReadReport report = read_dataset(path, options, tok, kept);
+  EXPECT_EQ(report.records, 2u);
+  EXPECT_EQ(report.skipped, 2u);
+  ASSERT_EQ(report.errors.size(), 2u);
+  EXPECT_EQ(report.errors[0], path + ":3: field 'text' is a number, expected a string");
+  EXPECT_EQ(report.errors[1].rfind(path + ":4: JSON syntax error", 0), 0u) << report.errors[1];
+  EXPECT_EQ(kept.size(), 2u);
+}
+
+TEST(Readers, JsonArraysTextAndChat) {
+  const auto tok = bytes_tokenizer();
+  ReadOptions options;
+  TokenizedData data;
+  EXPECT_EQ(read_dataset(write_file("t.txt", "ab\r\n\n  \ncd"), options, tok, data).records, 2u);
+  EXPECT_EQ(data.tokens, (std::vector<int32_t>{'a', 'b', 'c', 'd'}));
+
+  const std::string arr = write_file("m.json", R"([{"messages": [{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "yo"}]}, {"messages": [{"role": "bot", "content": "x"}]}])");
+  options.format = RecordFormat::kMessages;
+  try {
+    TokenizedData d;
+    read_dataset(arr, options, tok, d);
+    FAIL();
+  } catch (const ReaderError& e) {
+    EXPECT_EQ(std::string(e.what()), arr + ": record 1: messages[0]: role 'bot' is not one of system, user, assistant");
+  }
+  const Example ex = render_record(json::parse(R"({"messages": [{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "yo"}]})"), options);
+  std::string trained, all;
+  for (const auto& [text, learn] : ex.segments) {
+    all += text;
+    if (learn) trained += text;
+  }
+  EXPECT_EQ(all, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n");
+  EXPECT_EQ(trained, "yo<|im_end|>");
+  options.chat_template = "{% for m in messages %}...";
+  EXPECT_THROW(render_record(json::parse(R"({"messages": []})"), options), ReaderError);
+  try {
+    check_chat_template("gemma");
+  } catch (const ReaderError& e) {
+    EXPECT_NE(std::string(e.what()).find("not built in"), std::string::npos);
+  }
+  EXPECT_THROW(read_dataset(::testing::TempDir() + "missing.jsonl", ReadOptions{}, tok, data), ReaderError);
+}
+
+}  // namespace
+}  // namespace barqtrain::data
