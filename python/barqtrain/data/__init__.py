@@ -2,6 +2,18 @@
 C++ packer into fixed-length rows in the DataCollatorWithFlattening format."""
 
 from barqtrain.data.packing import PackedBatch, PackedLoader, Packing, PackingError, pack
+from barqtrain.data.readers import ReaderError, TokenizedDataset, read_dataset
 from barqtrain.data.tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["PackedBatch", "PackedLoader", "Packing", "PackingError", "Tokenizer", "TokenizerError", "pack"]
+__all__ = [
+    "PackedBatch",
+    "PackedLoader",
+    "Packing",
+    "PackingError",
+    "ReaderError",
+    "TokenizedDataset",
+    "Tokenizer",
+    "TokenizerError",
+    "pack",
+    "read_dataset",
+]

@@ -1,0 +1,80 @@
+"""barqtrain.data.read_dataset on the shared instruction data, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from barqtrain.data import ReaderError, Tokenizer, read_dataset
+
+SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
+QWEN = SHARED / "tokenizers" / "qwen2.5"
+ALPACA = SHARED / "instruct" / "llama-factory" / "alpaca_en_demo.json"
+
+if not QWEN.is_dir() or not ALPACA.is_file():
+    pytest.skip(f"the shared data is not at {SHARED}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file(QWEN)
+
+
+def test_alpaca_prompt_masked_output_learned_eos_appended(tok):
+    data = read_dataset(ALPACA, "alpaca", QWEN)
+    records = json.loads(ALPACA.read_text(encoding="utf-8"))
+    assert len(data) == len(records) and data.report["skipped"] == 0
+    eos = tok.encode("<|im_end|>", add_special_tokens=False)[0]  # tokenizer_config.json's eos_token
+    assert data.report["eos_id"] == eos
+    for i in (0, 7, len(records) - 1):
+        r, ex = records[i], data[i]
+        learned = [t for t, l in zip(ex["input_ids"], ex["labels"]) if l != -100]
+        assert learned == tok.encode(r["output"], add_special_tokens=False) + [eos]
+        prompt = [t for t, l in zip(ex["input_ids"], ex["labels"]) if l == -100]
+        assert tok.decode(prompt).endswith(r["instruction"] + ("\n\n### Input:\n" + r["input"] if r["input"] else "") + "\n\n### Response:\n")
+
+
+def test_packs_into_rows(tok):
+    data = read_dataset(ALPACA, "alpaca", tok, eos_token="<|endoftext|>")
+    packed = data.pack(1024, seed=0)
+    assert packed.stats["pieces"] >= len(data) and packed.stats["fill"] > 0.95
+    batch = next(iter(data.loader(row_length=1024, batch_size=2, seed=0)))
+    assert tuple(batch.input_ids.shape) == (2, 1024)
+
+
+def test_chat_messages_with_chatml(tmp_path, tok):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}) + "\n"
+    )
+    data = read_dataset(path, "messages", tok, add_eos=False)
+    ex = data[0]
+    assert tok.decode(ex["input_ids"]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    assert tok.decode([t for t, l in zip(ex["input_ids"], ex["labels"]) if l != -100]) == "Hello!<|im_end|>"
+    with pytest.raises(ReaderError, match="not built in.*Jinja chat templates .* not supported yet"):
+        read_dataset(path, "messages", tok, chat_template="{{ bos_token }}{% for m in messages %}")
+
+
+def test_malformed_lines_raise_or_are_skipped_and_counted(tmp_path, tok):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a"}\n{"text": \n{"txt": "b"}\n{"text": "c"}\n')
+    with pytest.raises(ReaderError, match=rf"^{path}:2: JSON syntax error"):
+        read_dataset(path, "text", tok)
+    with pytest.warns(UserWarning, match="skipped 2 malformed records of 4"):
+        data = read_dataset(path, "text", tok, on_error="skip")
+    assert len(data) == 2 and data.report["skipped"] == 2
+    assert data.report["errors"][1] == f"{path}:3: missing field 'text'"
+    with pytest.raises(ReaderError, match="cannot open"):
+        read_dataset(tmp_path / "missing.jsonl", "text", tok)
+    with pytest.raises(ReaderError, match="unknown format 'sharegpt'"):
+        read_dataset(path, "sharegpt", tok)
+
+
+def test_plain_text_lines(tok):
+    path = SHARED / "text" / "tinyshakespeare" / "input.txt"
+    data = read_dataset(path, "text", tok, add_eos=False)
+    lines = [l for l in path.read_text(encoding="utf-8").split("\n") if l.strip()]
+    assert len(data) == len(lines)
+    assert data[5]["input_ids"] == tok.encode(lines[5])
