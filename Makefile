@@ -8,7 +8,7 @@ JOBS ?= $(shell nproc)
 
 NO_CUDA_BUILD := build/no-cuda
 
-.PHONY: run test test-cpp test-python test-no-cuda install venv gpu-check clean
+.PHONY: run test test-cpp test-python test-no-cuda test-fuzz fuzz install venv gpu-check clean
 
 run: install
 	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
@@ -18,7 +18,7 @@ run: install
 	  $(VENV)/bin/barqtrain demo; \
 	fi
 
-test: test-cpp test-python test-no-cuda
+test: test-cpp test-python test-no-cuda test-fuzz
 
 venv: $(VENV)/.deps-stamp
 $(VENV)/.deps-stamp: requirements-dev.txt
@@ -52,6 +52,32 @@ test-no-cuda: venv
 	  "import barqtrain._native as n; assert not n.has_cuda_kernels(), 'expected a build without CUDA kernels'"
 	cd $(NO_CUDA_BUILD) && PYTHONPATH=site $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
 	  $(CURDIR)/tests/python/ops
+
+# libFuzzer runs (ASan + UBSan) of the JSON parser and of encode/decode, FUZZ_SECONDS each;
+# a crash, hang, leak or sanitizer report fails them. `make test` runs them where clang
+# with libFuzzer is installed (.ci/run installs it) and says so where it is not.
+FUZZ_BUILD := build/fuzz
+FUZZ_SECONDS ?= 30
+FUZZ_TOKENIZERS := $(subst $(eval) ,:,$(wildcard ../shared/data/tokenizers/gpt2/tokenizer.json ../shared/data/tokenizers/llama3/tokenizer.json))
+
+test-fuzz:
+	@if echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' | \
+	    clang++ -x c++ -fsanitize=fuzzer,address,undefined -o /dev/null - 2>/dev/null; then \
+	  $(MAKE) --no-print-directory fuzz; \
+	else \
+	  echo "test-fuzz: skipped, clang++ with libFuzzer is not installed (apt-get install clang)"; \
+	fi
+
+fuzz:
+	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DBARQTRAIN_ENABLE_CUDA=OFF -DBARQTRAIN_BUILD_FUZZERS=ON
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target json_fuzz tokenizer_fuzz
+	set -e; for fuzzer in json_fuzz tokenizer_fuzz; do \
+	  mkdir -p $(FUZZ_BUILD)/corpus/$$fuzzer; \
+	  BARQTRAIN_FUZZ_TOKENIZERS="$(FUZZ_TOKENIZERS)" $(FUZZ_BUILD)/$$fuzzer -max_total_time=$(FUZZ_SECONDS) \
+	    -timeout=10 -max_len=4096 -rss_limit_mb=4096 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/$$fuzzer- $(FUZZ_BUILD)/corpus/$$fuzzer; \
+	done
 
 gpu-check:
 	bash scripts/gpu_check.sh $(or $(OUT),gpu_check_out)

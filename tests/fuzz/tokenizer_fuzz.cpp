@@ -1,0 +1,154 @@
+// libFuzzer target: encode and decode on fixed tokenizers (one per split pattern, built
+// here, plus any tokenizer.json named in BARQTRAIN_FUZZ_TOKENIZERS, colon-separated).
+//
+// Input: one control byte (which tokenizer, which options), then the text. Checks:
+//   - invalid UTF-8 is a TokenizerError, never a crash;
+//   - decode(encode(x)) == x for valid x when the tokenizer does not normalize;
+//   - encode_batch_flat of the text split in two equals encode of each half;
+//   - decoding arbitrary ids either works or throws TokenizerError.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/json.h"
+#include "data/tokenizer/tokenizer.h"
+#include "data/tokenizer/unicode.h"
+
+namespace tk = barqtrain::tokenizer;
+
+namespace {
+
+std::string json_string(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// GPT-2's byte-level alphabet character for byte b.
+std::string byte_level_char(int b) {
+  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+  int cp = b;
+  if (!printable) {
+    int next = 256;
+    for (int x = 0; x < b; ++x) {
+      if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE)) ++next;
+    }
+    cp = next;
+  }
+  std::string out;
+  tk::unicode::append_utf8(out, static_cast<char32_t>(cp));
+  return out;
+}
+
+std::string tiny_config(const std::string& pre_tokenizer, const std::string& normalizer, bool ignore_merges) {
+  std::string vocab;
+  for (int b = 0; b < 256; ++b) vocab += json_string(byte_level_char(b)) + ": " + std::to_string(b) + ", ";
+  vocab += R"("Ġt": 256, "he": 257, "Ġthe": 258, "ll": 259, "Ġa": 260, "in": 261, "Ġthell": 262)";
+  return R"({"version": "1.0", "truncation": null, "padding": null,
+    "added_tokens": [{"id": 300, "content": "<|eot|>", "single_word": false, "lstrip": false, "rstrip": false,
+                      "normalized": false, "special": true},
+                     {"id": 301, "content": "<|x|>", "single_word": false, "lstrip": false, "rstrip": false,
+                      "normalized": true, "special": false}],
+    "normalizer": )" + normalizer + R"(, "pre_tokenizer": )" + pre_tokenizer + R"(,
+    "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [], "special_tokens": {"<|eot|>": {"id": "<|eot|>", "ids": [300], "tokens": ["<|eot|>"]}}},
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+    "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
+              "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": )" +
+         (ignore_merges ? "true" : "false") + R"(, "vocab": {)" + vocab +
+         R"(}, "merges": ["Ġ t", "h e", "Ġt he", ["l", "l"], "Ġ a", "i n", "Ġthe ll"]}})";
+}
+
+std::string split_pre_tokenizer(tk::SplitPattern pattern) {
+  return R"({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": )" +
+         json_string(tk::regex_of(pattern)) + R"(}, "behavior": "Isolated", "invert": false},
+      {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})";
+}
+
+struct Fixture {
+  std::unique_ptr<tk::Tokenizer> tokenizer;
+  bool round_trips;  // decode(encode(x)) == x: no normalizer, no prefix space
+};
+
+std::vector<Fixture> make_fixtures() {
+  std::vector<Fixture> fixtures;
+  const std::string byte_level = R"({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})";
+  const std::string prefixed = R"({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true})";
+  auto add = [&](const std::string& config, bool round_trips) {
+    fixtures.push_back({std::make_unique<tk::Tokenizer>(barqtrain::json::parse(config)), round_trips});
+  };
+  add(tiny_config(byte_level, "null", false), true);
+  add(tiny_config(prefixed, "null", false), false);
+  add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kLlama3), "null", true), true);
+  add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kQwen2), R"({"type": "NFC"})", false), false);
+  if (const char* paths = std::getenv("BARQTRAIN_FUZZ_TOKENIZERS")) {
+    std::string_view rest(paths);
+    while (!rest.empty()) {
+      const size_t colon = rest.find(':');
+      const std::string path(rest.substr(0, colon));
+      rest = colon == std::string_view::npos ? std::string_view() : rest.substr(colon + 1);
+      if (path.empty()) continue;
+      fixtures.push_back({std::make_unique<tk::Tokenizer>(tk::Tokenizer::from_file(path)),
+                          path.find("qwen") == std::string::npos && path.find("gpt2") == std::string::npos});
+    }
+  }
+  return fixtures;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::vector<Fixture> fixtures = make_fixtures();
+  if (size == 0) return 0;
+  const uint8_t control = data[0];
+  const Fixture& fixture = fixtures[control % fixtures.size()];
+  const tk::Tokenizer& tokenizer = *fixture.tokenizer;
+  tk::EncodeOptions options;
+  options.add_special_tokens = (control & 0x40) != 0;
+  options.split_special_tokens = (control & 0x80) != 0;
+  const std::string_view text(reinterpret_cast<const char*>(data + 1), size - 1);
+
+  if (tk::unicode::find_invalid_utf8(text) != text.size()) {
+    try {
+      tokenizer.encode(text, options);
+      std::abort();  // invalid UTF-8 must be rejected
+    } catch (const tk::TokenizerError&) {
+    }
+  } else {
+    const std::vector<tk::TokenId> ids = tokenizer.encode(text, options);
+    for (const tk::TokenId id : ids) {
+      if (id >= tokenizer.id_bound()) std::abort();
+    }
+    // Without the post-processor's BOS, decoding (special tokens kept) gives the text back.
+    const std::string decoded = tokenizer.decode(ids, /*skip_special_tokens=*/false);
+    if (fixture.round_trips && !options.add_special_tokens && decoded != text) std::abort();
+    // The batch paths agree with encode on the text cut at a code point boundary.
+    size_t cut = text.size() / 2;
+    while (cut < text.size() && (static_cast<uint8_t>(text[cut]) & 0xC0) == 0x80) ++cut;
+    const std::vector<std::string_view> halves{text.substr(0, cut), text.substr(cut)};
+    const tk::Tokenizer::FlatIds flat = tokenizer.encode_batch_flat(halves, options, 2);
+    std::vector<tk::TokenId> expected = tokenizer.encode(halves[0], options);
+    const std::vector<tk::TokenId> second = tokenizer.encode(halves[1], options);
+    expected.insert(expected.end(), second.begin(), second.end());
+    if (flat.ids != expected || flat.offsets.size() != 3) std::abort();
+  }
+
+  // Decoding arbitrary ids: text or a TokenizerError.
+  std::vector<tk::TokenId> ids;
+  for (size_t i = 1; i + 1 < size && ids.size() < 64; i += 2) {
+    ids.push_back(static_cast<tk::TokenId>((data[i] | (data[i + 1] << 8)) % (tokenizer.id_bound() + 2)));
+  }
+  try {
+    (void)tokenizer.decode(ids, (control & 1) != 0);
+  } catch (const tk::TokenizerError&) {
+  }
+  return 0;
+}
