@@ -84,6 +84,17 @@ def bench_tokenizer(tokenizer_dir: Path, documents: list[str], repeats: int = 3)
 
     reference = add("barqtrain", 1, lambda: ours.encode_batch(documents, add_special_tokens=False, num_threads=1), None)
     add("barqtrain", cores, lambda: ours.encode_batch(documents, add_special_tokens=False), reference)
+
+    def flat_as_lists(threads: int) -> list[list[int]]:
+        ids, offsets = ours.encode_batch_flat(documents, add_special_tokens=False, num_threads=threads)
+        flat_as_lists.last = (ids, offsets)
+        return None
+
+    # encode_batch_flat: ids in NumPy arrays, no Python int per id (checked against the lists after timing).
+    for threads in (1, cores):
+        add("barqtrain-flat", threads, lambda threads=threads: flat_as_lists(threads), None)
+        ids, offsets = flat_as_lists.last
+        rows[-1]["identical"] = [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(documents))] == reference
     # tokenizers' encode is single-threaded; its encode_batch uses every core (rayon).
     add("hf-tokenizers", 1,
         lambda: [theirs.encode(d, add_special_tokens=False).ids for d in documents], reference)
