@@ -14,23 +14,14 @@ import torch
 
 from barqtrain.cli_args import int_at_least
 
-PAD, BOS, SEPARATOR = 0, 1, 2
-FIRST_DIGIT = 10  # token ids FIRST_DIGIT .. FIRST_DIGIT + 9 are the digits 0 .. 9
-DIGITS_PER_SEQUENCE = 6
-IGNORE_INDEX = -100  # HF's label for positions outside the loss
-
-MODEL_CONFIG = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=64,
-    # Wider than HF's 0.02: the frozen random output layer must be able to single out the digits.
-    initializer_range=0.05,
+from barqtrain.train.task import (  # noqa: F401  (re-exported: the demo's task is the trainer's)
+    DIGITS_PER_SEQUENCE,
+    IGNORE_INDEX,
+    PAD,
+    TINY_LLAMA,
+    answer_accuracy,
+    make_batch,
 )
-
 
 @dataclass(frozen=True)
 class DemoResult:
@@ -55,17 +46,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """[BOS, d1..dn, SEP, d1..dn]: input ids, and labels that score the repeated digits only."""
-    digits = FIRST_DIGIT + torch.randint(10, (batch_size, DIGITS_PER_SEQUENCE), generator=generator)
-    bos = torch.full((batch_size, 1), BOS)
-    separator = torch.full((batch_size, 1), SEPARATOR)
-    input_ids = torch.cat([bos, digits, separator, digits], dim=1)
-    labels = input_ids.clone()
-    labels[:, : DIGITS_PER_SEQUENCE + 2] = IGNORE_INDEX  # the prompt is given, not learned
-    return input_ids, labels
-
-
 def train_demo(steps: int = 30, seed: int = 0, batch_size: int = 64, verbose: bool = False) -> DemoResult:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -76,7 +56,7 @@ def train_demo(steps: int = 30, seed: int = 0, batch_size: int = 64, verbose: bo
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL_CONFIG, pad_token_id=PAD, use_cache=False))
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA))
     log(f"A random Llama with {sum(p.numel() for p in model.parameters()):,} parameters on {device}.")
     log(barqtrain.patch_model(model))
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -106,13 +86,8 @@ def train_demo(steps: int = 30, seed: int = 0, batch_size: int = 64, verbose: bo
     return DemoResult(initial_loss=losses[0], final_loss=losses[-1], answer_accuracy=accuracy)
 
 
-@torch.no_grad()
 def _answer_accuracy(
     model: torch.nn.Module, generator: torch.Generator, batch_size: int, device: torch.device
 ) -> float:
-    model.eval()
     input_ids, labels = (t.to(device) for t in make_batch(batch_size, generator))
-    predictions = model(input_ids=input_ids).logits[:, :-1].argmax(-1)
-    targets = labels[:, 1:]
-    scored = targets != IGNORE_INDEX
-    return (predictions[scored] == targets[scored]).float().mean().item()
+    return answer_accuracy(model, input_ids, labels)

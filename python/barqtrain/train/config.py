@@ -1,0 +1,275 @@
+"""The trainer's configuration: a dataclass tree loaded from YAML and validated on load.
+
+Unknown keys and values of the wrong type are errors that name the key path, e.g.
+``optim.lr: expected a number, got 'fast'``. Every field has a default: an empty file (or
+no file) is the embedded default, the built-in digit task on a tiny random Llama.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key path."""
+
+
+def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _doc("a named tiny config for random init (tiny-llama); ignored when path is set", "tiny-llama")
+    path: str | None = _doc("a local Hugging Face model directory (config.json + weights)", None)
+    patch: bool = _doc("swap in BarqTrain's fused ops with barqtrain.patch_model", True)
+
+
+@dataclass
+class DataConfig:
+    task: str | None = _doc("the built-in synthetic task (repeat-digits); used when path is not set", "repeat-digits")
+    path: str | None = _doc("a dataset file (jsonl, parquet, text); read with barqtrain.data.read_dataset", None)
+    format: str = _doc("the dataset format: text, alpaca, sharegpt, chat, pretokenized", "text")
+    tokenizer: str | None = _doc("tokenizer.json or its directory; default: the model directory", None)
+    seq_length: int = _doc("tokens per row (the task's sequences are 14 tokens)", 14)
+    packing: bool = _doc("pack several sequences per row (dataset files only)", True)
+    eval_batches: int = _doc("held-out batches for evaluation", 2)
+
+
+@dataclass
+class LoraConfig:
+    r: int = _doc("LoRA rank", 8)
+    alpha: float = _doc("LoRA alpha (the update is scaled by alpha / r)", 16.0)
+    dropout: float = _doc("dropout on the LoRA input", 0.0)
+    target_modules: str | list[str] = _doc("'all-linear' or a list of module names", "all-linear")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _doc("peak learning rate (AdamW)", 1e-2)
+    weight_decay: float = _doc("AdamW weight decay", 0.0)
+    betas: list[float] = _doc("AdamW betas", factory=lambda: [0.9, 0.999])
+    warmup_steps: int = _doc("linear warmup steps", 5)
+    schedule: Literal["cosine", "linear", "constant"] = _doc("decay after warmup: cosine, linear, constant", "cosine")
+    min_lr_ratio: float = _doc("the schedule's final learning rate, as a fraction of lr", 0.1)
+    max_grad_norm: float | None = _doc("gradient clipping norm; null: none", 1.0)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = _doc("what to train", factory=ModelConfig)
+    data: DataConfig = _doc("what to train on", factory=DataConfig)
+    method: Literal["lora", "full"] = _doc("lora (PEFT adapter) or full fine-tuning", "lora")
+    lora: LoraConfig = _doc("LoRA settings (method: lora)", factory=LoraConfig)
+    optim: OptimConfig = _doc("optimizer and learning-rate schedule", factory=OptimConfig)
+    batch_size: int = _doc("rows per micro-batch", 64)
+    grad_accum: int = _doc("micro-batches per optimizer step", 1)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc("auto: bf16 on a GPU that has it, else fp32", "auto")
+    gradient_checkpointing: bool = _doc("recompute activations in the backward pass", False)
+    seed: int = _doc("seeds the model init, the data order and dropout", 0)
+    steps: int | None = _doc("optimizer steps; null: run `epochs` over a dataset file", 60)
+    epochs: int = _doc("passes over a dataset file when steps is null", 1)
+    eval_interval: int = _doc("evaluate every N steps; 0: only at the start and the end", 20)
+    save_interval: int = _doc("checkpoint every N steps; 0: only at the end", 20)
+    log_interval: int = _doc("print a progress line every N steps", 5)
+    output_dir: str = _doc("where the run writes metrics, checkpoints and the adapter", "runs/default")
+
+
+TEMPLATES = ("lora", "full")
+
+
+def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    def fail() -> typing.NoReturn:
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _convert(value, option, path)
+            except ConfigError:
+                pass
+        fail()
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        fail()
+    if origin is list:
+        if not isinstance(value, list):
+            fail()
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            fail()
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        fail()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        fail()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        fail()
+    raise TypeError(f"unsupported config type {tp!r} at {path}")
+
+
+def _build(cls: type, mapping: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in mapping:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise ConfigError(f"{where}: unknown key; expected one of {', '.join(sorted(names))}")
+    values = {}
+    for name in names & set(mapping):
+        values[name] = _convert(mapping[name], hints[name], f"{prefix}.{name}" if prefix else name)
+    return cls(**values)
+
+
+def _check(config: TrainConfig) -> None:
+    positive = {
+        "batch_size": config.batch_size,
+        "grad_accum": config.grad_accum,
+        "epochs": config.epochs,
+        "lora.r": config.lora.r,
+        "data.seq_length": config.data.seq_length,
+        "data.eval_batches": config.data.eval_batches,
+        "log_interval": config.log_interval,
+    }
+    if config.steps is not None:
+        positive["steps"] = config.steps
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be at least 1, got {value}")
+    for key, value in {
+        "eval_interval": config.eval_interval,
+        "save_interval": config.save_interval,
+        "optim.warmup_steps": config.optim.warmup_steps,
+        "optim.lr": config.optim.lr,
+        "optim.weight_decay": config.optim.weight_decay,
+        "lora.dropout": config.lora.dropout,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative, got {value}")
+    if len(config.optim.betas) != 2:
+        raise ConfigError(f"optim.betas: expected two numbers, got {config.optim.betas!r}")
+    if config.data.path is None and config.data.task != "repeat-digits":
+        raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
+    if config.data.path is None and config.steps is None:
+        raise ConfigError("steps: the built-in task has no epochs; set steps")
+    if config.model.path is None and config.model.name != "tiny-llama":
+        raise ConfigError(f"model.name: unknown named config {config.model.name!r}; choose from tiny-llama")
+
+
+def config_from_dict(mapping: dict | None) -> TrainConfig:
+    if mapping is not None and not isinstance(mapping, dict):
+        raise ConfigError(f"expected a mapping of keys at the top level, got {type(mapping).__name__}")
+    config = _build(TrainConfig, mapping or {}, "")
+    _check(config)
+    return config
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> TrainConfig:
+    """The config in a YAML file (None: the embedded default), validated."""
+    if path is None:
+        return config_from_dict({})
+    with open(path, encoding="utf-8") as file:
+        try:
+            mapping = yaml.safe_load(file)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if mapping is not None and not isinstance(mapping, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {type(mapping).__name__}")
+    return config_from_dict(mapping)
+
+
+def to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+def template(name: str) -> TrainConfig:
+    if name not in TEMPLATES:
+        raise ConfigError(f"unknown template {name!r}; choose from {', '.join(TEMPLATES)}")
+    config = TrainConfig()
+    if name == "full":
+        config.method = "full"
+        config.optim.lr = 1e-3
+        config.output_dir = "runs/full"
+    else:
+        config.output_dir = "runs/lora"
+    return config
+
+
+def _scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def template_yaml(name: str, documented: bool = False) -> str:
+    """The named template as YAML; documented: every key with a comment saying what it is."""
+    lines = [f"# barqtrain train config ({name} template). Run: barqtrain train THIS_FILE.yaml"]
+
+    def emit(obj: Any, indent: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            doc = f.metadata.get("doc", "")
+            if dataclasses.is_dataclass(value):
+                if documented:
+                    lines.append(f"{indent}# {doc}")
+                lines.append(f"{indent}{f.name}:")
+                emit(value, indent + "  ")
+            else:
+                line = f"{indent}{f.name}: {_scalar(value)}"
+                lines.append(f"{line}  # {doc}" if documented else line)
+
+    emit(template(name), "")
+    return "\n".join(lines) + "\n"
