@@ -1,0 +1,48 @@
+"""`barqtrain train [CONFIG.yaml] [--resume RUN_DIR]`: no config runs the embedded default,
+a tiny random Llama learning the built-in digit task (GPU when present, else CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from barqtrain.train.config import ConfigError, load_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train from a YAML config (no config: the embedded default, which runs anywhere)",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("config", nargs="?", help="YAML config (see `barqtrain config --template lora`)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    parser.add_argument("--output-dir", help="override the config's output_dir")
+    parser.add_argument("--steps", type=int, help="override the config's steps")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from barqtrain.train.trainer import resume_run, train
+
+    try:
+        if args.resume:
+            if args.config:
+                print("barqtrain train: --resume uses the config saved in RUN_DIR; leave CONFIG out", file=sys.stderr)
+                return 2
+            resume_run(args.resume)
+            return 0
+        config = load_config(args.config)
+        if args.output_dir:
+            config.output_dir = args.output_dir
+        if args.steps is not None:
+            if args.steps < 1:
+                raise ConfigError(f"--steps: must be at least 1, got {args.steps}")
+            config.steps = args.steps
+    except (ConfigError, OSError) as error:
+        print(f"barqtrain train: {error}", file=sys.stderr)
+        return 2
+    if args.config is None:
+        print("No config given: the embedded default (`barqtrain config --template lora` writes it as YAML).")
+    train(config)
+    return 0

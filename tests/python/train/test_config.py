@@ -1,0 +1,60 @@
+"""The trainer's YAML config: validated on load, errors name the key path."""
+
+import pytest
+import yaml
+
+from barqtrain import cli
+from barqtrain.train.config import ConfigError, TrainConfig, config_from_dict, load_config, template, template_yaml
+
+
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"optim": {"lr": "fast"}}, "optim.lr: expected a number, got 'fast'"),
+        ({"optim": {"lrr": 1e-3}}, "optim.lrr: unknown key"),
+        ({"bogus": 1}, "bogus: unknown key"),
+        ({"batch_size": 2.5}, "batch_size: expected an integer, got 2.5"),
+        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing: expected true or false"),
+        ({"method": "qlora"}, "method: expected one of 'lora', 'full'"),
+        ({"lora": {"target_modules": [1]}}, "lora.target_modules"),
+        ({"lora": 3}, "lora: expected a mapping"),
+        ({"batch_size": 0}, "batch_size: must be at least 1"),
+        ({"model": {"name": "huge"}}, "model.name: unknown named config"),
+    ],
+)
+def test_bad_configs_name_the_key(mapping, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        config_from_dict(mapping)
+
+
+def test_empty_config_is_the_embedded_default(tmp_path):
+    assert load_config() == TrainConfig()
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == TrainConfig()
+
+
+def test_yaml_scientific_notation_and_lists():
+    config = config_from_dict({"optim": {"lr": "1e-4"}, "lora": {"target_modules": ["q_proj", "v_proj"]}})
+    assert config.optim.lr == 1e-4 and config.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("name", ["lora", "full"])
+@pytest.mark.parametrize("documented", [False, True])
+def test_templates_load_back(name, documented):
+    text = template_yaml(name, documented=documented)
+    assert config_from_dict(yaml.safe_load(text)) == template(name)
+    assert ("# peak learning rate" in text) == documented
+
+
+def test_config_command_writes_a_template(tmp_path, capsys):
+    out = tmp_path / "lora.yaml"
+    assert cli.main(["config", "--template", "lora", "--documented", "--out", str(out)]) == 0
+    assert load_config(out).method == "lora"
+
+
+def test_train_command_rejects_a_bad_config(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  lr: fast\n")
+    assert cli.main(["train", str(path)]) == 2
+    assert "optim.lr: expected a number, got 'fast'" in capsys.readouterr().err
