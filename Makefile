@@ -11,12 +11,7 @@ NO_CUDA_BUILD := build/no-cuda
 .PHONY: run test test-cpp test-python test-no-cuda test-fuzz fuzz install venv gpu-check clean
 
 run: install
-	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	  $(VENV)/bin/barqtrain bench ops; \
-	else \
-	  echo "No CUDA GPU here: a short CPU demonstration through the reference ops."; \
-	  $(VENV)/bin/barqtrain demo; \
-	fi
+	$(VENV)/bin/barqtrain train
 
 test: test-cpp test-python test-no-cuda test-fuzz
 
