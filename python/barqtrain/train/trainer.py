@@ -5,7 +5,8 @@ checkpoints that resume with the same losses.
 A run directory holds config.yaml, metrics.jsonl, checkpoints/step-NNNNNN/ (adapter or
 model weights, optimizer, scheduler, RNG states, data position, step; each written to a
 temporary directory and renamed into place, so a killed run leaves only whole
-checkpoints), and at the end adapter/ (PEFT format) or model/, and training.png.
+checkpoints), base/ for a random-init model (its initial weights, which the adapter
+applies to), and at the end adapter/ (PEFT format) or model/, and training.png.
 """
 
 from __future__ import annotations
@@ -125,7 +126,12 @@ class FileData:
 # ---------------------------------------------------------------------------- model
 
 
-def build_model(config: TrainConfig, device: torch.device, log: Callable[..., None]) -> torch.nn.Module:
+BASE = "base"  # a random-init run's base weights, so that `barqtrain export` can merge its adapter
+
+
+def build_model(
+    config: TrainConfig, device: torch.device, log: Callable[..., None], run_dir: Path | None = None
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import barqtrain
@@ -138,6 +144,8 @@ def build_model(config: TrainConfig, device: torch.device, log: Callable[..., No
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(LlamaConfig(**task.TINY_LLAMA))
         log(f"A random tiny Llama: {sum(p.numel() for p in model.parameters()):,} parameters on {device}.")
+        if run_dir is not None and not (run_dir / BASE / "config.json").exists():
+            save_base(model, run_dir / BASE)
     model.config.use_cache = False
     if config.model.patch:
         log(barqtrain.patch_model(model))
@@ -160,6 +168,16 @@ def build_model(config: TrainConfig, device: torch.device, log: Callable[..., No
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model
+
+
+def save_base(model: torch.nn.Module, directory: Path) -> None:
+    """The unpatched, adapter-free model in HF format, written atomically (a temporary
+    directory renamed into place)."""
+    temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(temporary, directory)
 
 
 def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
@@ -362,7 +380,7 @@ def train(
         log(f"No checkpoint in {run_dir}: starting from step 0.")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
-    model = build_model(config, device, log)
+    model = build_model(config, device, log, run_dir)
     data = TaskData(config) if config.data.path is None else FileData(config)
     steps = config.steps
     if steps is None:
