@@ -245,6 +245,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
+    # Only renamed-into-place directories count: a .tmp-* one is a write that a kill interrupted.
     found = sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / "trainer_state.pt").exists())
     return found[-1] if found else None
 
@@ -275,7 +276,11 @@ class Metrics:
         kept = []
         if resume_step is not None and self.path.exists():
             for line in self.path.read_text().splitlines():
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                if record.get("step", 0) <= resume_step:
                     kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = None
@@ -403,6 +408,8 @@ def train(
 
     step = 0
     if checkpoint is not None:
+        for stale in (run_dir / CHECKPOINTS).glob(".tmp-*"):  # left by a killed run
+            shutil.rmtree(stale, ignore_errors=True)
         step = load_checkpoint(checkpoint, model, config, optimizer, scheduler, scaler, data)
         log(f"Resumed from {checkpoint} at step {step}.")
     metrics = Metrics(run_dir, step if checkpoint is not None else None)
