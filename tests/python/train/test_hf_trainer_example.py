@@ -5,11 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import barqtrain
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_hf_trainer_example_runs_and_learns(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": str(Path(barqtrain.__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_trainer_lora.py"), "--out", str(tmp_path / "out")],
         env=env, capture_output=True, text=True, timeout=300,

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import barqtrain as package
+
 from barqtrain.train.trainer import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,7 +36,7 @@ def write_config(path: Path, output_dir: Path) -> Path:
 
 
 def env() -> dict[str, str]:
-    python = str(ROOT / "python")
+    python = str(Path(package.__file__).parents[1])  # the barqtrain this test imported
     return {
         **os.environ,
         "PYTHONPATH": python + os.pathsep + os.environ.get("PYTHONPATH", ""),
