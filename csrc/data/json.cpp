@@ -1,5 +1,7 @@
 #include "data/json.h"
 
+#include "data/utf8.h"
+
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -159,24 +161,6 @@ class Parser {
     return value;
   }
 
-  static void append_utf8(std::string& out, char32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
   // Copies one raw UTF-8 sequence, rejecting malformed ones (JSON text is UTF-8).
   void copy_utf8_sequence(std::string& out) {
     const auto lead = static_cast<unsigned char>(peek());
@@ -239,7 +223,7 @@ class Parser {
             if (low < 0xDC00 || low >= 0xE000) fail("unpaired high surrogate in \\u escape");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
           }
-          append_utf8(out, cp);
+          utf8::append(out, cp);
           break;
         }
         default:

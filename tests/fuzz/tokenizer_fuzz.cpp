@@ -17,6 +17,7 @@
 #include "data/json.h"
 #include "data/tokenizer/tokenizer.h"
 #include "data/tokenizer/unicode.h"
+#include "data/utf8.h"
 
 namespace tk = barqtrain::tokenizer;
 
@@ -43,7 +44,7 @@ std::string byte_level_char(int b) {
     cp = next;
   }
   std::string out;
-  tk::unicode::append_utf8(out, static_cast<char32_t>(cp));
+  barqtrain::utf8::append(out, static_cast<char32_t>(cp));
   return out;
 }
 

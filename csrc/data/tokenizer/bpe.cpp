@@ -4,6 +4,7 @@
 
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
+#include "data/utf8.h"
 
 namespace barqtrain::tokenizer {
 namespace {
@@ -48,7 +49,7 @@ bool byte_level_to_bytes(std::string_view token, std::string& bytes) {
 
 std::string byte_level_string(uint8_t byte) {
   std::string out;
-  unicode::append_utf8(out, byte_alphabet()[byte]);
+  utf8::append(out, byte_alphabet()[byte]);
   return out;
 }
 

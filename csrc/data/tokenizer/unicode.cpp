@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "data/tokenizer/unicode_tables.h"
+#include "data/utf8.h"
 
 namespace barqtrain::tokenizer::unicode {
 namespace {
@@ -132,7 +133,7 @@ void append_nfc_segment(std::string_view segment, std::string& out) {
     }
     chars[kept++] = cp;
   }
-  for (size_t i = 0; i < kept; ++i) append_utf8(out, chars[i]);
+  for (size_t i = 0; i < kept; ++i) utf8::append(out, chars[i]);
 }
 
 bool nfc_unstable(char32_t code_point) {
@@ -143,24 +144,6 @@ bool nfc_unstable(char32_t code_point) {
 
 CodePointClass classify(char32_t code_point) {
   return code_point < 0x10000 ? bmp_classes()[code_point] : classify_slow(code_point);
-}
-
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 namespace {

@@ -50,8 +50,6 @@ inline DecodedCodePoint decode_at(std::string_view text, size_t pos) {
           4};
 }
 
-void append_utf8(std::string& out, char32_t code_point);
-
 // The offset of the first byte that is not part of well-formed UTF-8, or text.size().
 size_t find_invalid_utf8(std::string_view text);
 

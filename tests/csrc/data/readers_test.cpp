@@ -9,6 +9,7 @@
 
 #include "data/tokenizer/tokenizer.h"
 #include "data/tokenizer/unicode.h"
+#include "data/utf8.h"
 
 namespace barqtrain::data {
 namespace {
@@ -24,7 +25,7 @@ tokenizer::Tokenizer bytes_tokenizer() {
       for (int c = 0; c < b; ++c) cp += !((c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE);
     }
     std::string ch;
-    tokenizer::unicode::append_utf8(ch, static_cast<char32_t>(cp));
+    barqtrain::utf8::append(ch, static_cast<char32_t>(cp));
     if (ch == "\"" || ch == "\\") ch = "\\" + ch;
     vocab += (b ? ", \"" : "\"") + ch + "\": " + std::to_string(b);
   }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "data/tokenizer/unicode.h"
+#include "data/utf8.h"
 
 namespace barqtrain::tokenizer {
 namespace {
@@ -22,7 +23,7 @@ std::string byte_level_char(int byte) {
     }
   }
   std::string out;
-  unicode::append_utf8(out, static_cast<char32_t>(code_point));
+  barqtrain::utf8::append(out, static_cast<char32_t>(code_point));
   return out;
 }
 
