@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from shared_data import SHARED, require
+
 from barqtrain.data import ReaderError, Tokenizer, read_dataset
 
-SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
 QWEN = SHARED / "tokenizers" / "qwen2.5"
 ALPACA = SHARED / "instruct" / "llama-factory" / "alpaca_en_demo.json"
 
-if not QWEN.is_dir() or not ALPACA.is_file():
-    pytest.skip(f"the shared data is not at {SHARED}", allow_module_level=True)
+require(QWEN, ALPACA)
 
 
 @pytest.fixture(scope="module")

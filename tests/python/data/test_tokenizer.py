@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared_data import SHARED, require
+
 from barqtrain.data import Tokenizer, TokenizerError
 
 hf_tokenizers = pytest.importorskip(
     "tokenizers", reason="Hugging Face tokenizers (the oracle) is not installed; pip install tokenizers"
 )
 
-SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
 TOKENIZERS = SHARED / "tokenizers"
 NAMES = ["gpt2", "llama3", "qwen2.5", "qwen2-minified"]
 
-if not TOKENIZERS.is_dir():
-    pytest.skip(f"the shared tokenizer files are not at {TOKENIZERS}", allow_module_level=True)
+require(*(TOKENIZERS / name for name in NAMES))
 
 
 @pytest.fixture(scope="module", params=NAMES)
