@@ -133,9 +133,10 @@ def test_cuda_no_worse_than_torch(dtype, shape, options, reduction):
     loss = linear_cross_entropy(h, weight, labels, bias, label_smoothing=options[0], z_loss=options[1],
                                 softcap=options[2], reduction=reduction)
     # A mean's gradient leaves the forward for a unit loss gradient, which training gives it;
-    # any other scales it after its rounding (documented in barqtrain.ops.cross_entropy, and
-    # measured: in fp16 at vocab 128K, 0.5 doubles dh's error through the subnormal entries
-    # of the logits' gradient). Per-token gradients ("none") are applied before the rounding.
+    # any other scales it after its rounding (documented in barqtrain.ops.cross_entropy; on
+    # an H100, fp16 at vocab 128K with 0.5 gave 1.7-2x the unfused dh error, through the
+    # subnormal entries of the logits' gradient). Per-token gradients ("none") are applied
+    # before the rounding.
     grad = torch.ones_like(loss) if reduction != "none" else torch.rand_like(loss)
     grads = torch.autograd.grad(loss, params(h, weight, bias), grad)
 
