@@ -1,0 +1,30 @@
+// FlashAttention-style attention (SPEC K4), framework-free launchers. Tiled on the
+// tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80 and later); the N x N scores
+// never reach memory. The forward saves only O and the fp32 log-sum-exp; the backward
+// recomputes the scores and accumulates dQ, dK and dV without atomics (a CTA owns each
+// output block), so it is bit-identical across runs.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "kernels/attention/params.h"
+
+namespace barqtrain::kernels {
+
+// The largest head_dim each direction's kernels hold (registers bound the backward).
+constexpr int kAttentionMaxHeadDimForward = 256;
+constexpr int kAttentionMaxHeadDimBackward = 128;
+
+// Empty when the kernels can run these parameters (backward: whether the backward can);
+// otherwise the reason, for the caller's fallback message.
+std::string attention_unsupported_reason(const AttentionParams& params, bool backward);
+
+// Writes o and lse. Throws std::invalid_argument naming the problem for bad parameters.
+void attention_forward(const AttentionParams& params, cudaStream_t stream);
+
+// Writes dq, dk, dv (and the d_o_dot_o workspace) from q, k, v, o, lse and d_o.
+void attention_backward(const AttentionParams& params, cudaStream_t stream);
+
+}  // namespace barqtrain::kernels

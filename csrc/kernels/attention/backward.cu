@@ -1,0 +1,63 @@
+// Backward launcher: rowsum(dO * O), then the dK/dV and dQ kernels (independent of each
+// other). dtype and padded head dim are compile-time; the rest are runtime flags.
+#include "kernels/attention/attention.h"
+#include "kernels/attention/backward.cuh"
+#include "kernels/attention/checks.h"
+
+namespace barqtrain::kernels {
+namespace {
+
+template <typename T, typename DkDv, typename Dq>
+void launch_backward(const AttentionParams& p, cudaStream_t stream) {
+  auto dkdv = attention::attention_dkdv_kernel<T, DkDv>;
+  auto dq = attention::attention_dq_kernel<T, Dq>;
+  check_cuda(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, DkDv::kSmemBytes),
+             "attention dk/dv shared memory");
+  check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Dq::kSmemBytes),
+             "attention dq shared memory");
+  // Keys that no query sees get zero dK, dV; queries that see no key get zero dQ.
+  if (p.seqlen_k > 0) {
+    const dim3 dkdv_grid((p.seqlen_k + DkDv::kRowsN - 1) / DkDv::kRowsN, p.kv_heads, p.batch);
+    dkdv<<<dkdv_grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
+    check_cuda(cudaGetLastError(), "attention dk/dv launch");
+  }
+  if (p.seqlen_q > 0) {
+    const dim3 dq_grid((p.seqlen_q + Dq::kRowsM - 1) / Dq::kRowsM, p.q_heads, p.batch);
+    dq<<<dq_grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
+    check_cuda(cudaGetLastError(), "attention dq launch");
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  using attention::DkDvConfig;
+  using attention::DqConfig;
+  if (p.head_dim <= 64) return launch_backward<T, DkDvConfig<64, 64, 32>, DqConfig<64, 64, 64>>(p, stream);
+  if (p.head_dim <= 96) return launch_backward<T, DkDvConfig<96, 64, 32>, DqConfig<96, 64, 64>>(p, stream);
+  return launch_backward<T, DkDvConfig<128, 64, 32>, DqConfig<128, 64, 64>>(p, stream);
+}
+
+}  // namespace
+
+void attention_backward(const AttentionParams& params, cudaStream_t stream) {
+  attention::check_params(params, /*backward=*/true);
+  const AttentionParams p = attention::normalized(params);
+  if (p.batch == 0) return;
+  const int64_t items = p.q_rows * p.q_heads;
+  require((items + 3) / 4 <= INT32_MAX, "attention backward: too many query rows");
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    if (items > 0) {
+      attention::attention_dot_kernel<T><<<static_cast<unsigned>((items + 3) / 4), 128, 0, stream>>>(p);
+      check_cuda(cudaGetLastError(), "attention backward rowsum launch");
+    }
+    dispatch_head_dim<T>(p, stream);
+  };
+  if (p.dtype == DType::kBFloat16) {
+    run(__nv_bfloat16{});
+  } else {
+    run(__half{});
+  }
+}
+
+}  // namespace barqtrain::kernels

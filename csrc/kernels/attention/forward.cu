@@ -1,0 +1,42 @@
+// Forward launcher: dtype and padded head dim are compile-time (head_dim 80 runs the 96
+// tile, zero-padded); masks, GQA, packing, softcap and RoPE are runtime flags.
+#include "kernels/attention/attention.h"
+#include "kernels/attention/checks.h"
+#include "kernels/attention/forward.cuh"
+
+namespace barqtrain::kernels {
+namespace {
+
+template <typename T, typename Config>
+void launch_forward(const AttentionParams& p, cudaStream_t stream) {
+  auto kernel = attention::attention_forward_kernel<T, Config>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
+             "attention forward shared memory");
+  const dim3 grid((p.seqlen_q + Config::kRowsM - 1) / Config::kRowsM, p.q_heads, p.batch);
+  kernel<<<grid, Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "attention forward launch");
+}
+
+template <typename T>
+void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  using attention::ForwardConfig;
+  if (p.head_dim <= 64) return launch_forward<T, ForwardConfig<64, 128, 64>>(p, stream);
+  if (p.head_dim <= 96) return launch_forward<T, ForwardConfig<96, 128, 64>>(p, stream);
+  if (p.head_dim <= 128) return launch_forward<T, ForwardConfig<128, 128, 64>>(p, stream);
+  return launch_forward<T, ForwardConfig<256, 64, 32>>(p, stream);
+}
+
+}  // namespace
+
+void attention_forward(const AttentionParams& params, cudaStream_t stream) {
+  attention::check_params(params, /*backward=*/false);
+  const AttentionParams p = attention::normalized(params);
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  if (p.dtype == DType::kBFloat16) {
+    dispatch_head_dim<__nv_bfloat16>(p, stream);
+  } else {
+    dispatch_head_dim<__half>(p, stream);
+  }
+}
+
+}  // namespace barqtrain::kernels

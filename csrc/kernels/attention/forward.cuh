@@ -1,0 +1,171 @@
+// Forward kernel: one CTA per (query block, head, sequence); each warp owns 16 query rows.
+//
+// Per key block: S = Q K^T on the tensor cores, the online softmax in registers (running
+// row max and sum in the log2 domain, O rescaled when the max grows), then O += P V with P
+// taken straight from the score registers. K and V share one buffer each: V's copy is in
+// flight while S is computed, the next K's while P V is. Key blocks run from the last to
+// the first so that the blocks needing per-element masks come first.
+#pragma once
+
+#include "kernels/attention/masking.cuh"
+#include "kernels/attention/tile_io.cuh"
+
+namespace barqtrain::kernels::attention {
+
+template <int kD, int kBlockM, int kBlockN>
+struct ForwardConfig {
+  static constexpr int kHeadDimTile = kD;
+  static constexpr int kRowsM = kBlockM;
+  static constexpr int kRowsN = kBlockN;
+  static constexpr int kWarps = kBlockM / 16;
+  static constexpr int kThreads = kWarps * 32;
+  using QTile = SmemTile<kBlockM, kD>;
+  using KVTile = SmemTile<kBlockN, kD>;
+  static constexpr int kMainBytes = (QTile::kElems + 2 * KVTile::kElems) * 2;
+  static constexpr int kSmemBytes =
+      kMainBytes > SmemAccTile<kBlockM, kD>::kBytes ? kMainBytes : SmemAccTile<kBlockM, kD>::kBytes;
+};
+
+template <typename T, typename Config>
+__global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(const AttentionParams p) {
+  constexpr int kD = Config::kHeadDimTile, kBlockM = Config::kRowsM, kBlockN = Config::kRowsN;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kQStride = Config::QTile::kStride, kKVStride = Config::KVTile::kStride;
+  extern __shared__ __align__(16) char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* k_s = q_s + Config::QTile::kElems;
+  T* v_s = k_s + Config::KVTile::kElems;
+
+  // The longest-running (last, under a causal mask) query blocks start first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, b = blockIdx.z;
+  const Sequence seq = Sequence::of(p, b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seq.seqlen_q) return;
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Mask mask(p, seq);
+  const ScoreTransform transform(p);
+
+  const T* q = static_cast<const T*>(p.q) + seq.q_offset(p.q_strides, b, head);
+  const T* k = static_cast<const T*>(p.k) + seq.k_offset(p.k_strides, b, kv_head);
+  const T* v = static_cast<const T*>(p.v) + seq.k_offset(p.v_strides, b, kv_head);
+  RowRotation q_rotation, k_rotation;
+  if (p.rope_cos != nullptr) {
+    q_rotation = {p.rope_cos, p.rope_sin, p.q_positions, seq.q_first_row, p.rotary_dim / 2};
+    k_rotation = {p.rope_cos, p.rope_sin, p.k_positions, seq.k_first_row, p.rotary_dim / 2};
+  }
+  auto load_k = [&](int n_block) {
+    if (k_rotation.active()) {
+      load_tile_rotated<T, kBlockN, kD, kThreads>(k_s, k, p.k_strides.row, n_block * kBlockN, seq.seqlen_k,
+                                                  p.head_dim, k_rotation);
+    } else {
+      load_tile_async<T, kBlockN, kD, kThreads>(k_s, k, p.k_strides.row, n_block * kBlockN, seq.seqlen_k,
+                                                p.head_dim);
+    }
+  };
+
+  const int2 keys = mask.key_range(m0, m0 + kBlockM);
+  const int first_block = keys.x / kBlockN;
+  const int end_block = keys.x < keys.y ? (keys.y + kBlockN - 1) / kBlockN : first_block;
+
+  float o[kD / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; summed over the quad at the end
+
+  if (q_rotation.active()) {
+    load_tile_rotated<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim, q_rotation);
+  } else {
+    load_tile_async<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim);
+  }
+  if (first_block < end_block) load_k(end_block - 1);
+  cp_async_commit();
+
+  const int row_in_block = warp * 16 + lane / 4;
+  for (int n_block = end_block - 1; n_block >= first_block; --n_block) {
+    const int n0 = n_block * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K (and Q) landed; every warp is done with the previous V
+    load_tile_async<T, kBlockN, kD, kThreads>(v_s, v, p.v_strides.row, n0, seq.seqlen_k, p.head_dim);
+    cp_async_commit();
+
+    float s[kNTiles][4] = {};
+    mma_rows_by_rows<T, kD, kNTiles, kQStride, kKVStride>(s, q_s, warp * 16, k_s, 0, lane);
+
+    const bool masked = !mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN);
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        float x = transform.logit(s[j][e]);
+        if (masked && !mask.visible(m0 + row_in_block + 8 * r, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) x = -INFINITY;
+        s[j][e] = x;
+        block_max[r] = fmaxf(block_max[r], x);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
+      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
+      const float new_max = fmaxf(row_max[r], block_max[r]);
+      // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
+      // exp2(-inf - (-inf)) never makes a NaN.
+      const float base = new_max == -INFINITY ? 0.0f : new_max;
+      const float rescale = exp2f(row_max[r] - base);
+      row_max[r] = new_max;
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        o[j][2 * r] *= rescale;
+        o[j][2 * r + 1] *= rescale;
+      }
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        s[j][2 * r] = exp2f(s[j][2 * r] - base);
+        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - base);
+        row_sum[r] += s[j][2 * r] + s[j][2 * r + 1];
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V landed; every warp is done with K
+    if (n_block > first_block) load_k(n_block - 1);
+    cp_async_commit();
+    mma_regs_by_rows<T, kBlockN, kD / 8, kKVStride>(o, s, v_s, 0, lane);
+  }
+
+  // Epilogue: normalize, stage in shared memory, store as row chunks; lse per row.
+  float lse[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      o[j][2 * r] *= inv;
+      o[j][2 * r + 1] *= inv;
+    }
+    lse[r] = row_sum[r] > 0.0f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : INFINITY;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done reading Q, K and V: the staging tile reuses them
+  float* staged = reinterpret_cast<float*>(smem_raw);
+  stage_accumulators<kBlockM, kD>(staged, o, warp * 16, lane, 1.0f);
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = m0 + row_in_block + 8 * r;
+      if (i < seq.seqlen_q) p.lse[head * p.q_rows + seq.q_first_row + i] = lse[r];
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
+  store_staged_tile<T, kBlockM, kD, kThreads>(staged, out, p.o_strides.row, m0, seq.seqlen_q, p.head_dim,
+                                              RowRotation{});
+}
+
+}  // namespace barqtrain::kernels::attention

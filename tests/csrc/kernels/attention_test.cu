@@ -1,0 +1,503 @@
+// Attention kernels (forward and backward) against the double-precision reference, on
+// fresh random inputs with NaN-poisoned outputs. The error bound comes from the same-dtype
+// math: the reference run with the kernel's roundings to T (rotated q/k, P and dS fed to
+// the tensor cores, stored outputs) shows what a correct 16-bit kernel errs by; ours may
+// err by at most twice that. The backward runs twice and must be bit-identical.
+// Argument checks run without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "kernels/attention/attention.h"
+#include "kernels/attention/attention_reference.h"
+#include "test_utils.cuh"
+
+namespace barqtrain::testing {
+namespace {
+
+namespace k = barqtrain::kernels;
+namespace ref = barqtrain::kernels::reference;
+
+struct AttentionCase {
+  std::string name;
+  k::DType dtype = k::DType::kBFloat16;
+  int head_dim = 64;
+  int batch = 1;
+  int seqlen_q = 128, seqlen_k = 128;  // plain batch
+  std::vector<int> packed_lengths;     // non-empty: a packed batch of these sequences
+  int q_heads = 4, kv_heads = 4;
+  bool causal = true;
+  int window_left = -1;
+  float softcap = 0.0f;
+  int rotary_dim = 0;
+  bool positions = false;       // RoPE positions from a position_ids array (else the index in the sequence)
+  bool heads_major = false;     // [B, H, S, D] instead of [B, S, H, D]
+  bool backward = true;
+};
+
+void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
+std::string case_name(const ::testing::TestParamInfo<AttentionCase>& info) { return info.param.name; }
+
+// Strides of a [batch, seq, heads, D] (or heads-major) contiguous tensor; packed: [rows, heads, D].
+k::AttentionStrides strides_for(const AttentionCase& c, int seq, int heads) {
+  if (c.heads_major) return {int64_t{heads} * seq * c.head_dim, c.head_dim, int64_t{seq} * c.head_dim};
+  return {int64_t{seq} * heads * c.head_dim, int64_t{heads} * c.head_dim, c.head_dim};
+}
+
+// Reference layout [rows, heads, D] <-> the device layout of the case.
+std::vector<size_t> device_index(const AttentionCase& c, int64_t rows, int seq, int heads) {
+  std::vector<size_t> index(static_cast<size_t>(rows) * heads * c.head_dim);
+  const k::AttentionStrides s = strides_for(c, seq, heads);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = c.packed_lengths.empty() ? r / seq : 0, i = c.packed_lengths.empty() ? r % seq : r;
+    for (int h = 0; h < heads; ++h) {
+      for (int d = 0; d < c.head_dim; ++d) {
+        index[(r * heads + h) * c.head_dim + d] = b * s.batch + i * s.row + h * s.head + d;
+      }
+    }
+  }
+  return index;
+}
+
+template <typename T>
+std::vector<double> gather(const std::vector<T>& device, const std::vector<size_t>& index) {
+  std::vector<double> out(index.size());
+  for (size_t i = 0; i < index.size(); ++i) out[i] = Storage<T>::to_double(device[index[i]]);
+  return out;
+}
+
+template <typename T>
+double rounding_to(double v) {
+  return Storage<T>::to_double(Storage<T>::from_double(v));
+}
+
+// ||out - exact|| / ||exact|| must be within twice what the same-dtype emulation errs by
+// (with a floor for outputs the emulation gets exactly right).
+void expect_within_dtype_bound(const char* what, double ours, double emulated, k::DType dtype) {
+  const double bound = std::max(2.0 * emulated, storage_tolerance(dtype) / 10.0);
+  EXPECT_LE(ours, bound) << what << ": error " << ours << " vs same-dtype emulation " << emulated;
+}
+
+double relative_error_of(const std::vector<double>& a, const std::vector<double>& ref) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    diff += (a[i] - ref[i]) * (a[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return std::sqrt(diff / (norm > 0 ? norm : 1.0));
+}
+
+class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
+ protected:
+  template <typename T>
+  void run_case() {
+    BARQTRAIN_REQUIRE_GPU();
+    const AttentionCase c = GetParam();
+    std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed() * 7919 + std::hash<std::string>{}(c.name));
+    const bool packed = !c.packed_lengths.empty();
+
+    ref::AttentionProblem pr;
+    if (packed) {
+      pr.seqlens_q = pr.seqlens_k = c.packed_lengths;
+    } else {
+      pr.seqlens_q.assign(c.batch, c.seqlen_q);
+      pr.seqlens_k.assign(c.batch, c.seqlen_k);
+    }
+    pr.q_heads = c.q_heads;
+    pr.kv_heads = c.kv_heads;
+    pr.head_dim = c.head_dim;
+    pr.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    pr.softcap = c.softcap;
+    pr.window_left = c.window_left;
+    pr.window_right = c.causal ? 0 : -1;
+    const int64_t q_rows = pr.q_rows(), k_rows = pr.k_rows();
+    const int max_q = *std::max_element(pr.seqlens_q.begin(), pr.seqlens_q.end());
+    const int max_k = *std::max_element(pr.seqlens_k.begin(), pr.seqlens_k.end());
+
+    // RoPE tables in fp32 (as the kernel reads them) and positions.
+    std::vector<float> cos_table, sin_table;
+    std::vector<int32_t> q_positions, k_positions;
+    int table_rows = 0;
+    if (c.rotary_dim > 0) {
+      pr.rotary_dim = c.rotary_dim;
+      table_rows = c.positions ? 4096 : std::max(max_q, max_k);
+      const int half = c.rotary_dim / 2;
+      for (int pos = 0; pos < table_rows; ++pos) {
+        for (int i = 0; i < half; ++i) {
+          const double angle = pos * std::pow(10000.0, -2.0 * i / c.rotary_dim);
+          cos_table.push_back(static_cast<float>(std::cos(angle)));
+          sin_table.push_back(static_cast<float>(std::sin(angle)));
+        }
+      }
+      pr.cos.assign(cos_table.begin(), cos_table.end());
+      pr.sin.assign(sin_table.begin(), sin_table.end());
+      if (c.positions) {
+        std::uniform_int_distribution<int> pos(0, table_rows - 1);
+        for (int64_t r = 0; r < q_rows; ++r) q_positions.push_back(pos(rng));
+        k_positions = q_positions;  // self-attention: the same tokens
+        pr.q_positions.assign(q_positions.begin(), q_positions.end());
+        pr.k_positions.assign(k_positions.begin(), k_positions.end());
+      }
+    }
+
+    // Inputs in the case's device layout; the reference reads them in [rows, heads, D].
+    const int seq_q = packed ? 0 : c.seqlen_q, seq_k = packed ? 0 : c.seqlen_k;
+    const std::vector<size_t> q_index = device_index(c, q_rows, seq_q, c.q_heads);
+    const std::vector<size_t> k_index = device_index(c, k_rows, seq_k, c.kv_heads);
+    std::vector<T> q, kk, v, d_o;
+    std::vector<double> unused;
+    random_values<T>(q_index.size(), 0.0, 1.0, rng, q, unused);
+    random_values<T>(k_index.size(), 0.0, 1.0, rng, kk, unused);
+    random_values<T>(k_index.size(), 0.0, 1.0, rng, v, unused);
+    random_values<T>(q_index.size(), 0.0, 1.0, rng, d_o, unused);
+    const std::vector<double> q64 = gather(q, q_index), k64 = gather(kk, k_index), v64 = gather(v, k_index);
+    const std::vector<double> do64 = gather(d_o, q_index);
+
+    const ref::Rounding exact = [](double x) { return x; };
+    const ref::Rounding same_dtype = rounding_to<T>;
+    std::vector<double> o_ref, lse_ref, o_emul, lse_emul;
+    ref::attention_forward(pr, q64, k64, v64, exact, o_ref, lse_ref);
+    ref::attention_forward(pr, q64, k64, v64, same_dtype, o_emul, lse_emul);
+
+    DeviceBuffer d_q = DeviceBuffer::from_host(q), d_k = DeviceBuffer::from_host(kk), d_v = DeviceBuffer::from_host(v);
+    DeviceBuffer d_do = DeviceBuffer::from_host(d_o);
+    DeviceBuffer d_out(q.size() * sizeof(T)), d_lse(q_rows * c.q_heads * sizeof(float));
+    std::vector<int32_t> cu_seqlens(1, 0);
+    for (int len : pr.seqlens_q) cu_seqlens.push_back(cu_seqlens.back() + len);
+    DeviceBuffer d_cu = DeviceBuffer::from_host(cu_seqlens);
+    DeviceBuffer d_cos = DeviceBuffer::from_host(cos_table), d_sin = DeviceBuffer::from_host(sin_table);
+    DeviceBuffer d_qpos = DeviceBuffer::from_host(q_positions), d_kpos = DeviceBuffer::from_host(k_positions);
+
+    k::AttentionParams p;
+    p.q = d_q.get();
+    p.k = d_k.get();
+    p.v = d_v.get();
+    p.o = d_out.get();
+    p.lse = static_cast<float*>(d_lse.get());
+    p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_for(c, seq_q, c.q_heads);
+    p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_for(c, seq_k, c.kv_heads);
+    if (packed) {
+      p.cu_seqlens_q = p.cu_seqlens_k = static_cast<const int32_t*>(d_cu.get());
+      p.batch = static_cast<int>(c.packed_lengths.size());
+    } else {
+      p.batch = c.batch;
+    }
+    p.seqlen_q = max_q;
+    p.seqlen_k = max_k;
+    p.q_rows = q_rows;
+    p.q_heads = c.q_heads;
+    p.kv_heads = c.kv_heads;
+    p.head_dim = c.head_dim;
+    p.softmax_scale = static_cast<float>(pr.scale);
+    p.softcap = c.softcap;
+    p.causal = c.causal;
+    p.window_left = c.window_left;
+    if (c.rotary_dim > 0) {
+      p.rope_cos = static_cast<const float*>(d_cos.get());
+      p.rope_sin = static_cast<const float*>(d_sin.get());
+      p.rotary_dim = c.rotary_dim;
+      p.rope_table_rows = table_rows;
+      if (c.positions) {
+        p.q_positions = static_cast<const int32_t*>(d_qpos.get());
+        p.k_positions = static_cast<const int32_t*>(d_kpos.get());
+      }
+    }
+    p.dtype = c.dtype;
+    k::attention_forward(p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    const std::vector<double> o_got = gather(d_out.to_host<T>(q.size()), q_index);
+    expect_within_dtype_bound("o", relative_error_of(o_got, o_ref), relative_error_of(o_emul, o_ref), c.dtype);
+    const std::vector<float> lse_got = d_lse.to_host<float>(q_rows * c.q_heads);
+    EXPECT_LE(relative_error(lse_got, lse_ref), std::max(2.0 * relative_error_of(lse_emul, lse_ref), 1e-5)) << "lse";
+    if (!c.backward) return;
+
+    const ref::AttentionGrads g_ref = ref::attention_backward(pr, q64, k64, v64, do64, exact);
+    const ref::AttentionGrads g_emul = ref::attention_backward(pr, q64, k64, v64, do64, same_dtype);
+    DeviceBuffer d_dq(q.size() * sizeof(T)), d_dk(kk.size() * sizeof(T)), d_dv(v.size() * sizeof(T));
+    DeviceBuffer d_dot(q_rows * c.q_heads * sizeof(float));
+    p.d_o = d_do.get();
+    p.dq = d_dq.get();
+    p.dk = d_dk.get();
+    p.dv = d_dv.get();
+    p.d_o_dot_o = static_cast<float*>(d_dot.get());
+    k::attention_backward(p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<T> dq_first = d_dq.to_host<T>(q.size()), dk_first = d_dk.to_host<T>(kk.size()),
+                         dv_first = d_dv.to_host<T>(v.size());
+    expect_within_dtype_bound("dq", relative_error_of(gather(dq_first, q_index), g_ref.dq),
+                              relative_error_of(g_emul.dq, g_ref.dq), c.dtype);
+    expect_within_dtype_bound("dk", relative_error_of(gather(dk_first, k_index), g_ref.dk),
+                              relative_error_of(g_emul.dk, g_ref.dk), c.dtype);
+    expect_within_dtype_bound("dv", relative_error_of(gather(dv_first, k_index), g_ref.dv),
+                              relative_error_of(g_emul.dv, g_ref.dv), c.dtype);
+
+    // No atomics: a second run is bit-identical.
+    d_dq.poison();
+    d_dk.poison();
+    d_dv.poison();
+    k::attention_backward(p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(0, std::memcmp(dq_first.data(), d_dq.to_host<T>(q.size()).data(), q.size() * sizeof(T))) << "dq";
+    EXPECT_EQ(0, std::memcmp(dk_first.data(), d_dk.to_host<T>(kk.size()).data(), kk.size() * sizeof(T))) << "dk";
+    EXPECT_EQ(0, std::memcmp(dv_first.data(), d_dv.to_host<T>(v.size()).data(), v.size() * sizeof(T))) << "dv";
+  }
+};
+
+TEST_P(AttentionKernel, MatchesFloat64Reference) {
+  if (GetParam().dtype == k::DType::kBFloat16) {
+    run_case<__nv_bfloat16>();
+  } else {
+    run_case<__half>();
+  }
+}
+
+std::vector<int> random_lengths(int count, int max_length, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> length(1, max_length);
+  std::vector<int> lengths(count);
+  for (int& len : lengths) len = length(rng);
+  return lengths;
+}
+
+std::vector<AttentionCase> all_cases() {
+  std::vector<AttentionCase> cases;
+  for (k::DType dtype : {k::DType::kBFloat16, k::DType::kFloat16}) {
+    const std::string dt = dtype == k::DType::kBFloat16 ? "bf16" : "fp16";
+    for (int head_dim : {64, 80, 96, 128}) {
+      AttentionCase c;
+      c.name = dt + "_d" + std::to_string(head_dim) + "_causal_gqa4";
+      c.dtype = dtype;
+      c.head_dim = head_dim;
+      c.batch = 2;
+      c.q_heads = 4;
+      c.kv_heads = 1;
+      cases.push_back(c);
+      c.name = dt + "_d" + std::to_string(head_dim) + "_full_s17";
+      c.causal = false;
+      c.seqlen_q = c.seqlen_k = 17;
+      c.kv_heads = 4;
+      cases.push_back(c);
+    }
+    AttentionCase c;
+    c.dtype = dtype;
+    c.name = dt + "_s1";
+    c.batch = 3;
+    c.seqlen_q = c.seqlen_k = 1;
+    cases.push_back(c);
+    c = AttentionCase{};
+    c.dtype = dtype;
+    c.name = dt + "_s1000_causal_gqa8";
+    c.head_dim = 64;
+    c.seqlen_q = c.seqlen_k = 1000;
+    c.q_heads = 8;
+    c.kv_heads = 1;
+    cases.push_back(c);
+    c = AttentionCase{};
+    c.dtype = dtype;
+    c.name = dt + "_packed_rope_positions";
+    c.head_dim = 128;
+    c.packed_lengths = random_lengths(7, 300, 11);
+    c.q_heads = 8;
+    c.kv_heads = 2;
+    c.rotary_dim = 128;
+    c.positions = true;
+    cases.push_back(c);
+  }
+  auto add = [&](AttentionCase c) { cases.push_back(c); };
+  AttentionCase c;
+  c.name = "bf16_s1000_full_d128";
+  c.head_dim = 128;
+  c.seqlen_q = c.seqlen_k = 1000;
+  c.q_heads = c.kv_heads = 1;
+  c.causal = false;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_packed_many_short";
+  c.packed_lengths = random_lengths(40, 40, 5);
+  c.q_heads = 4;
+  c.kv_heads = 4;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_packed_full_mqa";
+  c.packed_lengths = random_lengths(5, 200, 7);
+  c.causal = false;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_window_causal";
+  c.seqlen_q = c.seqlen_k = 300;
+  c.window_left = 63;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_window_full";
+  c.seqlen_q = c.seqlen_k = 200;
+  c.causal = false;
+  c.window_left = 40;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_softcap2";
+  c.head_dim = 96;
+  c.seqlen_q = c.seqlen_k = 150;
+  c.softcap = 2.0f;
+  add(c);
+  c = AttentionCase{};
+  c.name = "fp16_softcap50_window";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 128;
+  c.seqlen_q = c.seqlen_k = 200;
+  c.softcap = 50.0f;
+  c.window_left = 31;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_rope_sequence_positions";
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 77;
+  c.rotary_dim = 64;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_rope_partial_packed";
+  c.head_dim = 96;
+  c.packed_lengths = random_lengths(4, 100, 3);
+  c.rotary_dim = 32;
+  c.q_heads = 6;
+  c.kv_heads = 2;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_heads_major_layout";
+  c.heads_major = true;
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 70;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_cross_lengths_causal";
+  c.seqlen_q = 17;
+  c.seqlen_k = 100;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_cross_lengths_full";
+  c.seqlen_q = 100;
+  c.seqlen_k = 37;
+  c.causal = false;
+  add(c);
+  for (k::DType dtype : {k::DType::kBFloat16, k::DType::kFloat16}) {
+    c = AttentionCase{};
+    c.name = std::string(dtype == k::DType::kBFloat16 ? "bf16" : "fp16") + "_d256_forward";
+    c.dtype = dtype;
+    c.head_dim = 256;
+    c.seqlen_q = c.seqlen_k = 130;
+    c.q_heads = 2;
+    c.kv_heads = 1;
+    c.backward = false;
+    add(c);
+  }
+  c = AttentionCase{};
+  c.name = "bf16_d256_forward_rope_softcap";
+  c.head_dim = 256;
+  c.seqlen_q = c.seqlen_k = 90;
+  c.rotary_dim = 256;
+  c.softcap = 30.0f;
+  c.backward = false;
+  add(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllShapes, AttentionKernel, ::testing::ValuesIn(all_cases()), case_name);
+
+// ---------------------------------------------------------------- argument checks (no GPU)
+
+k::AttentionParams valid_params() {
+  alignas(16) static uint16_t dummy[64];
+  static float lse[4];
+  k::AttentionParams p;
+  p.q = p.k = p.v = dummy;
+  p.o = dummy;
+  p.lse = lse;
+  p.q_strides = p.k_strides = p.v_strides = p.o_strides = {64, 64, 64};
+  p.batch = 0;  // nothing to launch: the checks run without a GPU
+  p.seqlen_q = p.seqlen_k = 1;
+  p.q_rows = 0;
+  p.q_heads = p.kv_heads = 1;
+  p.head_dim = 64;
+  p.softmax_scale = 0.125f;
+  return p;
+}
+
+void expect_error(const k::AttentionParams& p, bool backward, const std::string& fragment) {
+  try {
+    backward ? k::attention_backward(p, nullptr) : k::attention_forward(p, nullptr);
+    FAIL() << "expected an error mentioning '" << fragment << "'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(AttentionArguments, ValidParametersPass) {
+  EXPECT_NO_THROW(k::attention_forward(valid_params(), nullptr));
+  EXPECT_EQ(k::attention_unsupported_reason(valid_params(), false), "");
+}
+
+TEST(AttentionArguments, RejectsFloat32) {
+  k::AttentionParams p = valid_params();
+  p.dtype = k::DType::kFloat32;
+  expect_error(p, false, "dtype float32");
+}
+
+TEST(AttentionArguments, RejectsHeadDimNotAMultipleOf8) {
+  k::AttentionParams p = valid_params();
+  p.head_dim = 20;
+  expect_error(p, false, "head_dim 20");
+}
+
+TEST(AttentionArguments, BackwardRefusesHeadDim256ByName) {
+  k::AttentionParams p = valid_params();
+  p.head_dim = 256;
+  p.q_strides = p.k_strides = p.v_strides = p.o_strides = {256, 256, 256};
+  EXPECT_EQ(k::attention_unsupported_reason(p, false), "");
+  EXPECT_NE(k::attention_unsupported_reason(p, true).find("head_dim 256"), std::string::npos);
+}
+
+TEST(AttentionArguments, RejectsHeadsNotDividingIntoGroups) {
+  k::AttentionParams p = valid_params();
+  p.q_heads = 6;
+  p.kv_heads = 4;
+  expect_error(p, false, "multiple of kv_heads");
+}
+
+TEST(AttentionArguments, RejectsRotaryDimNotAMultipleOf16) {
+  k::AttentionParams p = valid_params();
+  static float table[8];
+  p.rope_cos = p.rope_sin = table;
+  p.rope_table_rows = 1;
+  p.rotary_dim = 24;
+  expect_error(p, false, "rotary_dim 24");
+}
+
+TEST(AttentionArguments, RejectsMisalignedStrides) {
+  k::AttentionParams p = valid_params();
+  p.k_strides.row = 66;
+  expect_error(p, false, "16-byte aligned");
+}
+
+TEST(AttentionArguments, RejectsHalfGivenCuSeqlens) {
+  k::AttentionParams p = valid_params();
+  static int32_t cu[2] = {0, 1};
+  p.cu_seqlens_q = cu;
+  expect_error(p, false, "cu_seqlens_q and cu_seqlens_k");
+}
+
+TEST(AttentionArguments, BackwardNeedsItsWorkspace) {
+  k::AttentionParams p = valid_params();
+  p.d_o = p.dq = p.dk = p.dv = p.o;
+  expect_error(p, true, "d_o_dot_o");
+}
+
+}  // namespace
+}  // namespace barqtrain::testing
