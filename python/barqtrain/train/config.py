@@ -37,12 +37,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str | None = _doc("the built-in synthetic task (repeat-digits); used when path is not set", "repeat-digits")
-    path: str | None = _doc("a dataset file (jsonl, parquet, text); read with barqtrain.data.read_dataset", None)
-    format: str = _doc("the dataset format: text, alpaca, sharegpt, chat, pretokenized", "text")
+    path: str | None = _doc("a dataset file (JSONL, JSON array, plain text); read with barqtrain.data.read_dataset", None)
+    format: Literal["text", "alpaca", "messages"] = _doc(
+        "text (the 'text' field), alpaca (instruction/input/output; the prompt is not learned), messages (chat)", "text"
+    )
+    chat_template: Literal["chatml", "llama3"] = _doc("how format 'messages' renders a conversation", "chatml")
     tokenizer: str | None = _doc("tokenizer.json or its directory; default: the model directory", None)
     seq_length: int = _doc("tokens per row (the task's sequences are 14 tokens)", 14)
     packing: bool = _doc("pack several sequences per row (dataset files only)", True)
-    eval_batches: int = _doc("held-out batches for evaluation", 2)
+    eval_split: float = _doc("fraction of the dataset file's sequences held out for evaluation; 0: no evaluation", 0.05)
+    eval_batches: int = _doc("at most this many held-out batches per evaluation", 2)
 
 
 @dataclass
@@ -55,6 +59,9 @@ class LoraConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "adamw_8bit"] = _doc(
+        "adamw (torch's, fused on CUDA) or adamw_8bit (bitsandbytes' 8-bit states; CUDA, needs bitsandbytes)", "adamw"
+    )
     lr: float = _doc("peak learning rate (AdamW)", 1e-2)
     weight_decay: float = _doc("AdamW weight decay", 0.0)
     betas: list[float] = _doc("AdamW betas", factory=lambda: [0.9, 0.999])
@@ -80,11 +87,20 @@ class TrainConfig:
     epochs: int = _doc("passes over a dataset file when steps is null", 1)
     eval_interval: int = _doc("evaluate every N steps; 0: only at the start and the end", 20)
     save_interval: int = _doc("checkpoint every N steps; 0: only at the end", 20)
-    log_interval: int = _doc("print a progress line every N steps", 5)
+    log_interval: int = _doc("print a progress line every N steps (when the output is not a terminal)", 5)
+    tensorboard: bool = _doc("also write TensorBoard event files to OUTPUT_DIR/tensorboard (needs tensorboard)", True)
+    plot: bool = _doc("draw loss and throughput to OUTPUT_DIR/training.png at the end (needs matplotlib)", True)
     output_dir: str = _doc("where the run writes metrics, checkpoints and the adapter", "runs/default")
 
 
-TEMPLATES = ("lora", "full")
+TEMPLATES = ("default", "lora", "full", "long-context")
+# Methods the trainer cannot run yet: asking for their template is an error that says so.
+UNSUPPORTED_TEMPLATES = {
+    "qlora": "QLoRA (4-bit base weights) is not supported by barqtrain train yet: the NF4 kernels (SPEC K7) have not landed",
+    "fsdp": "FSDP (several GPUs under torchrun) is not supported by barqtrain train yet: it trains on one device",
+}
+PLACEHOLDER_MODEL = "path/to/hf-model-dir"
+PLACEHOLDER_DATA = "path/to/train.jsonl"
 
 
 def _type_name(tp: Any) -> str:
@@ -209,6 +225,23 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError("steps: the built-in task has no epochs; set steps")
     if config.model.path is None and config.model.name != "tiny-llama":
         raise ConfigError(f"model.name: unknown named config {config.model.name!r}; choose from tiny-llama")
+    if not 0 <= config.data.eval_split < 1:
+        raise ConfigError(f"data.eval_split: must be at least 0 and below 1, got {config.data.eval_split}")
+    if config.data.path is not None and config.data.tokenizer is None and config.model.path is None:
+        raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
+
+
+def check_paths(config: TrainConfig) -> None:
+    """The files a config names exist (checked when training starts, not on load, so that
+    a template with placeholder paths loads and validates)."""
+    model_path = config.model.path
+    if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ConfigError(f"model.path: {model_path!r} is not a Hugging Face model directory (no config.json in it)")
+    if config.data.path is not None and not os.path.isfile(config.data.path):
+        raise ConfigError(f"data.path: no such file {config.data.path!r}")
+    tokenizer = config.data.tokenizer
+    if tokenizer is not None and not os.path.exists(tokenizer):
+        raise ConfigError(f"data.tokenizer: no such file or directory {tokenizer!r}")
 
 
 def config_from_dict(mapping: dict | None) -> TrainConfig:
@@ -223,6 +256,8 @@ def load_config(path: str | os.PathLike[str] | None = None) -> TrainConfig:
     """The config in a YAML file (None: the embedded default), validated."""
     if path is None:
         return config_from_dict({})
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
     with open(path, encoding="utf-8") as file:
         try:
             mapping = yaml.safe_load(file)
@@ -238,15 +273,33 @@ def to_dict(config: Any) -> dict:
 
 
 def template(name: str) -> TrainConfig:
+    """The named template. 'default' is the embedded default; the others fine-tune a model
+    directory on a dataset file, whose placeholder paths the user replaces."""
+    if name in UNSUPPORTED_TEMPLATES:
+        raise ConfigError(f"template {name!r}: {UNSUPPORTED_TEMPLATES[name]}; templates: {', '.join(TEMPLATES)}")
     if name not in TEMPLATES:
         raise ConfigError(f"unknown template {name!r}; choose from {', '.join(TEMPLATES)}")
     config = TrainConfig()
+    if name == "default":
+        return config
+    config.model.path = PLACEHOLDER_MODEL
+    config.data = DataConfig(
+        task=None, path=PLACEHOLDER_DATA, format="alpaca", seq_length=2048, eval_split=0.02, eval_batches=20
+    )
+    config.lora = LoraConfig(r=16, alpha=32.0, dropout=0.05)
+    config.optim = OptimConfig(lr=2e-4, warmup_steps=20, weight_decay=0.0)
+    config.batch_size, config.grad_accum = 4, 4
+    config.steps, config.epochs = None, 1
+    config.eval_interval, config.save_interval, config.log_interval = 100, 200, 10
+    config.output_dir = f"runs/{name}"
     if name == "full":
         config.method = "full"
-        config.optim.lr = 1e-3
-        config.output_dir = "runs/full"
-    else:
-        config.output_dir = "runs/lora"
+        config.optim.lr, config.optim.weight_decay = 2e-5, 0.01
+        config.gradient_checkpointing = True
+    elif name == "long-context":
+        config.data.seq_length = 32768
+        config.batch_size, config.grad_accum = 1, 16
+        config.gradient_checkpointing = True
     return config
 
 
@@ -256,7 +309,10 @@ def _scalar(value: Any) -> str:
 
 def template_yaml(name: str, documented: bool = False) -> str:
     """The named template as YAML; documented: every key with a comment saying what it is."""
+    config = template(name)
     lines = [f"# barqtrain train config ({name} template). Run: barqtrain train THIS_FILE.yaml"]
+    if config.model.path == PLACEHOLDER_MODEL:
+        lines.append("# Set model.path to your Hugging Face model directory and data.path to your dataset first.")
 
     def emit(obj: Any, indent: str) -> None:
         for f in dataclasses.fields(obj):
@@ -271,5 +327,5 @@ def template_yaml(name: str, documented: bool = False) -> str:
                 line = f"{indent}{f.name}: {_scalar(value)}"
                 lines.append(f"{line}  # {doc}" if documented else line)
 
-    emit(template(name), "")
+    emit(config, "")
     return "\n".join(lines) + "\n"

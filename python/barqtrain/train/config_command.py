@@ -1,23 +1,30 @@
-"""`barqtrain config --template lora|full [--documented] [--out FILE]`: writes a config."""
+"""`barqtrain config --template NAME [--documented] [--out FILE]`: writes a config for
+`barqtrain train`: default (the embedded default), lora, full or long-context."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from barqtrain.train.config import TEMPLATES, template_yaml
+from barqtrain.train.config import TEMPLATES, ConfigError, template_yaml
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("config", help="write a YAML config for `barqtrain train`", description=__doc__.splitlines()[0])
-    parser.add_argument("--template", choices=TEMPLATES, default="lora")
+    # Not argparse choices: asking for qlora or fsdp gets an error saying why they are missing.
+    parser.add_argument("--template", default="lora", metavar="NAME", help=f"one of {', '.join(TEMPLATES)} (default: lora)")
     parser.add_argument("--documented", action="store_true", help="a comment on every key")
     parser.add_argument("--out", help="file to write (default: standard output)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    text = template_yaml(args.template, documented=args.documented)
+    try:
+        text = template_yaml(args.template, documented=args.documented)
+    except ConfigError as error:
+        print(f"barqtrain config: {error}", file=sys.stderr)
+        return 2
     if args.out:
         Path(args.out).write_text(text)
         print(f"Wrote {args.out}")
