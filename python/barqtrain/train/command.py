@@ -23,13 +23,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from barqtrain.data import ReaderError, TokenizerError
     from barqtrain.train.trainer import resume_run, train
 
+    if args.resume and args.config:
+        print("barqtrain train: --resume uses the config saved in RUN_DIR; leave CONFIG out", file=sys.stderr)
+        return 2
+    # A config or dataset problem found while starting (a missing file, a malformed line,
+    # an optimizer that cannot run here) is the user's to fix: one line, not a traceback.
     try:
         if args.resume:
-            if args.config:
-                print("barqtrain train: --resume uses the config saved in RUN_DIR; leave CONFIG out", file=sys.stderr)
-                return 2
             resume_run(args.resume)
             return 0
         config = load_config(args.config)
@@ -39,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
             if args.steps < 1:
                 raise ConfigError(f"--steps: must be at least 1, got {args.steps}")
             config.steps = args.steps
-    except (ConfigError, OSError) as error:
+        if args.config is None:
+            print("No config given: the embedded default (`barqtrain config --template default` writes it as YAML).")
+        train(config)
+    except (ConfigError, ReaderError, TokenizerError) as error:
         print(f"barqtrain train: {error}", file=sys.stderr)
         return 2
-    if args.config is None:
-        print("No config given: the embedded default (`barqtrain config --template lora` writes it as YAML).")
-    train(config)
     return 0

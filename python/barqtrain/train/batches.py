@@ -1,0 +1,156 @@
+"""Where the trainer's batches come from: the built-in task, or a dataset file split into
+training and held-out sequences. Both save and restore their position, so a resumed run
+sees the batches an uninterrupted one would have."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from barqtrain.train import task
+from barqtrain.train.config import ConfigError, TrainConfig
+
+
+class TaskData:
+    """The built-in task: micro-batch i is a pure function of (seed, i), so the data
+    position is one integer. The eval batches come from a seed no training batch uses."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.seed = config.seed
+        self.batch_size = config.batch_size
+        self.eval_batch_count = config.data.eval_batches
+        self.position = 0
+
+    def next(self) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
+        self.position += 1
+        input_ids, labels = task.make_batch(self.batch_size, generator)
+        return {"input_ids": input_ids, "labels": labels}
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(10_000_019 + self.seed)
+        return [
+            dict(zip(("input_ids", "labels"), task.make_batch(self.batch_size, generator)))
+            for _ in range(self.eval_batch_count)
+        ]
+
+    def micro_batches(self) -> int | None:
+        return None
+
+    def max_token_id(self) -> int:
+        return task.FIRST_DIGIT + 9
+
+    def describe(self) -> str:
+        return f"the built-in task, {self.eval_batch_count} held-out batches of {self.batch_size} for evaluation"
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def split_held_out(dataset, fraction: float, seed: int, path: str):
+    """(training, held-out) TokenizedDatasets: a seeded random `fraction` of the sequences
+    (at least one when fraction > 0) is held out for evaluation."""
+    from barqtrain.data import TokenizedDataset
+
+    count = len(dataset)
+    held = max(1, round(count * fraction)) if fraction > 0 else 0
+    if held >= count:
+        raise ConfigError(
+            f"data.eval_split: {fraction} of the {count} sequences of {path} holds out {held}, "
+            "leaving none to train on; lower it (0: no evaluation)"
+        )
+    order = np.random.default_rng(seed).permutation(count)
+
+    def subset(indices: np.ndarray) -> TokenizedDataset:
+        indices = np.sort(indices)
+        starts, lengths = dataset.offsets[indices], dataset.offsets[indices + 1] - dataset.offsets[indices]
+        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Token j of the subset comes from token j + (start - new start) of its sequence.
+        positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return TokenizedDataset(dataset.tokens[positions], dataset.labels[positions], offsets, dict(dataset.report))
+
+    return subset(order[held:]), subset(order[:held])
+
+
+class FileData:
+    """A dataset file through barqtrain.data: read_dataset, the held-out split, then packed
+    rows from a PackedLoader (its state_dict is the data position)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        from barqtrain.data import read_dataset
+
+        data = config.data
+        dataset = read_dataset(
+            data.path, format=data.format, tokenizer=data.tokenizer or config.model.path, chat_template=data.chat_template
+        )
+        if len(dataset) == 0:
+            raise ConfigError(f"data.path: {data.path} has no records")
+        self.max_id = int(dataset.tokens.max())
+        train_set, eval_set = split_held_out(dataset, data.eval_split, config.seed, data.path)
+        # Without packing, a shuffle window of one puts each sequence in a row of its own.
+        options = {} if data.packing else {"shuffle_window": 1}
+        self.loader = train_set.loader(data.seq_length, config.batch_size, seed=config.seed, **options)
+        self.eval_loader = (
+            eval_set.loader(data.seq_length, config.batch_size, seed=config.seed, shuffle=False, **options)
+            if len(eval_set)
+            else None
+        )
+        self.eval_batch_count = data.eval_batches
+        self.sizes = (len(train_set), len(eval_set))
+        self._iterator = None
+
+    def next(self) -> dict[str, torch.Tensor]:
+        while True:
+            if self._iterator is None:
+                self._iterator = iter(self.loader)
+            try:
+                return _inputs(next(self._iterator))
+            except StopIteration:
+                self._iterator = None
+                self.loader.set_epoch(self.loader.epoch + 1)
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        if self.eval_loader is None:
+            return []
+        packing = self.eval_loader.packing
+        size = self.eval_loader.batch_size
+        count = min(self.eval_batch_count, len(self.eval_loader))
+        return [_inputs(packing.batch(i * size, (i + 1) * size)) for i in range(count)]
+
+    def micro_batches(self) -> int | None:
+        return len(self.loader)
+
+    def max_token_id(self) -> int:
+        return self.max_id
+
+    def describe(self) -> str:
+        train, held = self.sizes
+        text = f"{train:,} training sequences in {len(self.loader):,} batches of {self.loader.batch_size} rows"
+        if self.eval_loader is None:
+            return text + "; no evaluation (data.eval_split: 0)"
+        rows = self.eval_loader.packing.num_rows
+        return text + f"; {held:,} held out ({rows:,} rows; up to {self.eval_batch_count} batches per evaluation)"
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.loader.load_state_dict(state)
+        self._iterator = None
+
+
+def _inputs(batch) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
+
+
+def scored_tokens(labels: torch.Tensor) -> int:
+    """The tokens a causal LM's loss averages over: labels after the shift that are not ignored."""
+    return int((labels[..., 1:] != task.IGNORE_INDEX).sum())
+
+
+def make_data(config: TrainConfig) -> TaskData | FileData:
+    return TaskData(config) if config.data.path is None else FileData(config)

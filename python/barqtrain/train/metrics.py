@@ -1,0 +1,78 @@
+"""A run's metrics: one JSON object a line in metrics.jsonl (always), TensorBoard event
+files (when the tensorboard package is installed) and a loss + throughput PNG at the end
+(when matplotlib is). A missing optional package is said once, never silently skipped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, log: Callable[[str], None]) -> None:
+        """resume_step: keep the records up to that step (a resumed run rewrites the rest);
+        None: start a new file."""
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                if record.get("step", 0) <= resume_step:
+                    kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log("TensorBoard logging is off: the tensorboard package is not installed (pip install tensorboard).")
+            else:
+                # A resumed run drops the events after its checkpoint, as it does the JSONL records.
+                purge_step = None if resume_step is None else resume_step + 1
+                self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], None]) -> bool:
+    """Training and eval loss beside throughput, as a PNG; False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("No plot: matplotlib is not installed (pip install matplotlib); the metrics are in metrics.jsonl.")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        left.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval (held out)")
+    left.set(xlabel="step", ylabel="loss", title="loss")
+    left.legend()
+    right.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    right.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
