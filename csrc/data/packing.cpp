@@ -114,12 +114,15 @@ std::vector<uint64_t> shard_indices(size_t count, const PackOptions& options) {
   return shard;
 }
 
-Packer::Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offsets, size_t count,
-               const PackOptions& options)
-    : options_(options) {
-  if (options.row_length < 1 || options.row_length > std::numeric_limits<int32_t>::max()) {
-    throw PackingError("row_length must be in [1, 2^31), got " + std::to_string(options.row_length));
-  }
+Balance parse_balance(const std::string& name) {
+  if (name == "repeat") return Balance::kRepeat;
+  if (name == "drop") return Balance::kDrop;
+  if (name == "none") return Balance::kNone;
+  throw PackingError("unknown balance '" + name + "': expected repeat, drop or none");
+}
+
+InMemorySequences::InMemorySequences(const int32_t* tokens, const int32_t* labels, const int64_t* offsets,
+                                     size_t count) {
   if (offsets == nullptr && count > 0) throw PackingError("offsets is null");
   if (count > 0 && offsets[0] != 0) throw PackingError("offsets[0] must be 0");
   for (size_t i = 0; i < count; ++i) {
@@ -132,21 +135,90 @@ Packer::Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offs
   const size_t total = count > 0 ? static_cast<size_t>(offsets[count]) : 0;
   tokens_.assign(tokens, tokens + total);
   if (labels != nullptr) labels_.assign(labels, labels + total);
-  offsets_.assign(offsets, offsets + count + 1);
-  if (count == 0) offsets_.assign(1, 0);
-  plan(offsets_.data(), count);
+  if (count == 0) {
+    offsets_.assign(1, 0);
+  } else {
+    offsets_.assign(offsets, offsets + count + 1);
+  }
 }
 
-void Packer::plan(const int64_t* offsets, size_t count) {
-  const size_t L = static_cast<size_t>(options_.row_length);
-  const std::vector<uint64_t> shard = shard_indices(count, options_);
-  stats_ = PackStats{};
-  stats_.row_length = options_.row_length;
-  stats_.sequences = shard.size();
-  row_offsets_.assign(1, 0);
-  pieces_.clear();
+void InMemorySequences::read(size_t sequence, size_t start, size_t count, int64_t* ids, int64_t* labels) const {
+  const size_t at = static_cast<size_t>(offsets_[sequence]) + start;
+  const int32_t* t = tokens_.data() + at;
+  const int32_t* l = (labels_.empty() ? tokens_.data() : labels_.data()) + at;
+  for (size_t j = 0; j < count; ++j) {
+    ids[j] = t[j];
+    labels[j] = l[j];
+  }
+}
 
-  const size_t window = options_.shuffle_window == 0 ? std::max<size_t>(shard.size(), 1) : options_.shuffle_window;
+Packer::Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offsets, size_t count,
+               const PackOptions& options)
+    : Packer(std::make_shared<InMemorySequences>(tokens, labels, offsets, count), options) {}
+
+Packer::Packer(std::shared_ptr<const SequenceSource> source, const PackOptions& options)
+    : source_(std::move(source)), options_(options) {
+  if (!source_) throw PackingError("the sequence source is null");
+  if (options.row_length < 1 || options.row_length > std::numeric_limits<int32_t>::max()) {
+    throw PackingError("row_length must be in [1, 2^31), got " + std::to_string(options.row_length));
+  }
+  Plan own = plan(*source_, options_);
+  pieces_ = std::move(own.pieces);
+  row_offsets_ = std::move(own.row_offsets);
+  stats_ = own.stats;
+  if (options_.world_size > 1 && options_.balance != Balance::kNone) balance_ranks();
+}
+
+void Packer::balance_ranks() {
+  // Every rank plans every shard, so all agree on the counts without talking to each other.
+  size_t target = num_rows();
+  for (int64_t r = 0; r < options_.world_size; ++r) {
+    if (r == options_.rank) continue;
+    PackOptions other = options_;
+    other.rank = r;
+    const size_t rows = plan(*source_, other).stats.rows;
+    target = options_.balance == Balance::kRepeat ? std::max(target, rows) : std::min(target, rows);
+  }
+  const size_t own = num_rows();
+  auto row_tokens = [&](size_t r) {
+    size_t n = 0;
+    for (const Piece* p = row_begin(r); p != row_end(r); ++p) n += p->length;
+    return n;
+  };
+  if (target < own) {
+    for (size_t r = target; r < own; ++r) stats_.tokens -= row_tokens(r);
+    pieces_.resize(row_offsets_[target]);
+    row_offsets_.resize(target + 1);
+    stats_.dropped_rows = own - target;
+  } else if (target > own) {
+    if (own == 0) {
+      throw PackingError("rank " + std::to_string(options_.rank) + " has no rows to repeat while another rank has " +
+                         std::to_string(target) + ": the dataset has fewer sequences than ranks (balance='drop' "
+                         "gives every rank the shortest count)");
+    }
+    for (size_t k = 0; own + k < target; ++k) {
+      const size_t r = k % own;
+      stats_.tokens += row_tokens(r);
+      for (size_t i = row_offsets_[r]; i < row_offsets_[r + 1]; ++i) pieces_.push_back(pieces_[i]);
+      row_offsets_.push_back(pieces_.size());
+    }
+    stats_.repeated_rows = target - own;
+  }
+  stats_.rows = num_rows();
+}
+
+Packer::Plan Packer::plan(const SequenceSource& source, const PackOptions& options) {
+  const size_t L = static_cast<size_t>(options.row_length);
+  const std::vector<uint64_t> shard = shard_indices(source.size(), options);
+  Plan out;
+  PackStats& stats = out.stats;
+  std::vector<Piece>& pieces = out.pieces;
+  std::vector<size_t>& row_offsets = out.row_offsets;
+  stats.row_length = options.row_length;
+  stats.sequences = shard.size();
+  row_offsets.assign(1, 0);
+
+  const size_t window = options.shuffle_window == 0 ? std::max<size_t>(shard.size(), 1) : options.shuffle_window;
   std::vector<Piece> items;
   std::vector<uint32_t> bucket(L + 2);
   std::vector<uint32_t> order;        // items by decreasing length
@@ -162,29 +234,29 @@ void Packer::plan(const int64_t* offsets, size_t count) {
     items.clear();
     for (size_t k = w0; k < w1; ++k) {
       const uint64_t s = shard[k];
-      const size_t len = static_cast<size_t>(offsets[s + 1] - offsets[s]);
+      const size_t len = source.length(s);
       if (len == 0) {
-        ++stats_.empty_sequences;
+        ++stats.empty_sequences;
         continue;
       }
       if (len <= L) {
         items.push_back({s, 0, static_cast<uint32_t>(len)});
         continue;
       }
-      switch (options_.overflow) {
+      switch (options.overflow) {
         case Overflow::kTruncate:
-          ++stats_.truncated_sequences;
-          stats_.truncated_tokens += len - L;
+          ++stats.truncated_sequences;
+          stats.truncated_tokens += len - L;
           items.push_back({s, 0, static_cast<uint32_t>(L)});
           break;
         case Overflow::kSplit:
-          ++stats_.split_sequences;
+          ++stats.split_sequences;
           for (size_t start = 0; start < len; start += L) {
             items.push_back({s, static_cast<uint32_t>(start), static_cast<uint32_t>(std::min(L, len - start))});
           }
           break;
         case Overflow::kDrop:
-          ++stats_.dropped_sequences;
+          ++stats.dropped_sequences;
           break;
         case Overflow::kError:
           throw PackingError("sequence " + std::to_string(s) + " has " + std::to_string(len) +
@@ -243,8 +315,8 @@ void Packer::plan(const int64_t* offsets, size_t count) {
     const size_t bins = remaining.size();
     std::vector<uint32_t> row_of_bin(bins);
     for (uint32_t b = 0; b < bins; ++b) row_of_bin[b] = b;
-    if (options_.shuffle) {
-      Rng rng(mix(mix(mix(options_.seed, options_.epoch), static_cast<uint64_t>(options_.rank)), window_index + 1));
+    if (options.shuffle) {
+      Rng rng(mix(mix(mix(options.seed, options.epoch), static_cast<uint64_t>(options.rank)), window_index + 1));
       shuffle(row_of_bin, rng);
     }
     std::vector<uint32_t> bin_rank(bins);
@@ -254,14 +326,15 @@ void Packer::plan(const int64_t* offsets, size_t count) {
     std::vector<size_t> start(bins + 1, 0);
     for (uint32_t i = 0; i < items.size(); ++i) ++start[bin_rank[bin_of[i]] + 1];
     for (size_t r = 0; r < bins; ++r) start[r + 1] += start[r];
-    const size_t base = pieces_.size();
-    pieces_.resize(base + items.size());
-    for (const uint32_t i : order) pieces_[base + start[bin_rank[bin_of[i]]]++] = items[i];
-    for (size_t r = 0; r < bins; ++r) row_offsets_.push_back(base + start[r]);
-    for (const Piece& p : items) stats_.tokens += p.length;
-    stats_.pieces += items.size();
+    const size_t base = pieces.size();
+    pieces.resize(base + items.size());
+    for (const uint32_t i : order) pieces[base + start[bin_rank[bin_of[i]]]++] = items[i];
+    for (size_t r = 0; r < bins; ++r) row_offsets.push_back(base + start[r]);
+    for (const Piece& p : items) stats.tokens += p.length;
+    stats.pieces += items.size();
   }
-  stats_.rows = row_offsets_.size() - 1;
+  stats.rows = row_offsets.size() - 1;
+  return out;
 }
 
 CollateInfo Packer::collate(size_t first_row, size_t last_row, const RowBuffers& out) const {
@@ -274,7 +347,6 @@ CollateInfo Packer::collate(size_t first_row, size_t last_row, const RowBuffers&
       static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     throw PackingError("a batch of more than 2^31 tokens does not fit int32 cu_seqlens");
   }
-  const int32_t* labels_src = labels_.empty() ? tokens_.data() : labels_.data();
   CollateInfo info;
   info.cu_seqlens.reserve((last_row - first_row) * 8 + 1);
   info.cu_seqlens.push_back(0);
@@ -285,15 +357,9 @@ CollateInfo Packer::collate(size_t first_row, size_t last_row, const RowBuffers&
   for (size_t r = first_row; r < last_row; ++r) {
     int64_t used = 0;
     for (const Piece* p = row_begin(r); p != row_end(r); ++p) {
-      const size_t src = static_cast<size_t>(offsets_[p->sequence]) + p->start;
-      const int32_t* t = tokens_.data() + src;
-      const int32_t* l = labels_src + src;
       const uint32_t n = p->length;
-      for (uint32_t j = 0; j < n; ++j) {
-        ids[j] = t[j];
-        labels[j] = l[j];
-        pos[j] = j;
-      }
+      source_->read(p->sequence, p->start, n, ids, labels);
+      for (uint32_t j = 0; j < n; ++j) pos[j] = j;
       labels[0] = options_.separator_id;
       ids += n;
       labels += n;

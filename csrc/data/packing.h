@@ -2,8 +2,12 @@
 // another sequence.
 //
 //   PackOptions options;  options.row_length = 4096;  options.seed = 1;  options.epoch = e;
-//   Packer packer(tokens, labels, offsets, options);   // sequence i: tokens[offsets[i]..offsets[i+1])
+//   auto source = std::make_shared<InMemorySequences>(tokens, labels, offsets, count);
+//   Packer packer(source, options);                     // or a ShardSet (data/shards.h)
 //   packer.collate(first_row, last_row, out);           // rows [first_row, last_row) into out
+//
+// The Packer reads its sequences through a SequenceSource and keeps only the plan (a
+// 16-byte Piece per segment), so a memory-mapped source larger than RAM packs in place.
 //
 // Each rank shuffles the sequence indices with the same (seed, epoch) permutation and takes
 // every world_size-th of them starting at rank, so ranks hold disjoint shards. The shard is
@@ -11,6 +15,12 @@
 // (longest first into the open row with the least room that still fits it), and its rows
 // are shuffled. Everything is a pure function of (data, options): the same options give the
 // same rows on any machine.
+//
+// Ranks must take the same number of steps (a collective waits for every rank), but their
+// shards pack into slightly different row counts. PackOptions::balance says what happens:
+// kRepeat (default) appends the rank's first rows again up to the longest rank's count, as
+// torch's DistributedSampler pads; kDrop cuts every rank to the shortest rank's count; both
+// are counted in PackStats. Either way each rank plans every rank's shard to learn the counts.
 //
 // A collated row has the format of Transformers' DataCollatorWithFlattening:
 //   input_ids     the sequences one after another, then pad_id up to row_length
@@ -24,6 +34,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,6 +56,15 @@ enum class Overflow {
 
 Overflow parse_overflow(const std::string& name);  // "truncate", "split", "drop", "error"
 
+// How ranks are brought to the same number of rows (see the file comment).
+enum class Balance {
+  kRepeat,  // repeat a rank's first rows up to the longest rank's count
+  kDrop,    // leave out the rows past the shortest rank's count
+  kNone,    // keep each rank's own count (only for loops without collectives across ranks)
+};
+
+Balance parse_balance(const std::string& name);  // "repeat", "drop", "none"
+
 struct PackOptions {
   int64_t row_length = 2048;
   Overflow overflow = Overflow::kSplit;
@@ -57,6 +77,7 @@ struct PackOptions {
   int64_t pad_id = 0;
   int64_t separator_id = -100;  // label of the first token of every sequence
   int64_t ignore_index = -100;  // label of the padding
+  Balance balance = Balance::kRepeat;  // with world_size > 1
 };
 
 struct PackStats {
@@ -69,6 +90,8 @@ struct PackStats {
   size_t pieces = 0;             // segments placed in rows
   size_t rows = 0;
   size_t tokens = 0;  // real (non-padding) tokens in the rows
+  size_t repeated_rows = 0;  // appended to match the longest rank (Balance::kRepeat)
+  size_t dropped_rows = 0;   // left out to match the shortest rank (Balance::kDrop)
   int64_t row_length = 0;
   double fill() const;  // tokens / (rows * row_length)
 };
@@ -93,10 +116,40 @@ struct CollateInfo {
   size_t sequences = 0;  // real (non-padding) segments
 };
 
+// Where the Packer reads sequences from. Implementations are immutable once built and
+// read() may be called from several threads at once (the prefetch workers).
+class SequenceSource {
+ public:
+  virtual ~SequenceSource() = default;
+  virtual size_t size() const = 0;  // sequences
+  virtual size_t num_tokens() const = 0;
+  virtual size_t length(size_t sequence) const = 0;
+  // Tokens [start, start + count) of a sequence as ids, and their labels (-100: not learned).
+  virtual void read(size_t sequence, size_t start, size_t count, int64_t* ids, int64_t* labels) const = 0;
+};
+
+// Sequences held in memory: sequence i is tokens[offsets[i], offsets[i + 1]).
+class InMemorySequences final : public SequenceSource {
+ public:
+  // tokens and labels (nullptr: labels are the tokens) hold offsets[count] values; they are
+  // copied, so the arguments need not outlive this object. Bad offsets are a PackingError.
+  InMemorySequences(const int32_t* tokens, const int32_t* labels, const int64_t* offsets, size_t count);
+
+  size_t size() const override { return offsets_.size() - 1; }
+  size_t num_tokens() const override { return tokens_.size(); }
+  size_t length(size_t s) const override { return static_cast<size_t>(offsets_[s + 1] - offsets_[s]); }
+  void read(size_t sequence, size_t start, size_t count, int64_t* ids, int64_t* labels) const override;
+
+ private:
+  std::vector<int32_t> tokens_;
+  std::vector<int32_t> labels_;  // empty: the tokens
+  std::vector<int64_t> offsets_;
+};
+
 class Packer {
  public:
-  // tokens and labels (nullptr: labels are the tokens) hold offsets[count] values; the data
-  // is copied, so the arguments need not outlive the Packer.
+  Packer(std::shared_ptr<const SequenceSource> source, const PackOptions& options);
+  // The same over an InMemorySequences copy of (tokens, labels, offsets).
   Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offsets, size_t count,
          const PackOptions& options);
 
@@ -108,18 +161,25 @@ class Packer {
   const Piece* row_begin(size_t r) const { return pieces_.data() + row_offsets_[r]; }
   const Piece* row_end(size_t r) const { return pieces_.data() + row_offsets_[r + 1]; }
 
-  // Writes rows [first_row, last_row) into out and returns their cu_seqlens.
+  const SequenceSource& source() const { return *source_; }
+
+  // Writes rows [first_row, last_row) into out and returns their cu_seqlens. Safe to call
+  // from several threads at once for different buffers.
   CollateInfo collate(size_t first_row, size_t last_row, const RowBuffers& out) const;
 
  private:
-  void plan(const int64_t* offsets, size_t count);
+  struct Plan {
+    std::vector<Piece> pieces;        // rows one after another
+    std::vector<size_t> row_offsets;  // row r holds pieces[row_offsets[r], row_offsets[r+1])
+    PackStats stats;
+  };
+  static Plan plan(const SequenceSource& source, const PackOptions& options);
+  void balance_ranks();
 
+  std::shared_ptr<const SequenceSource> source_;
   PackOptions options_;
-  std::vector<int32_t> tokens_;
-  std::vector<int32_t> labels_;  // empty: the tokens
-  std::vector<int64_t> offsets_;
-  std::vector<Piece> pieces_;        // rows one after another
-  std::vector<size_t> row_offsets_;  // row r holds pieces_[row_offsets_[r], row_offsets_[r+1])
+  std::vector<Piece> pieces_;
+  std::vector<size_t> row_offsets_;
   PackStats stats_;
 };
 
