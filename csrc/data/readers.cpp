@@ -1,60 +1,14 @@
 #include "data/readers.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <string_view>
 
+#include "data/mapped_file.h"
 #include "data/tokenizer/tokenizer.h"
 
 namespace barqtrain::data {
 namespace {
-
-// A read-only memory map of a whole file: pages are read as they are touched, so files
-// larger than RAM stream through the page cache.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) throw ReaderError(path + ": cannot open: " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int e = errno;
-      ::close(fd);
-      throw ReaderError(path + ": cannot stat: " + std::strerror(e));
-    }
-    if (S_ISDIR(st.st_mode)) {
-      ::close(fd);
-      throw ReaderError(path + ": is a directory, not a dataset file");
-    }
-    size_ = static_cast<size_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      if (p == MAP_FAILED) {
-        const int e = errno;
-        ::close(fd);
-        throw ReaderError(path + ": cannot map: " + std::strerror(e));
-      }
-      ::madvise(p, size_, MADV_SEQUENTIAL);
-      data_ = static_cast<const char*>(p);
-    }
-    ::close(fd);
-  }
-  ~MappedFile() {
-    if (data_) ::munmap(const_cast<char*>(data_), size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  std::string_view view() const { return {data_ ? data_ : "", size_}; }
-
- private:
-  const char* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 bool ends_with(const std::string& s, const char* suffix) {
   const size_t n = std::strlen(suffix);
@@ -130,10 +84,6 @@ Example render_messages(const json::Value& record, const std::string& chat_templ
   }
   if (!any_assistant) throw ReaderError("no assistant message: nothing to learn");
   return ex;
-}
-
-std::string located(const std::string& path, size_t line, const std::string& what) {
-  return path + ":" + std::to_string(line) + ": " + what;
 }
 
 }  // namespace
@@ -229,86 +179,173 @@ void tokenize_chunk(std::vector<Example>& chunk, const ReadOptions& options, con
 
 }  // namespace
 
-ReadReport read_dataset(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer,
-                        TokenizedData& out) {
-  if (options.format == RecordFormat::kMessages) check_chat_template(options.chat_template);
-  FileKind kind = options.kind;
-  if (kind == FileKind::kAuto) {
-    kind = ends_with(path, ".jsonl") || ends_with(path, ".ndjson") ? FileKind::kJsonl
-           : ends_with(path, ".json")                               ? FileKind::kJson
-                                                                    : FileKind::kText;
+struct RecordStream::Impl {
+  const ReadOptions options;
+  const tokenizer::Tokenizer& tokenizer;
+  const std::string name;
+  const bool rows;  // locations are "name: row N" (an in-memory batch), else "name:N"
+  const uint64_t first_row = 0;
+  FileKind kind = FileKind::kJsonl;
+  std::unique_ptr<MappedFile<ReaderError>> file;
+  std::string buffer;
+  std::string_view text;
+  json::Value document;  // FileKind::kJson: the whole array, parsed once
+  StreamPosition position;
+  ReadReport report;
+
+  Impl(const ReadOptions& o, const tokenizer::Tokenizer& t, std::string n, bool r, uint64_t first)
+      : options(o), tokenizer(t), name(std::move(n)), rows(r), first_row(first) {
+    if (options.format == RecordFormat::kMessages) check_chat_template(options.chat_template);
+    report.path = name;
   }
-  if (kind == FileKind::kText && options.format != RecordFormat::kText) {
+
+  std::string located(uint64_t line, const std::string& what) const {
+    return rows ? name + ": row " + std::to_string(first_row + line) + ": " + what
+                : name + ":" + std::to_string(line) + ": " + what;
+  }
+
+  void open_json_document() {
+    try {
+      document = json::parse(text);
+    } catch (const json::JsonError& e) {
+      throw ReaderError(name + ": " + e.what());  // a broken document cannot be read past
+    }
+    if (!document.is_array()) {
+      throw ReaderError(name + ": the JSON document is a " + document.type_name() + ", expected an array of records");
+    }
+  }
+
+  bool lines() const { return kind == FileKind::kJsonl || (kind == FileKind::kText && options.text_unit == TextUnit::kLine); }
+
+  uint64_t end() const {
+    if (kind == FileKind::kJson) return document.as_array().size();
+    if (!lines()) return 1;
+    return text.size();
+  }
+
+  size_t read(size_t max_records, TokenizedData& out) {
+    std::vector<Example> chunk;
+    const size_t chunk_records = std::max<size_t>(options.chunk_records, 1);
+    size_t added = 0;
+    auto fail = [&](const std::string& message) {
+      if (options.on_error == OnError::kRaise) throw ReaderError(message);
+      ++report.skipped;
+      ++position.skipped;
+      if (report.errors.size() < options.max_reported_errors) report.errors.push_back(message);
+    };
+    auto add = [&](Example&& ex) {
+      chunk.push_back(std::move(ex));
+      ++added;
+      ++report.records;
+      ++position.records;
+      if (chunk.size() >= chunk_records) tokenize_chunk(chunk, options, tokenizer, out);
+    };
+    const uint64_t stop = end();
+    while (added < max_records && position.offset < stop) {
+      if (kind == FileKind::kJson) {
+        const json::Value& record = document.as_array()[position.offset];
+        const uint64_t index = position.offset++;
+        ++position.line;
+        try {
+          add(render_record(record, options));
+        } catch (const ReaderError& e) {
+          fail(name + ": record " + std::to_string(index) + ": " + e.what());
+        }
+        continue;
+      }
+      if (!lines()) {  // a text file as one document
+        position.offset = 1;
+        ++position.line;
+        if (strip(text).empty()) continue;
+        Example ex;
+        ex.segments.emplace_back(std::string(text), true);
+        add(std::move(ex));
+        continue;
+      }
+      size_t line_end = text.find('\n', position.offset);
+      if (line_end == std::string_view::npos) line_end = text.size();
+      std::string_view line = text.substr(position.offset, line_end - position.offset);
+      position.offset = std::min<uint64_t>(line_end + 1, text.size());
+      const uint64_t line_no = ++position.line;
+      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+      if (strip(line).empty()) continue;
+      if (kind == FileKind::kText) {
+        Example ex;
+        ex.segments.emplace_back(std::string(line), true);
+        add(std::move(ex));
+        continue;
+      }
+      try {
+        add(render_record(json::parse(line), options));
+      } catch (const json::JsonError& e) {
+        fail(located(line_no, e.what()));
+      } catch (const ReaderError& e) {
+        fail(located(line_no, e.what()));
+      }
+    }
+    tokenize_chunk(chunk, options, tokenizer, out);
+    return added;
+  }
+
+  void seek(const StreamPosition& to) {
+    if (to.offset > end()) {
+      throw ReaderError(name + ": cannot continue at " + std::to_string(to.offset) + ", past the end (" +
+                        std::to_string(end()) + "): is it the same file as when the position was saved?");
+    }
+    if (lines() && to.offset > 0 && text[to.offset - 1] != '\n' && to.offset != text.size()) {
+      throw ReaderError(name + ": position " + std::to_string(to.offset) +
+                        " is not at the start of a line: is it the same file as when the position was saved?");
+    }
+    position = to;
+    report.records = to.records;
+    report.skipped = to.skipped;
+    report.errors.clear();
+  }
+};
+
+RecordStream::RecordStream(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RecordStream::RecordStream(RecordStream&&) noexcept = default;
+RecordStream& RecordStream::operator=(RecordStream&&) noexcept = default;
+RecordStream::~RecordStream() = default;
+
+RecordStream::RecordStream(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer)
+    : impl_(std::make_unique<Impl>(options, tokenizer, path, false, 0)) {
+  Impl& s = *impl_;
+  s.kind = options.kind;
+  if (s.kind == FileKind::kAuto) {
+    s.kind = ends_with(path, ".jsonl") || ends_with(path, ".ndjson") ? FileKind::kJsonl
+             : ends_with(path, ".json")                               ? FileKind::kJson
+                                                                      : FileKind::kText;
+  }
+  if (s.kind == FileKind::kText && options.format != RecordFormat::kText) {
     throw ReaderError(path + ": plain text files hold the text format only, not alpaca or messages");
   }
-  ReadReport report;
-  report.path = path;
-  const MappedFile file(path);
-  const std::string_view text = file.view();
-  std::vector<Example> chunk;
-  const size_t chunk_records = std::max<size_t>(options.chunk_records, 1);
+  s.file = std::make_unique<MappedFile<ReaderError>>(path);
+  s.text = s.file->view();
+  if (s.kind == FileKind::kJson) s.open_json_document();
+}
 
-  auto fail = [&](const std::string& message) {
-    if (options.on_error == OnError::kRaise) throw ReaderError(message);
-    ++report.skipped;
-    if (report.errors.size() < options.max_reported_errors) report.errors.push_back(message);
-  };
-  auto add = [&](Example&& ex) {
-    chunk.push_back(std::move(ex));
-    ++report.records;
-    if (chunk.size() >= chunk_records) tokenize_chunk(chunk, options, tokenizer, out);
-  };
+RecordStream RecordStream::jsonl_rows(std::string name, std::string records, uint64_t first_row,
+                                      const ReadOptions& options, const tokenizer::Tokenizer& tokenizer) {
+  auto impl = std::make_unique<Impl>(options, tokenizer, std::move(name), true, first_row);
+  impl->kind = FileKind::kJsonl;
+  impl->buffer = std::move(records);
+  impl->text = impl->buffer;
+  return RecordStream(std::move(impl));
+}
 
-  if (kind == FileKind::kJson) {
-    json::Value doc;
-    try {
-      doc = json::parse(text);
-    } catch (const json::JsonError& e) {
-      throw ReaderError(path + ": " + e.what());  // a broken document cannot be read past
-    }
-    if (!doc.is_array()) throw ReaderError(path + ": the JSON document is a " + doc.type_name() + ", expected an array of records");
-    size_t index = 0;
-    for (const json::Value& record : doc.as_array()) {
-      try {
-        add(render_record(record, options));
-      } catch (const ReaderError& e) {
-        fail(path + ": record " + std::to_string(index) + ": " + e.what());
-      }
-      ++index;
-    }
-  } else {
-    if (kind == FileKind::kText && options.text_unit == TextUnit::kDocument) {
-      Example ex;
-      ex.segments.emplace_back(std::string(text), true);
-      if (!strip(text).empty()) add(std::move(ex));
-    } else {
-      size_t line_no = 0;
-      for (size_t pos = 0; pos < text.size();) {
-        size_t end = text.find('\n', pos);
-        if (end == std::string_view::npos) end = text.size();
-        std::string_view line = text.substr(pos, end - pos);
-        pos = end + 1;
-        ++line_no;
-        if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-        if (strip(line).empty()) continue;
-        if (kind == FileKind::kText) {
-          Example ex;
-          ex.segments.emplace_back(std::string(line), true);
-          add(std::move(ex));
-          continue;
-        }
-        try {
-          add(render_record(json::parse(line), options));
-        } catch (const json::JsonError& e) {
-          fail(located(path, line_no, e.what()));
-        } catch (const ReaderError& e) {
-          fail(located(path, line_no, e.what()));
-        }
-      }
-    }
-  }
-  tokenize_chunk(chunk, options, tokenizer, out);
-  return report;
+size_t RecordStream::read(size_t max_records, TokenizedData& out) { return impl_->read(max_records, out); }
+bool RecordStream::at_end() const { return impl_->position.offset >= impl_->end(); }
+const StreamPosition& RecordStream::position() const { return impl_->position; }
+void RecordStream::seek(const StreamPosition& position) { impl_->seek(position); }
+const ReadReport& RecordStream::report() const { return impl_->report; }
+uint64_t RecordStream::size_bytes() const { return impl_->text.size(); }
+
+ReadReport read_dataset(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer,
+                        TokenizedData& out) {
+  RecordStream stream(path, options, tokenizer);
+  stream.read(SIZE_MAX, out);
+  return stream.report();
 }
 
 }  // namespace barqtrain::data

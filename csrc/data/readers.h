@@ -9,10 +9,15 @@
 // A malformed line or record is a ReaderError naming the file and line (JSONL, text) or
 // record (JSON arrays); with OnError::kSkip it is counted in the report instead, with the
 // first messages kept, and reading goes on. Nothing is dropped without being counted.
+//
+// RecordStream reads the same a chunk of records at a time, with a position that can be
+// saved and sought back to: a file larger than RAM streams through the page cache, and a
+// stopped job continues with exactly the records that would have come next.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -82,5 +87,43 @@ struct ReadReport {
 // Reads, renders and tokenizes every record of path, appending to out.
 ReadReport read_dataset(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer,
                         TokenizedData& out);
+
+// Where a RecordStream stands: enough to continue right after the last record it returned.
+struct StreamPosition {
+  uint64_t offset = 0;   // JSONL and text lines: byte offset of the next line; JSON array: index of
+                         // the next record; text document: 0 before it, 1 after
+  uint64_t line = 0;     // lines (or records) consumed, for error messages
+  uint64_t records = 0;  // records returned so far
+  uint64_t skipped = 0;  // malformed records skipped so far (OnError::kSkip)
+};
+
+class RecordStream {
+ public:
+  // A dataset file, memory-mapped; the tokenizer must outlive the stream.
+  RecordStream(const std::string& path, const ReadOptions& options, const tokenizer::Tokenizer& tokenizer);
+  // JSONL records held in memory (a Parquet record batch); an error names "name: row N" with
+  // N = first_row + the line's index.
+  static RecordStream jsonl_rows(std::string name, std::string records, uint64_t first_row, const ReadOptions& options,
+                                 const tokenizer::Tokenizer& tokenizer);
+  RecordStream(RecordStream&&) noexcept;
+  RecordStream& operator=(RecordStream&&) noexcept;
+  ~RecordStream();
+
+  // Reads, renders and tokenizes up to max_records records, appending them to out; returns
+  // how many were appended (0: the end). Skipped records are not counted against max_records.
+  size_t read(size_t max_records, TokenizedData& out);
+  bool at_end() const;
+  const StreamPosition& position() const;
+  // Continues from a position() of a stream over the same file; one that cannot be (past the
+  // end, not at the start of a line) is a ReaderError. The report's error messages restart.
+  void seek(const StreamPosition& position);
+  const ReadReport& report() const;
+  uint64_t size_bytes() const;  // of the file or buffer
+
+ private:
+  struct Impl;
+  explicit RecordStream(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace barqtrain::data

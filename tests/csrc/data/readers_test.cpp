@@ -127,5 +127,59 @@ TEST(Readers, JsonArraysTextAndChat) {
   EXPECT_THROW(read_dataset(::testing::TempDir() + "missing.jsonl", ReadOptions{}, tok, data), ReaderError);
 }
 
+TEST(Readers, AStreamResumedAtASavedPositionYieldsTheRecordsThatCameNext) {
+  const auto tok = bytes_tokenizer();
+  std::string jsonl;
+  for (int i = 0; i < 50; ++i) {
+    jsonl += i == 7 ? "{broken\n" : "{\"text\": \"record " + std::to_string(i) + "\"}\n";
+    if (i % 10 == 0) jsonl += "\n";  // blank lines are not records
+  }
+  const std::string path = write_file("stream.jsonl", jsonl);
+  ReadOptions options;
+  options.on_error = OnError::kSkip;
+  options.chunk_records = 4;
+  TokenizedData whole;
+  read_dataset(path, options, tok, whole);
+  ASSERT_EQ(whole.size(), 49u);
+
+  RecordStream stream(path, options, tok);
+  TokenizedData head;
+  EXPECT_EQ(stream.read(20, head), 20u);  // the broken line is skipped, not counted
+  const StreamPosition saved = stream.position();
+  EXPECT_EQ(saved.records, 20u);
+  EXPECT_EQ(saved.skipped, 1u);
+
+  RecordStream resumed(path, options, tok);
+  resumed.seek(saved);
+  TokenizedData tail;
+  while (resumed.read(7, tail) > 0) {
+  }
+  EXPECT_TRUE(resumed.at_end());
+  EXPECT_EQ(resumed.report().records, 49u);
+  ASSERT_EQ(head.size() + tail.size(), whole.size());
+  std::vector<int32_t> joined = head.tokens;
+  joined.insert(joined.end(), tail.tokens.begin(), tail.tokens.end());
+  EXPECT_EQ(joined, whole.tokens);
+
+  StreamPosition bad = saved;
+  bad.offset += 3;  // inside a line
+  EXPECT_THROW(resumed.seek(bad), ReaderError);
+  bad.offset = jsonl.size() + 10;
+  EXPECT_THROW(resumed.seek(bad), ReaderError);
+}
+
+TEST(Readers, InMemoryRowsNameTheRowInErrors) {
+  const auto tok = bytes_tokenizer();
+  ReadOptions options;
+  RecordStream rows = RecordStream::jsonl_rows("data.parquet", "{\"text\": \"a\"}\n{\"txt\": 1}\n", 100, options, tok);
+  TokenizedData out;
+  try {
+    rows.read(10, out);
+    FAIL() << "no error";
+  } catch (const ReaderError& e) {
+    EXPECT_EQ(std::string(e.what()), "data.parquet: row 102: missing field 'text'");
+  }
+}
+
 }  // namespace
 }  // namespace barqtrain::data
