@@ -1,37 +1,35 @@
-// barqtrain.data._native: the packer and the dataset readers. Work runs without the GIL;
-// python/barqtrain/data/packing.py and readers.py are the documented API on top.
+// barqtrain.data._native: sequence sources, the packer, the dataset readers and their
+// resumable streams. Work runs without the GIL; python/barqtrain/data/ is the documented API.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "bindings/arrays.h"
 #include "data/packing.h"
 #include "data/readers.h"
 #include "data/tokenizer/tokenizer.h"
 
 namespace nb = nanobind;
 using namespace barqtrain::data;
+using barqtrain::bindings::check_rows;
+using barqtrain::bindings::Rows;
+using barqtrain::bindings::to_numpy;
+using barqtrain::bindings::Vector;
+using barqtrain::tokenizer::Tokenizer;
+
+void register_shards_and_prefetch(nb::module_& m);  // csrc/bindings/shards_prefetch.cpp
 
 namespace {
-
-template <typename T>
-using Vector = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using Rows = nb::ndarray<int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-
-// A 1-D numpy array that owns a moved-in std::vector.
-template <typename T>
-nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& values) {
-  auto* owned = new std::vector<T>(std::move(values));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
-  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(owned->data(), {owned->size()}, owner);
-}
 
 nb::dict stats_dict(const PackStats& s) {
   nb::dict d;
@@ -44,31 +42,82 @@ nb::dict stats_dict(const PackStats& s) {
   d["pieces"] = s.pieces;
   d["rows"] = s.rows;
   d["tokens"] = s.tokens;
+  d["repeated_rows"] = s.repeated_rows;
+  d["dropped_rows"] = s.dropped_rows;
   d["row_length"] = s.row_length;
   d["fill"] = s.fill();
   return d;
 }
 
-void check_rows(const Rows& a, size_t rows, int64_t row_length, const char* name) {
-  if (a.shape(0) != rows || a.shape(1) != static_cast<size_t>(row_length)) {
-    throw PackingError(std::string(name) + " has shape [" + std::to_string(a.shape(0)) + ", " +
-                       std::to_string(a.shape(1)) + "], expected [" + std::to_string(rows) + ", " +
-                       std::to_string(row_length) + "]");
+ReadOptions read_options(const std::string& format, const std::string& kind, const std::string& on_error,
+                         const std::string& text_unit, const std::string& text_field, const std::string& chat_template,
+                         int64_t eos_id, bool add_special_tokens, size_t max_reported_errors, size_t num_threads) {
+  ReadOptions o;
+  o.format = parse_record_format(format);
+  o.kind = parse_file_kind(kind);
+  o.on_error = parse_on_error(on_error);
+  if (text_unit == "line") {
+    o.text_unit = TextUnit::kLine;
+  } else if (text_unit == "document") {
+    o.text_unit = TextUnit::kDocument;
+  } else {
+    throw ReaderError("unknown text_unit '" + text_unit + "': expected line or document");
   }
+  o.text_field = text_field;
+  o.chat_template = chat_template;
+  o.eos_id = eos_id;
+  o.add_special_tokens = add_special_tokens;
+  o.max_reported_errors = max_reported_errors;
+  o.num_threads = num_threads;
+  return o;
 }
+
+nb::dict report_dict(const ReadReport& report) {
+  nb::dict r;
+  r["path"] = report.path;
+  r["records"] = report.records;
+  r["skipped"] = report.skipped;
+  r["errors"] = report.errors;
+  return r;
+}
+
+nb::tuple data_arrays(TokenizedData&& data) {
+  return nb::make_tuple(to_numpy(std::move(data.tokens)), to_numpy(std::move(data.labels)),
+                        to_numpy(std::move(data.offsets)));
+}
+
+// The reader options as keyword arguments, the same for every function that reads.
+#define BARQTRAIN_READ_OPTION_ARGS                                                                          \
+  nb::arg("format") = "text", nb::arg("kind") = "auto", nb::arg("on_error") = "raise",                      \
+  nb::arg("text_unit") = "line", nb::arg("text_field") = "text", nb::arg("chat_template") = "chatml",       \
+  nb::arg("eos_id") = -1, nb::arg("add_special_tokens") = true, nb::arg("max_reported_errors") = 20,        \
+  nb::arg("num_threads") = 0
 
 }  // namespace
 
 void register_pipeline(nb::module_& m) {
   nb::exception<PackingError>(m, "PackingError", PyExc_ValueError);
+  nb::exception<ReaderError>(m, "ReaderError", PyExc_ValueError);
 
-  nb::class_<Packer>(m, "Packer")
+  nb::class_<SequenceSource>(m, "SequenceSource")
+      .def("__len__", &SequenceSource::size)
+      .def_prop_ro("num_tokens", &SequenceSource::num_tokens)
+      .def(
+          "sequence",
+          [](const SequenceSource& s, size_t i) {
+            if (i >= s.size()) throw nb::index_error(("sequence " + std::to_string(i) + " of " + std::to_string(s.size())).c_str());
+            const size_t n = s.length(i);
+            std::vector<int64_t> ids(n), labels(n);
+            s.read(i, 0, n, ids.data(), labels.data());
+            return nb::make_tuple(to_numpy(std::move(ids)), to_numpy(std::move(labels)));
+          },
+          nb::arg("index"), "(input_ids, labels) of one sequence as int64 arrays");
+
+  nb::class_<InMemorySequences, SequenceSource>(m, "InMemorySequences")
       .def(
           "__init__",
-          [](Packer* self, Vector<int32_t> tokens, Vector<int64_t> offsets, std::optional<Vector<int32_t>> labels,
-             int64_t row_length, const std::string& overflow, size_t shuffle_window, bool shuffle, uint64_t seed,
-             uint64_t epoch, int64_t rank, int64_t world_size, int64_t pad_id, int64_t separator_id,
-             int64_t ignore_index) {
+          [](InMemorySequences* self, Vector<int32_t> tokens, Vector<int64_t> offsets,
+             std::optional<Vector<int32_t>> labels) {
             if (offsets.shape(0) < 1) throw PackingError("offsets needs at least one value (0)");
             const size_t count = offsets.shape(0) - 1;
             const int64_t total = offsets.data()[count];
@@ -80,6 +129,18 @@ void register_pipeline(nb::module_& m) {
               throw PackingError("labels has " + std::to_string(labels->shape(0)) + " values, tokens " +
                                  std::to_string(tokens.shape(0)));
             }
+            nb::gil_scoped_release release;
+            new (self) InMemorySequences(tokens.data(), labels ? labels->data() : nullptr, offsets.data(), count);
+          },
+          nb::arg("tokens"), nb::arg("offsets"), nb::arg("labels").none(),
+          "A copy of int32 tokens (and labels, None: the tokens) with int64 offsets.");
+
+  nb::class_<Packer>(m, "Packer")
+      .def(
+          "__init__",
+          [](Packer* self, std::shared_ptr<const SequenceSource> source, int64_t row_length, const std::string& overflow,
+             size_t shuffle_window, bool shuffle, uint64_t seed, uint64_t epoch, int64_t rank, int64_t world_size,
+             int64_t pad_id, int64_t separator_id, int64_t ignore_index, const std::string& balance) {
             PackOptions options;
             options.row_length = row_length;
             options.overflow = parse_overflow(overflow);
@@ -92,13 +153,14 @@ void register_pipeline(nb::module_& m) {
             options.pad_id = pad_id;
             options.separator_id = separator_id;
             options.ignore_index = ignore_index;
+            options.balance = parse_balance(balance);
             nb::gil_scoped_release release;
-            new (self) Packer(tokens.data(), labels ? labels->data() : nullptr, offsets.data(), count, options);
+            new (self) Packer(std::move(source), options);
           },
-          nb::arg("tokens"), nb::arg("offsets"), nb::arg("labels").none(), nb::arg("row_length"),
-          nb::arg("overflow") = "split", nb::arg("shuffle_window") = 16384, nb::arg("shuffle") = true,
-          nb::arg("seed") = 0, nb::arg("epoch") = 0, nb::arg("rank") = 0, nb::arg("world_size") = 1,
-          nb::arg("pad_id") = 0, nb::arg("separator_id") = -100, nb::arg("ignore_index") = -100)
+          nb::arg("source"), nb::arg("row_length"), nb::arg("overflow") = "split", nb::arg("shuffle_window") = 16384,
+          nb::arg("shuffle") = true, nb::arg("seed") = 0, nb::arg("epoch") = 0, nb::arg("rank") = 0,
+          nb::arg("world_size") = 1, nb::arg("pad_id") = 0, nb::arg("separator_id") = -100,
+          nb::arg("ignore_index") = -100, nb::arg("balance") = "repeat")
       .def_prop_ro("num_rows", &Packer::num_rows)
       .def_prop_ro("row_length", [](const Packer& p) { return p.options().row_length; })
       .def_prop_ro("stats", [](const Packer& p) { return stats_dict(p.stats()); })
@@ -115,9 +177,9 @@ void register_pipeline(nb::module_& m) {
           "collate",
           [](const Packer& p, size_t first_row, size_t last_row, Rows input_ids, Rows labels, Rows position_ids) {
             const size_t rows = last_row >= first_row ? last_row - first_row : 0;
-            check_rows(input_ids, rows, p.options().row_length, "input_ids");
-            check_rows(labels, rows, p.options().row_length, "labels");
-            check_rows(position_ids, rows, p.options().row_length, "position_ids");
+            check_rows<PackingError>(input_ids, rows, p.options().row_length, "input_ids");
+            check_rows<PackingError>(labels, rows, p.options().row_length, "labels");
+            check_rows<PackingError>(position_ids, rows, p.options().row_length, "position_ids");
             CollateInfo info;
             {
               nb::gil_scoped_release release;
@@ -130,50 +192,80 @@ void register_pipeline(nb::module_& m) {
           "Writes rows [first_row, last_row) into the int64 [rows, row_length] arrays; returns "
           "(cu_seqlens int32, max_seqlen, sequences).");
 
-  nb::exception<ReaderError>(m, "ReaderError", PyExc_ValueError);
-
   m.def(
       "read_dataset",
-      [](const std::string& path, const barqtrain::tokenizer::Tokenizer& tokenizer, const std::string& format,
-         const std::string& kind, const std::string& on_error, const std::string& text_unit,
-         const std::string& text_field, const std::string& chat_template, int64_t eos_id, bool add_special_tokens,
-         size_t max_reported_errors, size_t num_threads) {
-        ReadOptions o;
-        o.format = parse_record_format(format);
-        o.kind = parse_file_kind(kind);
-        o.on_error = parse_on_error(on_error);
-        if (text_unit == "line") {
-          o.text_unit = TextUnit::kLine;
-        } else if (text_unit == "document") {
-          o.text_unit = TextUnit::kDocument;
-        } else {
-          throw ReaderError("unknown text_unit '" + text_unit + "': expected line or document");
-        }
-        o.text_field = text_field;
-        o.chat_template = chat_template;
-        o.eos_id = eos_id;
-        o.add_special_tokens = add_special_tokens;
-        o.max_reported_errors = max_reported_errors;
-        o.num_threads = num_threads;
+      [](const std::string& path, const Tokenizer& tokenizer, const std::string& format, const std::string& kind,
+         const std::string& on_error, const std::string& text_unit, const std::string& text_field,
+         const std::string& chat_template, int64_t eos_id, bool add_special_tokens, size_t max_reported_errors,
+         size_t num_threads) {
+        const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template, eos_id,
+                                           add_special_tokens, max_reported_errors, num_threads);
         TokenizedData data;
         ReadReport report;
         {
           nb::gil_scoped_release release;
           report = read_dataset(path, o, tokenizer, data);
         }
-        nb::dict r;
-        r["path"] = report.path;
-        r["records"] = report.records;
-        r["skipped"] = report.skipped;
-        r["errors"] = report.errors;
-        return nb::make_tuple(to_numpy(std::move(data.tokens)), to_numpy(std::move(data.labels)),
-                              to_numpy(std::move(data.offsets)), r);
+        nb::tuple arrays = data_arrays(std::move(data));
+        return nb::make_tuple(arrays[0], arrays[1], arrays[2], report_dict(report));
       },
-      nb::arg("path"), nb::arg("tokenizer"), nb::arg("format") = "text", nb::arg("kind") = "auto",
-      nb::arg("on_error") = "raise", nb::arg("text_unit") = "line", nb::arg("text_field") = "text",
-      nb::arg("chat_template") = "chatml", nb::arg("eos_id") = -1, nb::arg("add_special_tokens") = true,
-      nb::arg("max_reported_errors") = 20, nb::arg("num_threads") = 0,
+      nb::arg("path"), nb::arg("tokenizer"), BARQTRAIN_READ_OPTION_ARGS,
       "(tokens int32, labels int32, offsets int64, report dict) of every record of a dataset file.");
+
+  nb::class_<RecordStream>(m, "RecordStream")
+      .def(
+          "__init__",
+          [](RecordStream* self, const std::string& path, const Tokenizer& tokenizer, const std::string& format,
+             const std::string& kind, const std::string& on_error, const std::string& text_unit,
+             const std::string& text_field, const std::string& chat_template, int64_t eos_id, bool add_special_tokens,
+             size_t max_reported_errors, size_t num_threads) {
+            const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template, eos_id,
+                                               add_special_tokens, max_reported_errors, num_threads);
+            nb::gil_scoped_release release;
+            new (self) RecordStream(path, o, tokenizer);
+          },
+          nb::arg("path"), nb::arg("tokenizer"), BARQTRAIN_READ_OPTION_ARGS, nb::keep_alive<1, 3>())
+      .def_static(
+          "jsonl_rows",
+          [](std::string name, nb::bytes records, uint64_t first_row, const Tokenizer& tokenizer,
+             const std::string& format, const std::string& on_error, const std::string& text_field,
+             const std::string& chat_template, int64_t eos_id, bool add_special_tokens, size_t max_reported_errors,
+             size_t num_threads) {
+            const ReadOptions o = read_options(format, "jsonl", on_error, "line", text_field, chat_template, eos_id,
+                                               add_special_tokens, max_reported_errors, num_threads);
+            return RecordStream::jsonl_rows(std::move(name), std::string(records.c_str(), records.size()), first_row, o,
+                                            tokenizer);
+          },
+          nb::arg("name"), nb::arg("records"), nb::arg("first_row"), nb::arg("tokenizer"), nb::arg("format") = "text",
+          nb::arg("on_error") = "raise", nb::arg("text_field") = "text", nb::arg("chat_template") = "chatml",
+          nb::arg("eos_id") = -1,
+          nb::arg("add_special_tokens") = true, nb::arg("max_reported_errors") = 20, nb::arg("num_threads") = 0,
+          nb::keep_alive<0, 4>(), "A stream over JSONL records in memory; errors name 'name: row N'.")
+      .def(
+          "read",
+          [](RecordStream& s, size_t max_records) {
+            TokenizedData data;
+            {
+              nb::gil_scoped_release release;
+              s.read(max_records, data);
+            }
+            return data_arrays(std::move(data));
+          },
+          nb::arg("max_records"), "(tokens int32, labels int32, offsets int64) of up to max_records more records")
+      .def_prop_ro("at_end", &RecordStream::at_end)
+      .def_prop_ro("size_bytes", &RecordStream::size_bytes)
+      .def_prop_ro("report", [](const RecordStream& s) { return report_dict(s.report()); })
+      .def_prop_ro("position",
+                   [](const RecordStream& s) {
+                     const StreamPosition& p = s.position();
+                     return nb::make_tuple(p.offset, p.line, p.records, p.skipped);
+                   })
+      .def(
+          "seek",
+          [](RecordStream& s, uint64_t offset, uint64_t line, uint64_t records, uint64_t skipped) {
+            s.seek(StreamPosition{offset, line, records, skipped});
+          },
+          nb::arg("offset"), nb::arg("line"), nb::arg("records"), nb::arg("skipped"));
 
   m.def(
       "shard_indices",
@@ -188,4 +280,6 @@ void register_pipeline(nb::module_& m) {
       },
       nb::arg("count"), nb::arg("shuffle") = true, nb::arg("seed") = 0, nb::arg("epoch") = 0, nb::arg("rank") = 0,
       nb::arg("world_size") = 1);
+
+  register_shards_and_prefetch(m);
 }

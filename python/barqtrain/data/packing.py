@@ -4,10 +4,8 @@
     packed.stats["fill"]                                     # real tokens / (rows * row_length)
     model(**packed.batch(0, 8).model_inputs())               # HF: position_ids, no mask, no cache
 
-    loader = PackedLoader(sequences, row_length=2048, batch_size=8, seed=0, rank=r, world_size=w)
-    for epoch in range(n):
-        loader.set_epoch(epoch)
-        for batch in loader: ...                             # PackedBatch of torch tensors
+PackedLoader (barqtrain.data.loader) yields the rows a batch at a time, collated ahead by
+C++ threads, resumable.
 
 Rows have the format of Transformers' ``DataCollatorWithFlattening``: ``input_ids``;
 ``labels`` with -100 on the first token of every sequence (the shifted loss never asks
@@ -15,13 +13,18 @@ one sequence to predict the next) and on the padding; ``position_ids`` restartin
 per sequence (the padding at the end of a row is a segment of its own); ``cu_seq_lens``
 (int32, over the flattened batch) and ``max_length``. The rows are best-fit decreasing
 over a shuffle window and a pure function of (data, seed, epoch, rank, world_size); ranks
-get disjoint shards of the sequences.
+get disjoint shards of the sequences; with world_size > 1, balance="repeat" (default) or
+"drop" gives every rank the same number of rows (stats: repeated_rows, dropped_rows).
+
+Sequences come from a native SequenceSource: a dataset's ``source`` (read_dataset's
+in-memory arrays, or memory-mapped pre-tokenized shards), or a copy of token lists,
+arrays, tensors or HF features made by as_source().
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +102,25 @@ def _split_features(sequences: Any, labels: Any) -> tuple[Any, Any]:
     return sequences, labels
 
 
+def as_source(sequences: Any, labels: Any = None) -> _native.SequenceSource:
+    """sequences as a native SequenceSource: itself if it is one, a dataset's ``source``
+    (read_dataset, open_shards), else a C++ copy of token lists / arrays / tensors, or of
+    HF features with input_ids and labels."""
+    source = getattr(sequences, "source", sequences)
+    if isinstance(source, _native.SequenceSource):
+        if labels is not None:
+            raise PackingError("labels come with a dataset or sequence source; pass them only with token lists")
+        return source
+    sequences, labels = _split_features(sequences, labels)
+    tokens, offsets = _flatten(sequences)
+    label_values = None
+    if labels is not None:
+        label_values, label_offsets = _flatten(labels)
+        if not np.array_equal(label_offsets, offsets):
+            raise PackingError("labels must have the same length as their sequence, for every sequence")
+    return _native.InMemorySequences(tokens, offsets, label_values)
+
+
 class Packing:
     """The rows of one epoch of one rank; see the module docstring."""
 
@@ -116,22 +138,13 @@ class Packing:
         rank: int = 0,
         world_size: int = 1,
         pad_id: int = 0,
-        _flat: tuple | None = None,
+        balance: str = "repeat",
     ) -> None:
-        if _flat is None:
-            sequences, labels = _split_features(sequences, labels)
-            tokens, offsets = _flatten(sequences)
-            label_values = None
-            if labels is not None:
-                label_values, label_offsets = _flatten(labels)
-                if not np.array_equal(label_offsets, offsets):
-                    raise PackingError("labels must have the same length as their sequence, for every sequence")
-            _flat = (tokens, offsets, label_values)
-        self._flat = _flat
+        self.source = as_source(sequences, labels)
         self.row_length = int(row_length)
         self._native = _native.Packer(
-            _flat[0], _flat[1], _flat[2], self.row_length, overflow=overflow, shuffle_window=shuffle_window,
-            shuffle=shuffle, seed=seed, epoch=epoch, rank=rank, world_size=world_size, pad_id=pad_id,
+            self.source, self.row_length, overflow=overflow, shuffle_window=shuffle_window, shuffle=shuffle,
+            seed=seed, epoch=epoch, rank=rank, world_size=world_size, pad_id=pad_id, balance=balance,
         )
 
     @property
@@ -143,7 +156,8 @@ class Packing:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counts (sequences, pieces, rows, tokens, truncated/split/dropped/empty) and fill."""
+        """Counts (sequences, pieces, rows, tokens, truncated/split/dropped/empty sequences,
+        repeated/dropped rows from balancing ranks) and fill."""
         return self._native.stats
 
     def row_pieces(self, row: int) -> list[tuple[int, int, int]]:
@@ -164,72 +178,6 @@ class Packing:
 def pack(sequences: Any, row_length: int, **options: Any) -> Packing:
     """Packs sequences (token lists, arrays, tensors, or HF features with input_ids and
     labels) into rows of row_length tokens. Options: labels, overflow ("split", "truncate",
-    "drop", "error"), shuffle_window, shuffle, seed, epoch, rank, world_size, pad_id."""
+    "drop", "error"), shuffle_window, shuffle, seed, epoch, rank, world_size, pad_id,
+    balance ("repeat", "drop", "none")."""
     return Packing(sequences, row_length, **options)
-
-
-class PackedLoader:
-    """Batches of batch_size packed rows, as a DataLoader would yield them; set_epoch()
-    repacks with the epoch's order. state_dict()/load_state_dict() resume at the next batch
-    (the packing is deterministic, so the state is just the epoch and the position)."""
-
-    def __init__(
-        self,
-        sequences: Any,
-        row_length: int,
-        batch_size: int,
-        *,
-        labels: Any = None,
-        drop_last: bool = False,
-        pin_memory: bool = False,
-        **options: Any,
-    ) -> None:
-        sequences, labels = _split_features(sequences, labels)
-        tokens, offsets = _flatten(sequences)
-        label_values = None
-        if labels is not None:
-            label_values, label_offsets = _flatten(labels)
-            if not np.array_equal(label_offsets, offsets):
-                raise PackingError("labels must have the same length as their sequence, for every sequence")
-        self._flat = (tokens, offsets, label_values)
-        self.row_length = int(row_length)
-        self.batch_size = int(batch_size)
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        self.drop_last = drop_last
-        self.pin_memory = pin_memory and torch.cuda.is_available()
-        self._options = dict(options)
-        self._options.pop("epoch", None)
-        self.epoch = 0
-        self._next_batch = 0
-        self._packing: Packing | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch = int(epoch)
-            self._packing = None
-            self._next_batch = 0
-
-    @property
-    def packing(self) -> Packing:
-        if self._packing is None:
-            self._packing = Packing(None, self.row_length, epoch=self.epoch, _flat=self._flat, **self._options)
-        return self._packing
-
-    def __len__(self) -> int:
-        rows = self.packing.num_rows
-        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        while self._next_batch < len(self):
-            first = self._next_batch * self.batch_size
-            self._next_batch += 1
-            yield self.packing.batch(first, first + self.batch_size, pin_memory=self.pin_memory)
-        self._next_batch = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "next_batch": self._next_batch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.set_epoch(int(state["epoch"]))
-        self._next_batch = int(state["next_batch"])

@@ -1,11 +1,17 @@
 """barqtrain.data.read_dataset: a dataset file to tokenized sequences with loss labels, in C++.
 
     data = read_dataset("train.jsonl", "alpaca", tokenizer)      # or "text", "messages"
-    packed = pack(data.sequences(), 4096, labels=data.label_sequences())
+    packed = data.pack(4096, seed=0)
     loader = data.loader(row_length=4096, batch_size=8, seed=0)
+    shards = read_dataset("shards/", "pretokenized")             # `barqtrain tokenize` output, mmapped
+
+    stream = DatasetStream("big.jsonl", "text", tokenizer)       # a chunk of records at a time
+    chunk = stream.read(100_000)                                  # a TokenizedDataset, or None at the end
+    state = stream.state_dict()                                   # ... later: load_state_dict(state)
 
 Files: JSONL (memory-mapped, a line at a time), JSON arrays, plain text (a record per line,
-or per file with text_unit="document"). Formats: text (the "text" field), alpaca (Stanford
+or per file with text_unit="document"), Parquet (with pyarrow: barqtrain.data.parquet).
+Formats: text (the "text" field), alpaca (Stanford
 prompt masked with -100, output learned), messages (chat rendered with a built-in template:
 "chatml" or "llama3"; other templates are an error). EOS is appended (and learned) when the
 tokenizer directory's tokenizer_config.json names one, or eos_token/eos_id is given.
@@ -19,19 +25,20 @@ import json
 import os
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from barqtrain.data import _native
-from barqtrain.data.packing import PackedLoader, Packing
+from barqtrain.data.loader import SequenceDataset
 from barqtrain.data.tokenizer import Tokenizer
 
 ReaderError = _native.ReaderError
 
 
 @dataclass
-class TokenizedDataset:
+class TokenizedDataset(SequenceDataset):
     tokens: np.ndarray  # int32, every sequence one after another
     labels: np.ndarray  # int32, -100 where masked
     offsets: np.ndarray  # int64, sequence i is [offsets[i], offsets[i + 1])
@@ -44,13 +51,10 @@ class TokenizedDataset:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return {"input_ids": self.tokens[a:b].tolist(), "labels": self.labels[a:b].tolist()}
 
-    def pack(self, row_length: int, **options: Any) -> Packing:
-        return Packing(None, row_length, _flat=(self.tokens, self.offsets, self.labels), **options)
-
-    def loader(self, row_length: int, batch_size: int, **options: Any) -> PackedLoader:
-        loader = PackedLoader([], row_length, batch_size, **options)
-        loader._flat = (self.tokens, self.offsets, self.labels)
-        return loader
+    @cached_property
+    def source(self) -> _native.SequenceSource:
+        """The arrays, copied once into C++ for every packing and loader made from them."""
+        return _native.InMemorySequences(self.tokens, self.offsets, self.labels)
 
 
 def _eos_from_config(tokenizer_dir: str | None) -> str | None:
@@ -64,6 +68,44 @@ def _eos_from_config(tokenizer_dir: str | None) -> str | None:
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos
+
+
+def _resolve(
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    eos_token: str | None,
+    eos_id: int | None,
+    add_eos: bool,
+) -> tuple[Tokenizer, int]:
+    """The tokenizer (loaded from a path) and the EOS id to append (-1: none)."""
+    if tokenizer is None:
+        raise ValueError("reading a dataset file needs a tokenizer (a Tokenizer or a tokenizer directory)")
+    tokenizer_dir = None
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer_dir = os.fspath(tokenizer)
+        tokenizer = Tokenizer.from_file(tokenizer_dir)
+        if not os.path.isdir(tokenizer_dir):
+            tokenizer_dir = os.path.dirname(tokenizer_dir)
+    if not add_eos:
+        return tokenizer, -1
+    if eos_id is not None:
+        return tokenizer, int(eos_id)
+    eos_token = eos_token or _eos_from_config(tokenizer_dir)
+    if eos_token is None:
+        return tokenizer, -1
+    ids = tokenizer.encode(eos_token, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ReaderError(f"eos_token {eos_token!r} is not a single token of the tokenizer")
+    return tokenizer, ids[0]
+
+
+def _warn_skipped(report: dict[str, Any]) -> None:
+    if report["skipped"]:
+        shown = "\n  ".join(report["errors"])
+        warnings.warn(
+            f"{report['path']}: skipped {report['skipped']} malformed records of "
+            f"{report['records'] + report['skipped']}; the first:\n  {shown}",
+            stacklevel=3,
+        )
 
 
 def read_dataset(
@@ -81,40 +123,92 @@ def read_dataset(
     add_eos: bool = True,
     add_special_tokens: bool = True,
     num_threads: int = 0,
-) -> TokenizedDataset:
-    """Reads and tokenizes every record of path; see the module docstring."""
-    if tokenizer is None:
-        raise ValueError("read_dataset needs a tokenizer (a Tokenizer or a tokenizer directory)")
-    tokenizer_dir = None
-    if not isinstance(tokenizer, Tokenizer):
-        tokenizer_dir = os.fspath(tokenizer)
-        tokenizer = Tokenizer.from_file(tokenizer_dir)
-        if not os.path.isdir(tokenizer_dir):
-            tokenizer_dir = os.path.dirname(tokenizer_dir)
-    if not add_eos:
-        eos = -1
-    elif eos_id is not None:
-        eos = int(eos_id)
-    else:
-        eos_token = eos_token or _eos_from_config(tokenizer_dir)
-        if eos_token is None:
-            eos = -1
-        else:
-            ids = tokenizer.encode(eos_token, add_special_tokens=False)
-            if len(ids) != 1:
-                raise ReaderError(f"eos_token {eos_token!r} is not a single token of the tokenizer")
-            eos = ids[0]
+) -> SequenceDataset:
+    """Reads and tokenizes every record of path; see the module docstring. With format
+    "pretokenized", path is a `barqtrain tokenize` directory (or one shard file), memory-mapped
+    and returned as a ShardDataset; a tokenizer, when given, must be the one it was made with."""
+    if format == "pretokenized":
+        from barqtrain.data.shards import open_shards
+
+        return open_shards(path, tokenizer=tokenizer)
+    tokenizer, eos = _resolve(tokenizer, eos_token, eos_id, add_eos)
+    if os.fspath(path).endswith(".parquet"):
+        from barqtrain.data.parquet import read_parquet
+
+        return read_parquet(
+            path, format, tokenizer, on_error=on_error, text_field=text_field, chat_template=chat_template,
+            eos_id=eos, add_special_tokens=add_special_tokens, num_threads=num_threads,
+        )
     tokens, labels, offsets, report = _native.read_dataset(
         os.fspath(path), tokenizer._native, format=format, kind=kind, on_error=on_error, text_unit=text_unit,
         text_field=text_field, chat_template=chat_template, eos_id=eos, add_special_tokens=add_special_tokens,
         num_threads=num_threads,
     )
     report["eos_id"] = eos
-    if report["skipped"]:
-        shown = "\n  ".join(report["errors"])
-        warnings.warn(
-            f"{report['path']}: skipped {report['skipped']} malformed records of "
-            f"{report['records'] + report['skipped']}; the first:\n  {shown}",
-            stacklevel=2,
-        )
+    _warn_skipped(report)
     return TokenizedDataset(tokens, labels, offsets, report)
+
+
+class DatasetStream:
+    """A dataset file read a chunk of records at a time (memory-mapped: files larger than
+    RAM stream), with a position that state_dict() saves and load_state_dict() restores:
+    after it, read() returns exactly the records that came next. Options as read_dataset's."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        format: str = "text",
+        tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+        *,
+        kind: str = "auto",
+        on_error: str = "raise",
+        text_unit: str = "line",
+        text_field: str = "text",
+        chat_template: str = "chatml",
+        eos_token: str | None = None,
+        eos_id: int | None = None,
+        add_eos: bool = True,
+        add_special_tokens: bool = True,
+        num_threads: int = 0,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.tokenizer, self.eos_id = _resolve(tokenizer, eos_token, eos_id, add_eos)
+        self._native = _native.RecordStream(
+            self.path, self.tokenizer._native, format=format, kind=kind, on_error=on_error, text_unit=text_unit,
+            text_field=text_field, chat_template=chat_template, eos_id=self.eos_id,
+            add_special_tokens=add_special_tokens, num_threads=num_threads,
+        )
+
+    def read(self, max_records: int) -> TokenizedDataset | None:
+        """Up to max_records more records (skipped malformed ones not counted), or None at the end."""
+        tokens, labels, offsets = self._native.read(max_records)
+        if len(offsets) == 1:
+            _warn_skipped(self.report)
+            return None
+        return TokenizedDataset(tokens, labels, offsets, {"path": self.path, "eos_id": self.eos_id})
+
+    def __iter__(self):
+        while (chunk := self.read(65536)) is not None:
+            yield chunk
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """records and skipped so far, and the first skip messages since the stream began or was restored."""
+        return self._native.report
+
+    @property
+    def size_bytes(self) -> int:
+        return self._native.size_bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        offset, line, records, skipped = self._native.position
+        return {"path": self.path, "size_bytes": self.size_bytes, "offset": offset, "line": line,
+                "records": records, "skipped": skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size_bytes"] != self.size_bytes:
+            raise ReaderError(
+                f"{self.path}: the saved position is for a file of {state['size_bytes']} bytes, this one has "
+                f"{self.size_bytes}: the file changed, so the position would not continue where it stopped"
+            )
+        self._native.seek(state["offset"], state["line"], state["records"], state["skipped"])

@@ -133,13 +133,34 @@ def test_deterministic_and_disjoint_across_ranks():
     assert not torch.equal(first.input_ids[: len(other_epoch.input_ids)], other_epoch.input_ids[: len(first.input_ids)])
     owners: dict[int, int] = {}
     for rank in range(4):
-        packing = pack(seqs, 512, seed=7, epoch=3, rank=rank, world_size=4)
+        packing = pack(seqs, 512, seed=7, epoch=3, rank=rank, world_size=4, balance="none")
         for row in range(packing.num_rows):
             for s, start, _ in packing.row_pieces(row):
                 if start == 0:
                     assert s not in owners, f"sequence {s} is on ranks {owners.get(s)} and {rank}"
                     owners[s] = rank
     assert sorted(owners) == list(range(1000))
+
+
+def test_ranks_get_the_same_number_of_rows_repeated_or_dropped():
+    seqs, _ = random_sequences(1000, seed=6, max_len=300)
+    own = [pack(seqs, 512, seed=7, rank=r, world_size=4, balance="none").stats for r in range(4)]
+    rows = [s["rows"] for s in own]
+    assert len(set(rows)) > 1, "the test needs shards that pack into different row counts"
+    for balance, target, counter in (("repeat", max(rows), "repeated_rows"), ("drop", min(rows), "dropped_rows")):
+        for r in range(4):
+            packing = pack(seqs, 512, seed=7, rank=r, world_size=4, balance=balance)
+            assert packing.num_rows == target
+            assert packing.stats[counter] == abs(target - rows[r])
+            # The rows a rank keeps are its own rows, in order; repeats start again at its first row.
+            for i in range(min(target, rows[r])):
+                assert packing.row_pieces(i) == pack(seqs, 512, seed=7, rank=r, world_size=4, balance="none").row_pieces(i)
+            if balance == "repeat" and target > rows[r]:
+                assert packing.row_pieces(rows[r]) == packing.row_pieces(0)
+    with pytest.raises(PackingError, match="unknown balance"):
+        pack(seqs, 512, world_size=2, balance="pad")
+    with pytest.raises(PackingError, match="fewer sequences than ranks"):
+        pack([[1, 2]], 8, rank=1, world_size=2)
 
 
 def test_overflow_modes_and_errors():
