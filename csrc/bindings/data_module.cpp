@@ -2,6 +2,7 @@
 // release the GIL; python/barqtrain/data/ adds the documented Python API on top.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string_view.h>
 #include <nanobind/stl/vector.h>
 
@@ -26,6 +27,14 @@ NB_MODULE(_native, m) {
           "encode",
           [](const Tokenizer& self, std::string_view text, bool add_special_tokens, bool split_special_tokens) {
             return self.encode(text, EncodeOptions{add_special_tokens, split_special_tokens});
+          },
+          nb::arg("text"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "encode_with_offsets",
+          [](const Tokenizer& self, std::string_view text, bool add_special_tokens, bool split_special_tokens) {
+            Tokenizer::Encoding encoding = self.encode_with_offsets(text, EncodeOptions{add_special_tokens, split_special_tokens});
+            return std::make_pair(std::move(encoding.ids), barqtrain::bindings::character_offsets(text, encoding.offsets));
           },
           nb::arg("text"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
           nb::call_guard<nb::gil_scoped_release>())

@@ -1,4 +1,5 @@
-// encode_batch and encode_batch_flat for barqtrain.data._native (included by data_module.cpp).
+// encode_batch, encode_batch_flat and offset conversion for barqtrain.data._native
+// (included by data_module.cpp).
 //
 // Under the GIL they only take the UTF-8 buffers Python already holds for the str objects
 // (no copies) and, at the end, build the result objects; all the encoding runs without it.
@@ -109,6 +110,33 @@ inline nb::tuple encode_batch_flat(const tokenizer::Tokenizer& self, nb::handle 
   auto ids_array = nb::ndarray<nb::numpy, tokenizer::TokenId, nb::ndim<1>>(ids->data(), {ids->size()}, ids_owner);
   auto offsets_array = nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(offsets->data(), {offsets->size()}, offsets_owner);
   return nb::make_tuple(ids_array, offsets_array);
+}
+
+// Byte offsets into text (UTF-8) as offsets into the Python str, counted in code points,
+// the way Hugging Face tokenizers converts them: a start inside a character counts from
+// that character; an end at the end of the text is the number of characters; an offset
+// pair whose start is not in the text (the empty text) stays as it is.
+inline std::vector<std::pair<size_t, size_t>> character_offsets(std::string_view text,
+                                                                 const std::vector<tokenizer::Span>& offsets) {
+  std::vector<uint32_t> character_of(text.size() + 1);  // the character holding each byte
+  uint32_t characters = 0;
+  for (size_t pos = 0; pos < text.size(); ++pos) {
+    if ((static_cast<unsigned char>(text[pos]) & 0xC0) != 0x80 && pos > 0) ++characters;
+    character_of[pos] = characters;
+  }
+  const uint32_t total = text.empty() ? 0 : characters + 1;
+  std::vector<std::pair<size_t, size_t>> out;
+  out.reserve(offsets.size());
+  for (const tokenizer::Span& span : offsets) {
+    if (span.start >= text.size()) {
+      out.emplace_back(span.start, span.end);
+    } else if (span.end >= text.size()) {
+      out.emplace_back(character_of[span.start], span.end == text.size() ? total : span.end);
+    } else {
+      out.emplace_back(character_of[span.start], character_of[span.end]);
+    }
+  }
+  return out;
 }
 
 }  // namespace barqtrain::bindings

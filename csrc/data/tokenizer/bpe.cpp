@@ -1,6 +1,9 @@
 #include "data/tokenizer/bpe.h"
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
+#include <queue>
 
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
@@ -100,14 +103,11 @@ const BpeModel::Merge* BpeModel::MergeTable::find(TokenId left, TokenId right) c
   }
 }
 
-BpeModel::BpeModel(const json::Value& model) {
+BpeModel::BpeModel(const json::Value& model, bool byte_level) : byte_level_(byte_level) {
   const json::Value* type = model.find("type");
   if (!type || !type->is_string() || type->as_string() != "BPE") {
     throw TokenizerError("unsupported model type " + (type && type->is_string() ? type->as_string() : std::string("(missing)")) +
                          " (only BPE is supported)");
-  }
-  if (const json::Value* fallback = model.find("byte_fallback"); fallback && fallback->as_bool()) {
-    throw TokenizerError("unsupported BPE option byte_fallback (SentencePiece-style BPE is not supported yet)");
   }
   if (const json::Value* dropout = model.find("dropout"); dropout && !dropout->is_null()) {
     throw TokenizerError("unsupported BPE option dropout");
@@ -115,7 +115,21 @@ BpeModel::BpeModel(const json::Value& model) {
   require_empty_or_null(model, "continuing_subword_prefix");
   require_empty_or_null(model, "end_of_word_suffix");
   if (const json::Value* ignore = model.find("ignore_merges")) ignore_merges_ = ignore->as_bool();
+  if (const json::Value* fallback = model.find("byte_fallback"); fallback && !fallback->is_null()) {
+    byte_fallback_ = fallback->as_bool();
+  }
+  if (const json::Value* fuse = model.find("fuse_unk"); fuse && !fuse->is_null()) fuse_unknown_ = fuse->as_bool();
+  read_vocab(model);
+  if (const json::Value* unknown = model.find("unk_token"); unknown && !unknown->is_null()) {
+    unknown_token_ = find(unknown->as_string());
+    if (unknown_token_ == kNoToken) {
+      throw TokenizerError("model.unk_token \"" + unknown->as_string() + "\" is not in model.vocab");
+    }
+  }
+  read_merges(model);
+}
 
+void BpeModel::read_vocab(const json::Value& model) {
   const json::Value* vocab = model.find("vocab");
   if (!vocab || !vocab->is_object()) throw TokenizerError("model.vocab is missing or not an object");
   const auto& entries = vocab->as_object();
@@ -132,22 +146,45 @@ BpeModel::BpeModel(const json::Value& model) {
       has_token_.resize(id + 1);
     }
     has_token_[id] = true;
-    // A token outside the byte alphabet is never produced by merging bytes.
-    if (byte_level_to_bytes(token, bytes)) {
+    if (!byte_level_) {
+      ids_by_bytes_.emplace(token, static_cast<TokenId>(id));
+      token_bytes_[id] = token;
+    } else if (byte_level_to_bytes(token, bytes)) {
       ids_by_bytes_.emplace(bytes, static_cast<TokenId>(id));
       token_bytes_[id] = bytes;
     } else {
+      // A token outside the byte alphabet is never produced by merging bytes.
       token_bytes_[id] = token;
     }
   }
-  for (int b = 0; b < 256; ++b) {
-    byte_tokens_[b] = find(std::string_view(reinterpret_cast<const char*>(&b), 1));
-    if (byte_tokens_[b] == kNoToken) {
-      throw TokenizerError("model.vocab has no token for byte " + std::to_string(b) + " (\"" +
-                           byte_level_string(static_cast<uint8_t>(b)) + "\"): not a byte-level BPE vocabulary");
+  if (byte_level_) {
+    for (int b = 0; b < 256; ++b) {
+      byte_tokens_[b] = find(std::string_view(reinterpret_cast<const char*>(&b), 1));
+      if (byte_tokens_[b] == kNoToken) {
+        throw TokenizerError("model.vocab has no token for byte " + std::to_string(b) + " (\"" +
+                             byte_level_string(static_cast<uint8_t>(b)) + "\"): not a byte-level BPE vocabulary");
+      }
+    }
+    return;
+  }
+  for (const auto& [token, id] : ids_by_bytes_) {
+    if (!token.empty() && token.size() <= 4 && unicode::find_invalid_utf8(token) == token.size() &&
+        unicode::decode_at(token, 0).length == token.size()) {
+      uint32_t key = 0;
+      std::memcpy(&key, token.data(), token.size());
+      character_tokens_.emplace(key, id);
     }
   }
+  for (int c = 0; c < 128; ++c) ascii_tokens_[c] = find(std::string(1, static_cast<char>(c)));
+  static const char* const kHex = "0123456789ABCDEF";
+  for (int b = 0; b < 256; ++b) {
+    // Hugging Face spells them "<0x%02X>": "<0x0A>", "<0xE2>".
+    const std::string name = std::string("<0x") + kHex[b >> 4] + kHex[b & 15] + ">";
+    byte_fallback_tokens_[b] = find(name);
+  }
+}
 
+void BpeModel::read_merges(const json::Value& model) {
   const json::Value* merges = model.find("merges");
   if (!merges || !merges->is_array()) throw TokenizerError("model.merges is missing or not an array");
   merges_.reserve(merges->as_array().size());
@@ -171,7 +208,11 @@ BpeModel::BpeModel(const json::Value& model) {
       right = pair[1].as_string();
     }
     TokenId left_id = kNoToken, right_id = kNoToken, merged_id = kNoToken;
-    if (byte_level_to_bytes(left, left_bytes) && byte_level_to_bytes(right, right_bytes)) {
+    if (!byte_level_) {
+      left_id = find(left);
+      right_id = find(right);
+      merged_id = find(left + right);
+    } else if (byte_level_to_bytes(left, left_bytes) && byte_level_to_bytes(right, right_bytes)) {
       left_id = find(left_bytes);
       right_id = find(right_bytes);
       merged_id = find(left_bytes + right_bytes);
@@ -197,21 +238,84 @@ uint32_t BpeModel::rank_of(TokenId left, TokenId right) const {
   return merge ? merge->rank : kNoMerge;
 }
 
-void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out) const {
+void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<uint32_t>* lengths) const {
   if (piece.empty()) return;
   if (ignore_merges_ && piece.size() > 1) {
     if (const TokenId whole = find(piece); whole != kNoToken) {
       out.push_back(whole);
+      if (lengths) lengths->push_back(static_cast<uint32_t>(piece.size()));
       return;
     }
   }
+  thread_local std::vector<TokenId> parts;
+  thread_local std::vector<uint32_t> part_lengths;
+  parts.clear();
+  part_lengths.clear();
+  std::vector<uint32_t>* tracked = lengths ? &part_lengths : nullptr;
+  if (byte_level_) {
+    for (const char c : piece) parts.push_back(byte_tokens_[static_cast<uint8_t>(c)]);
+    if (tracked) tracked->assign(parts.size(), 1);
+  } else {
+    split_characters(piece, parts, tracked);
+  }
+  merge(parts, tracked);
+  out.insert(out.end(), parts.begin(), parts.end());
+  if (lengths) lengths->insert(lengths->end(), part_lengths.begin(), part_lengths.end());
+}
+
+void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& parts,
+                                std::vector<uint32_t>* lengths) const {
+  // As Hugging Face's BPE::merge_word: an unknown character is held back (and fused with
+  // the next unknown ones under fuse_unk) until a known character or the end comes, so it
+  // lands after byte fallbacks that follow it.
+  TokenId pending_unknown = kNoToken;
+  uint32_t pending_length = 0;
+  auto add = [&](TokenId id, uint32_t length) {
+    parts.push_back(id);
+    if (lengths) lengths->push_back(length);
+  };
+  for (size_t pos = 0; pos < piece.size();) {
+    const auto byte = static_cast<unsigned char>(piece[pos]);
+    const uint32_t length = byte < 0x80 ? 1 : unicode::decode_at(piece, pos).length;
+    TokenId id = kNoToken;
+    if (byte < 0x80) {
+      id = ascii_tokens_[byte];
+    } else {
+      uint32_t key = 0;
+      std::memcpy(&key, piece.data() + pos, length);
+      if (const auto it = character_tokens_.find(key); it != character_tokens_.end()) id = it->second;
+    }
+    if (id != kNoToken) {
+      if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+      pending_unknown = kNoToken;
+      add(id, length);
+    } else if (byte_fallback_ && std::all_of(piece.begin() + pos, piece.begin() + pos + length, [&](char c) {
+                 return byte_fallback_tokens_[static_cast<uint8_t>(c)] != kNoToken;
+               })) {
+      for (uint32_t i = 0; i < length; ++i) add(byte_fallback_tokens_[static_cast<uint8_t>(piece[pos + i])], 1);
+    } else if (unknown_token_ != kNoToken) {
+      if (pending_unknown != kNoToken && fuse_unknown_) {
+        pending_length += length;
+      } else {
+        if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+        pending_unknown = unknown_token_;
+        pending_length = length;
+      }
+    }
+    // Otherwise, as in Hugging Face, the character produces no token.
+    pos += length;
+  }
+  if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+}
+
+void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+  // Long pieces (SentencePiece-style text without a splitting pre-tokenizer is one piece
+  // per segment) use the heap, which is O(n log n).
+  if (parts.size() > 64) return merge_long(parts, lengths);
   // Merge the adjacent pair of lowest rank (the leftmost on ties) until none merges. The
   // ranks of adjacent pairs are kept beside the parts, so each merge recomputes two.
-  thread_local std::vector<TokenId> parts;
   thread_local std::vector<uint32_t> ranks;
-  parts.clear();
   ranks.clear();
-  for (const char c : piece) parts.push_back(byte_tokens_[static_cast<uint8_t>(c)]);
   for (size_t i = 0; i + 1 < parts.size(); ++i) ranks.push_back(rank_of(parts[i], parts[i + 1]));
   while (!ranks.empty()) {
     const auto lowest = std::min_element(ranks.begin(), ranks.end());
@@ -219,11 +323,66 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out) c
     const size_t i = lowest - ranks.begin();
     parts[i] = merges_.find(parts[i], parts[i + 1])->merged;
     parts.erase(parts.begin() + i + 1);
+    if (lengths) {
+      (*lengths)[i] += (*lengths)[i + 1];
+      lengths->erase(lengths->begin() + i + 1);
+    }
     ranks.erase(ranks.begin() + i);
     if (i > 0) ranks[i - 1] = rank_of(parts[i - 1], parts[i]);
     if (i < ranks.size()) ranks[i] = rank_of(parts[i], parts[i + 1]);
   }
-  out.insert(out.end(), parts.begin(), parts.end());
+}
+
+void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+  // Hugging Face's Word::merge_all: a min-heap of (rank, position) over a linked list of
+  // symbols; entries made stale by earlier merges are skipped when popped.
+  struct Candidate {
+    uint32_t rank;
+    uint32_t position;
+    TokenId merged;
+    bool operator>(const Candidate& other) const {
+      return rank != other.rank ? rank > other.rank : position > other.position;
+    }
+  };
+  const size_t n = parts.size();
+  std::vector<int64_t> previous(n), next(n);
+  std::vector<bool> alive(n, true);
+  for (size_t i = 0; i < n; ++i) {
+    previous[i] = static_cast<int64_t>(i) - 1;
+    next[i] = i + 1 < n ? static_cast<int64_t>(i + 1) : -1;
+  }
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  auto push = [&](size_t left) {
+    if (next[left] < 0) return;
+    if (const Merge* merge = merges_.find(parts[left], parts[next[left]])) {
+      heap.push({merge->rank, static_cast<uint32_t>(left), merge->merged});
+    }
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const Candidate top = heap.top();
+    heap.pop();
+    if (!alive[top.position] || next[top.position] < 0) continue;
+    const size_t right = next[top.position];
+    const Merge* current = merges_.find(parts[top.position], parts[right]);
+    if (!current || current->merged != top.merged) continue;
+    parts[top.position] = top.merged;
+    if (lengths) (*lengths)[top.position] += (*lengths)[right];
+    alive[right] = false;
+    next[top.position] = next[right];
+    if (next[right] >= 0) previous[next[right]] = top.position;
+    if (previous[top.position] >= 0) push(previous[top.position]);
+    push(top.position);
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!alive[i]) continue;
+    parts[kept] = parts[i];
+    if (lengths) (*lengths)[kept] = (*lengths)[i];
+    ++kept;
+  }
+  parts.resize(kept);
+  if (lengths) lengths->resize(kept);
 }
 
 }  // namespace barqtrain::tokenizer

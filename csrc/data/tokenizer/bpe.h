@@ -1,8 +1,13 @@
-// Byte-level BPE: the model half of a GPT-2 style tokenizer.
+// BPE: the model half of a tokenizer, in two flavours.
 //
-// Tokens are handled as raw bytes: the vocabulary's byte-level strings ("Ġthe") are mapped
-// back to the bytes they stand for (" the") once at load time, so encoding never builds
-// the byte-level string of the input.
+// Byte-level (GPT-2, Llama-3, Qwen2): tokens are handled as raw bytes: the vocabulary's
+// byte-level strings ("Ġthe") are mapped back to the bytes they stand for (" the") once
+// at load time, so encoding never builds the byte-level string of the input.
+//
+// SentencePiece-style (Llama-2, Mistral, Gemma): tokens are plain UTF-8 strings ("▁the");
+// a pre-token starts as its characters, and a character missing from the vocabulary
+// becomes its bytes' <0xNN> tokens (byte_fallback) or the unknown token (fused with
+// neighbouring unknown characters when fuse_unk is set).
 #pragma once
 
 #include <cstdint>
@@ -25,15 +30,18 @@ std::string byte_level_decode(std::string_view token);
 class BpeModel {
  public:
   // Reads a tokenizer.json "model" object; throws TokenizerError on anything unsupported.
-  explicit BpeModel(const json::Value& model);
+  BpeModel(const json::Value& model, bool byte_level);
 
-  // Appends the tokens of one pre-token (raw bytes).
-  void encode_piece(std::string_view piece, std::vector<TokenId>& out) const;
+  // Appends the tokens of one pre-token (raw bytes, valid UTF-8 in the SentencePiece
+  // flavour). With lengths, also appends how many bytes of the piece each token covers.
+  void encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<uint32_t>* lengths = nullptr) const;
 
+  bool byte_level() const { return byte_level_; }
   // One more than the largest token id.
   size_t id_bound() const { return token_bytes_.size(); }
   bool has_token(TokenId id) const { return id < has_token_.size() && has_token_[id]; }
-  // The bytes token `id` decodes to; requires has_token(id).
+  // The bytes token `id` decodes to (byte-level), or its string (SentencePiece-style);
+  // requires has_token(id).
   const std::string& token_bytes(TokenId id) const { return token_bytes_[id]; }
   // The token whose bytes are exactly `bytes`, or kNoToken.
   TokenId find(std::string_view bytes) const;
@@ -62,12 +70,27 @@ class BpeModel {
   };
 
   uint32_t rank_of(TokenId left, TokenId right) const;
+  void read_vocab(const json::Value& model);
+  void read_merges(const json::Value& model);
+  // The initial symbols of a SentencePiece-style piece: characters, byte fallbacks, unknowns.
+  void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  void merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  void merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
 
+  bool byte_level_;
   std::unordered_map<std::string, TokenId> ids_by_bytes_;
   std::vector<std::string> token_bytes_;
   std::vector<bool> has_token_;
-  TokenId byte_tokens_[256];
+  TokenId byte_tokens_[256];  // byte-level: the token of each byte
   MergeTable merges_;
+  // SentencePiece-style: the token of each one-character string, keyed by its UTF-8
+  // bytes packed into an integer; the <0xNN> tokens; the unknown token.
+  std::unordered_map<uint32_t, TokenId> character_tokens_;
+  TokenId ascii_tokens_[128];
+  bool byte_fallback_ = false;
+  TokenId byte_fallback_tokens_[256];
+  TokenId unknown_token_ = kNoToken;
+  bool fuse_unknown_ = false;
   // Llama-3: a pre-token that is itself in the vocabulary is one token, without merging.
   bool ignore_merges_ = false;
 };

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
@@ -176,6 +177,44 @@ void split(SplitPattern pattern, std::string_view text, std::vector<std::string_
     pieces.push_back(text.substr(pos, end - pos));
     pos = end;
   }
+}
+
+Metaspace Metaspace::read(const json::Value& config) {
+  Metaspace metaspace;
+  const json::Value* replacement = config.find("replacement");
+  if (!replacement || !replacement->is_string() || replacement->as_string().empty() ||
+      unicode::find_invalid_utf8(replacement->as_string()) != replacement->as_string().size() ||
+      unicode::decode_at(replacement->as_string(), 0).length != replacement->as_string().size()) {
+    throw TokenizerError("Metaspace: replacement must be one character");
+  }
+  metaspace.replacement = replacement->as_string();
+  if (const json::Value* scheme = config.find("prepend_scheme"); scheme && !scheme->is_null()) {
+    const std::string& name = scheme->as_string();
+    if (name == "always") metaspace.prepend_scheme = PrependScheme::kAlways;
+    else if (name == "first") metaspace.prepend_scheme = PrependScheme::kFirst;
+    else if (name == "never") metaspace.prepend_scheme = PrependScheme::kNever;
+    else throw TokenizerError("Metaspace: unknown prepend_scheme \"" + name + "\" (always, first or never)");
+  }
+  // Files written before prepend_scheme existed say add_prefix_space: false for never.
+  if (const json::Value* add_prefix_space = config.find("add_prefix_space");
+      add_prefix_space && !add_prefix_space->is_null() && !add_prefix_space->as_bool()) {
+    const json::Value* scheme = config.find("prepend_scheme");
+    if (scheme && !scheme->is_null() && metaspace.prepend_scheme != PrependScheme::kNever) {
+      throw TokenizerError("Metaspace: add_prefix_space false contradicts prepend_scheme " + scheme->as_string());
+    }
+    metaspace.prepend_scheme = PrependScheme::kNever;
+  }
+  if (const json::Value* split = config.find("split"); split && !split->is_null()) metaspace.split = split->as_bool();
+  return metaspace;
+}
+
+void split_before(std::string_view separator, std::string_view text, std::vector<std::string_view>& pieces) {
+  size_t start = 0;
+  for (size_t at = text.find(separator, 1); at != std::string_view::npos; at = text.find(separator, at + 1)) {
+    pieces.push_back(text.substr(start, at - start));
+    start = at;
+  }
+  if (start < text.size()) pieces.push_back(text.substr(start));
 }
 
 }  // namespace barqtrain::tokenizer

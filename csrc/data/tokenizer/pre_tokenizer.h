@@ -1,4 +1,5 @@
-// The regex split pre-tokenizers of byte-level BPE models, as hand-written scanners.
+// Pre-tokenizers: the regex split patterns of byte-level BPE models, as hand-written
+// scanners, and the options of Metaspace (SentencePiece-style models).
 //
 // Each supported pattern is recognized by its exact regex string from tokenizer.json and
 // scanned with the semantics of the regex engine behind Hugging Face tokenizers
@@ -6,8 +7,11 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
+
+#include "data/json.h"
 
 namespace barqtrain::tokenizer {
 
@@ -28,5 +32,24 @@ std::string_view regex_of(SplitPattern pattern);
 
 // Appends the pieces of text (valid UTF-8) to pieces; they cover text in order.
 void split(SplitPattern pattern, std::string_view text, std::vector<std::string_view>& pieces);
+
+// Metaspace, as a pre-tokenizer: spaces become the replacement character, which is put in
+// front of the text (always, only at the start of the input, or never) unless it is
+// already there, and with split the text is cut before each replacement character. As a
+// decoder: the replacement character becomes a space, and is dropped from the first token
+// unless the scheme is never.
+struct Metaspace {
+  enum class PrependScheme { kAlways, kFirst, kNever };
+  std::string replacement;  // one character, UTF-8
+  PrependScheme prepend_scheme = PrependScheme::kAlways;
+  bool split = true;
+
+  // Reads a tokenizer.json Metaspace object, with Hugging Face's defaults and its legacy
+  // add_prefix_space; throws TokenizerError when it is malformed.
+  static Metaspace read(const json::Value& config);
+};
+
+// Cuts text before each occurrence of separator (Hugging Face's MergedWithNext).
+void split_before(std::string_view separator, std::string_view text, std::vector<std::string_view>& pieces);
 
 }  // namespace barqtrain::tokenizer

@@ -127,31 +127,27 @@ class PieceCache {
 thread_local PieceCache piece_cache;
 std::atomic<uint64_t> next_serial{1};
 
-void read_normalizer(const json::Value* normalizer, bool* nfc) {
-  if (!normalizer || normalizer->is_null()) return;
-  const std::string type = type_of(*normalizer);
-  if (type != "NFC") unsupported("normalizer " + type);
-  *nfc = true;
-}
-
-void read_pre_tokenizer(const json::Value* pre_tokenizer, std::optional<SplitPattern>* pattern,
-                        bool* add_prefix_space) {
-  if (!pre_tokenizer || pre_tokenizer->is_null()) {
-    unsupported("a BPE model without a ByteLevel pre-tokenizer (SentencePiece-style BPE is not supported yet)");
-  }
+// Returns whether the pre-tokenizer is byte-level (then the model is too).
+bool read_pre_tokenizer(const json::Value* pre_tokenizer, std::optional<SplitPattern>* pattern,
+                        bool* add_prefix_space, std::optional<Metaspace>* metaspace) {
+  if (!pre_tokenizer || pre_tokenizer->is_null()) return false;
   const std::string type = type_of(*pre_tokenizer);
+  if (type == "Metaspace") {
+    *metaspace = Metaspace::read(*pre_tokenizer);
+    return false;
+  }
   if (type == "ByteLevel") {
     // ByteLevel alone splits with GPT-2's pattern when use_regex is set.
     if (flag(*pre_tokenizer, "use_regex", true)) *pattern = SplitPattern::kGpt2;
     *add_prefix_space = flag(*pre_tokenizer, "add_prefix_space", true);
-    return;
+    return true;
   }
   // Sequence[Split(pattern, Isolated), ByteLevel(use_regex=false)]: Llama-3, Qwen2.
   const json::Value* steps = pre_tokenizer->find("pretokenizers");
   if (type != "Sequence" || !steps || !steps->is_array() || steps->as_array().size() != 2 ||
       type_of(steps->as_array()[0]) != "Split" || type_of(steps->as_array()[1]) != "ByteLevel") {
     unsupported("pre_tokenizer " + type +
-                " (supported: ByteLevel, and Sequence of a regex Split then ByteLevel)");
+                " (supported: ByteLevel, Sequence of a regex Split then ByteLevel, Metaspace, or none)");
   }
   const json::Value& split = steps->as_array()[0];
   const json::Value& byte_level = steps->as_array()[1];
@@ -169,6 +165,7 @@ void read_pre_tokenizer(const json::Value* pre_tokenizer, std::optional<SplitPat
   if (flag(byte_level, "use_regex", true) || flag(byte_level, "add_prefix_space", true)) {
     unsupported("ByteLevel after Split with use_regex or add_prefix_space set");
   }
+  return true;
 }
 
 // TemplateProcessing for a single sequence: the special tokens before and after it.
@@ -198,15 +195,27 @@ void read_template(const json::Value& processor, std::vector<TokenId>* prefix, s
   suffix->insert(suffix->end(), after.begin(), after.end());
 }
 
-void read_post_processor(const json::Value* processor, std::vector<TokenId>* prefix, std::vector<TokenId>* suffix) {
+struct PostProcessor {
+  std::vector<TokenId> prefix, suffix;
+  bool trim_offsets = false;
+  bool add_prefix_space = false;
+};
+
+void read_post_processor(const json::Value* processor, PostProcessor* out) {
   if (!processor || processor->is_null()) return;
   const std::string type = type_of(*processor);
-  if (type == "ByteLevel") return;  // it only adjusts offsets
-  if (type == "TemplateProcessing") return read_template(*processor, prefix, suffix);
+  if (type == "ByteLevel") {
+    // It only adjusts offsets: with trim_offsets, spaces at the ends of a token are not
+    // part of its offsets.
+    out->trim_offsets = flag(*processor, "trim_offsets", true);
+    out->add_prefix_space = flag(*processor, "add_prefix_space", true);
+    return;
+  }
+  if (type == "TemplateProcessing") return read_template(*processor, &out->prefix, &out->suffix);
   if (type == "Sequence") {
     const json::Value* processors = processor->find("processors");
     if (!processors) unsupported("post_processor Sequence without processors");
-    for (const json::Value& each : processors->as_array()) read_post_processor(&each, prefix, suffix);
+    for (const json::Value& each : processors->as_array()) read_post_processor(&each, out);
     return;
   }
   unsupported("post_processor " + type);
@@ -277,15 +286,25 @@ Tokenizer::Tokenizer(const json::Value& config) : serial_(next_serial++) {
   const json::Value* model = config.find("model");
   if (!model) throw TokenizerError("tokenizer.json has no model");
   try {
-    read_normalizer(config.find("normalizer"), &nfc_);
-    model_ = std::make_shared<BpeModel>(*model);
-    read_pre_tokenizer(config.find("pre_tokenizer"), &split_pattern_, &add_prefix_space_);
-    read_post_processor(config.find("post_processor"), &prefix_, &suffix_);
+    normalizer_ = Normalizer(config.find("normalizer"));
+    const bool byte_level =
+        read_pre_tokenizer(config.find("pre_tokenizer"), &split_pattern_, &add_prefix_space_, &metaspace_);
+    model_ = std::make_shared<BpeModel>(*model, byte_level);
+    PostProcessor post_processor;
+    read_post_processor(config.find("post_processor"), &post_processor);
+    prefix_ = std::move(post_processor.prefix);
+    suffix_ = std::move(post_processor.suffix);
+    trim_offsets_ = post_processor.trim_offsets;
+    trim_keeps_prefix_space_ = post_processor.add_prefix_space;
     const json::Value* decoder = config.find("decoder");
-    if (!decoder || decoder->is_null() || type_of(*decoder) != "ByteLevel") {
-      unsupported("decoder " + (decoder && !decoder->is_null() ? type_of(*decoder) : std::string("null")) +
-                  " (only ByteLevel is supported)");
+    const bool has_decoder = decoder && !decoder->is_null();
+    const bool byte_level_decoder = has_decoder && type_of(*decoder) == "ByteLevel";
+    if (byte_level != byte_level_decoder) {
+      unsupported(std::string("decoder ") + (has_decoder ? type_of(*decoder) : "null") + " with a " +
+                  (byte_level ? "byte-level" : "SentencePiece-style (not byte-level)") +
+                  " model (a byte-level model needs the ByteLevel decoder, and only it)");
     }
+    if (has_decoder && !byte_level_decoder) decoder_.emplace(*decoder);
   } catch (const json::JsonError& error) {
     throw TokenizerError(std::string("malformed tokenizer.json: ") + error.what());
   }
@@ -299,26 +318,39 @@ Tokenizer::Tokenizer(const json::Value& config) : serial_(next_serial++) {
       }
       const int64_t id = entry.find("id") ? entry.find("id")->as_integer() : -1;
       if (id < 0 || id >= (int64_t{1} << 24)) throw TokenizerError("added_tokens: bad id for " + content);
-      const AddedToken token{content, static_cast<TokenId>(id), flag(entry, "special", false)};
-      (flag(entry, "normalized", !token.special) ? normalized_added_tokens_ : raw_added_tokens_).add(token);
-      if (added_token_bytes_.size() <= token.id) {
-        added_token_bytes_.resize(token.id + 1);
+      const bool special = flag(entry, "special", false);
+      const bool normalized = flag(entry, "normalized", !special);
+      // A normalized token is matched, and decodes, as its normalized form (Hugging Face's
+      // normalized_cache): "hello world" is "▁hello▁world" under Prepend and Replace.
+      AddedToken token{content, static_cast<TokenId>(id), special};
+      if (normalized && !normalizer_.empty()) {
+        AlignedText text;
+        text.assign(content, 0, false);
+        normalizer_.normalize(text);
+        if (text.text.empty()) throw TokenizerError("added_tokens: " + content + " normalizes to nothing");
+        token.content = text.text;
+      }
+      (normalized ? normalized_added_tokens_ : raw_added_tokens_).add(token);
+      if (added_token_content_.size() <= token.id) {
+        added_token_content_.resize(token.id + 1);
         special_ids_.resize(token.id + 1);
       }
-      added_token_bytes_[token.id] = byte_level_decode(content);
+      added_token_content_[token.id] = token.content;
       special_ids_[token.id] = token.special;
     }
   }
   raw_added_tokens_.finish();
   normalized_added_tokens_.finish();
-  for (const TokenId id : prefix_) {
-    if (!model_->has_token(id) && !(id < added_token_bytes_.size() && added_token_bytes_[id])) {
+  std::vector<TokenId> template_ids = prefix_;
+  template_ids.insert(template_ids.end(), suffix_.begin(), suffix_.end());
+  for (const TokenId id : template_ids) {
+    if (!model_->has_token(id) && !(id < added_token_content_.size() && added_token_content_[id])) {
       throw TokenizerError("post_processor adds token id " + std::to_string(id) + ", which is not in the vocabulary");
     }
   }
 }
 
-size_t Tokenizer::id_bound() const { return std::max(model_->id_bound(), added_token_bytes_.size()); }
+size_t Tokenizer::id_bound() const { return std::max(model_->id_bound(), added_token_content_.size()); }
 
 template <typename Emit>
 void Tokenizer::split_added_tokens(const AddedTokenMatcher& matcher, std::string_view text, bool skip_special,
@@ -326,7 +358,7 @@ void Tokenizer::split_added_tokens(const AddedTokenMatcher& matcher, std::string
   size_t done = 0, at = 0;
   while (const AddedToken* token = matcher.find(text, done, skip_special, &at)) {
     if (at > done) emit(text.substr(done, at - done), nullptr);
-    emit(std::string_view(), token);
+    emit(text.substr(at, token->content.size()), token);
     done = at + token->content.size();
   }
   if (done < text.size()) emit(text.substr(done), nullptr);
@@ -340,52 +372,133 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, const EncodeOption
 }
 
 void Tokenizer::encode_into(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& ids) const {
+  encode_all(text, options, ids, nullptr);
+}
+
+Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text, const EncodeOptions& options) const {
+  Encoding encoding;
+  encode_all(text, options, encoding.ids, &encoding.offsets);
+  return encoding;
+}
+
+void Tokenizer::encode_all(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& ids,
+                           std::vector<Span>* offsets) const {
   if (const size_t bad = unicode::find_invalid_utf8(text); bad != text.size()) {
     throw TokenizerError("input text is not valid UTF-8 (byte offset " + std::to_string(bad) + ")");
   }
+  if (text.size() > UINT32_MAX && offsets) throw TokenizerError("offsets need a text shorter than 4 GiB");
   piece_cache.bind(serial_);
-  if (options.add_special_tokens) ids.insert(ids.end(), prefix_.begin(), prefix_.end());
-  thread_local std::string normalized;
+  auto add_template = [&](const std::vector<TokenId>& tokens) {
+    if (!options.add_special_tokens) return;
+    ids.insert(ids.end(), tokens.begin(), tokens.end());
+    if (offsets) offsets->insert(offsets->end(), tokens.size(), Span{0, 0});
+  };
+  add_template(prefix_);
+  const size_t first_text_token = ids.size();
+  const bool tracked = offsets != nullptr;
+  thread_local AlignedText normalized;
   split_added_tokens(raw_added_tokens_, text, options.split_special_tokens,
                      [&](std::string_view segment, const AddedToken* token) {
-                       if (token) return ids.push_back(token->id);
-                       std::string_view segment_text = segment;
-                       if (nfc_) {
-                         normalized.clear();
-                         unicode::append_nfc(segment, normalized);
-                         segment_text = normalized;
+                       const size_t segment_start = segment.data() - text.data();
+                       if (token) {
+                         ids.push_back(token->id);
+                         if (offsets) {
+                           offsets->push_back({static_cast<uint32_t>(segment_start),
+                                               static_cast<uint32_t>(segment_start + segment.size())});
+                         }
+                         return;
                        }
-                       split_added_tokens(normalized_added_tokens_, segment_text, options.split_special_tokens,
-                                          [&](std::string_view part, const AddedToken* inner) {
-                                            if (inner) return ids.push_back(inner->id);
-                                            encode_text(part, ids);
-                                          });
+                       std::string_view segment_text = segment;
+                       const Span* spans = nullptr;
+                       if (!normalizer_.empty() || tracked) {
+                         normalized.assign(segment, segment_start, tracked);
+                         normalizer_.normalize(normalized);
+                         segment_text = normalized.text;
+                         if (tracked) spans = normalized.spans.data();
+                       }
+                       split_added_tokens(
+                           normalized_added_tokens_, segment_text, options.split_special_tokens,
+                           [&](std::string_view part, const AddedToken* inner) {
+                             const size_t part_start = part.data() - segment_text.data();
+                             if (inner) {
+                               ids.push_back(inner->id);
+                               if (offsets) {
+                                 offsets->push_back({spans[part_start].start, spans[part_start + part.size() - 1].end});
+                               }
+                               return;
+                             }
+                             encode_part(part, spans ? spans + part_start : nullptr,
+                                         segment_start == 0 && part_start == 0, ids, offsets);
+                           });
                      });
-  if (options.add_special_tokens) ids.insert(ids.end(), suffix_.begin(), suffix_.end());
+  if (offsets && trim_offsets_) trim_offsets(ids, *offsets, first_text_token);
+  add_template(suffix_);
 }
 
-void Tokenizer::encode_text(std::string_view text, std::vector<TokenId>& out) const {
-  if (add_prefix_space_ && text[0] != ' ') {
-    thread_local std::string prefixed;
-    prefixed.assign(1, ' ');
-    prefixed.append(text);
-    return encode_pieces(prefixed, out);
-  }
-  encode_pieces(text, out);
-}
-
-void Tokenizer::encode_pieces(std::string_view text, std::vector<TokenId>& out) const {
+void Tokenizer::encode_part(std::string_view text, const Span* spans, bool at_input_start, std::vector<TokenId>& ids,
+                            std::vector<Span>* offsets) const {
   thread_local std::vector<std::string_view> pieces;
+  thread_local AlignedText edited;
+  thread_local std::string scratch;
+  thread_local std::vector<Span> scratch_spans;
   pieces.clear();
+  // Pre-tokenizers that edit the text work on a copy (with its spans when tracking).
+  auto edit = [&] {
+    edited.text.assign(text.data(), text.size());
+    edited.tracked = spans != nullptr;
+    if (spans) edited.spans.assign(spans, spans + text.size());
+  };
+  if (metaspace_) {
+    edit();
+    replace_all(edited, " ", metaspace_->replacement, scratch, scratch_spans);
+    const bool prepend_here = metaspace_->prepend_scheme == Metaspace::PrependScheme::kAlways ||
+                              (metaspace_->prepend_scheme == Metaspace::PrependScheme::kFirst && at_input_start);
+    if (prepend_here && edited.text.compare(0, metaspace_->replacement.size(), metaspace_->replacement) != 0) {
+      prepend(edited, metaspace_->replacement);
+    }
+    text = edited.text;
+    if (spans) spans = edited.spans.data();
+    if (metaspace_->split) {
+      split_before(metaspace_->replacement, text, pieces);
+    } else {
+      pieces.push_back(text);
+    }
+    return encode_pieces(pieces, text, spans, ids, offsets);
+  }
+  if (add_prefix_space_ && text[0] != ' ') {
+    edit();
+    prepend(edited, " ");
+    text = edited.text;
+    if (spans) spans = edited.spans.data();
+  }
   if (split_pattern_) {
     split(*split_pattern_, text, pieces);
   } else {
     pieces.push_back(text);
   }
+  encode_pieces(pieces, text, spans, ids, offsets);
+}
+
+void Tokenizer::encode_pieces(const std::vector<std::string_view>& pieces, std::string_view text, const Span* spans,
+                              std::vector<TokenId>& ids, std::vector<Span>* offsets) const {
+  if (offsets) {
+    // Offsets come from the model's token lengths; the cache, which keeps only ids, is bypassed.
+    thread_local std::vector<uint32_t> lengths;
+    for (const std::string_view piece : pieces) {
+      lengths.clear();
+      model_->encode_piece(piece, ids, &lengths);
+      size_t at = piece.data() - text.data();
+      for (const uint32_t length : lengths) {
+        offsets->push_back({spans[at].start, spans[at + length - 1].end});
+        at += length;
+      }
+    }
+    return;
+  }
   PieceCache& cache = piece_cache;
   for (const std::string_view piece : pieces) {
     if (piece.size() > PieceCache::kMaxPieceBytes) {
-      model_->encode_piece(piece, out);
+      model_->encode_piece(piece, ids);
       continue;
     }
     const uint64_t h = PieceCache::hash(piece);
@@ -393,15 +506,52 @@ void Tokenizer::encode_pieces(std::string_view text, std::vector<TokenId>& out) 
     if (const TokenId* cached = cache.find(piece, h, &count)) {
       // Most pieces are one token: push_back is far cheaper than a range insert.
       if (count == 1) {
-        out.push_back(*cached);
+        ids.push_back(*cached);
       } else {
-        out.insert(out.end(), cached, cached + count);
+        ids.insert(ids.end(), cached, cached + count);
       }
       continue;
     }
-    const size_t start = out.size();
-    model_->encode_piece(piece, out);
-    cache.store(piece, h, out.data() + start, out.size() - start);
+    const size_t start = ids.size();
+    model_->encode_piece(piece, ids);
+    cache.store(piece, h, ids.data() + start, ids.size() - start);
+  }
+}
+
+void Tokenizer::trim_offsets(const std::vector<TokenId>& ids, std::vector<Span>& offsets, size_t first) const {
+  // Hugging Face's ByteLevel process_offsets: the spaces ("Ġ", or white space in an added
+  // token) at the ends of a token are dropped from its offsets, except the one space
+  // add_prefix_space put in front of the first token.
+  for (size_t i = first; i < ids.size(); ++i) {
+    const TokenId id = ids[i];
+    const bool added = id < added_token_content_.size() && added_token_content_[id];
+    const std::string& value = added ? *added_token_content_[id] : model_->token_bytes(id);
+    // The bytes of the space characters at the start (or end) of the token's text.
+    auto space_bytes = [&](bool from_end) {
+      size_t bytes = 0, count = 0;
+      std::vector<size_t> starts;
+      for (size_t pos = 0; pos < value.size(); pos += unicode::decode_at(value, pos).length) starts.push_back(pos);
+      for (size_t k = 0; k < starts.size(); ++k) {
+        const size_t index = from_end ? starts.size() - 1 - k : k;
+        const size_t end = index + 1 < starts.size() ? starts[index + 1] : value.size();
+        const char32_t cp = unicode::decode_at(value, starts[index]).code_point;
+        const bool space = added ? (cp == U'\u0120' || unicode::classify(cp) == unicode::CodePointClass::kWhiteSpace)
+                                 : cp == U' ';
+        if (!space) break;
+        bytes += added ? end - starts[index] : 1;
+        ++count;
+      }
+      return std::make_pair(bytes, count);
+    };
+    auto [leading, leading_count] = space_bytes(false);
+    const auto [trailing, trailing_count] = space_bytes(true);
+    Span& span = offsets[i];
+    if (leading_count > 0) {
+      const bool is_first = i == first || span.start == 0;
+      if (is_first && trim_keeps_prefix_space_ && leading_count == 1) leading = 0;
+      span.start = std::min<uint32_t>(span.start + leading, span.end);
+    }
+    if (trailing_count > 0 && span.end >= trailing) span.end = std::max<uint32_t>(span.end - trailing, span.start);
   }
 }
 
@@ -475,17 +625,38 @@ Tokenizer::FlatIds Tokenizer::encode_batch_flat(const std::vector<std::string_vi
 }
 
 std::string Tokenizer::decode(const std::vector<TokenId>& ids, bool skip_special_tokens) const {
-  std::string bytes;
-  for (const TokenId id : ids) {
-    if (id < added_token_bytes_.size() && added_token_bytes_[id]) {
-      if (!(skip_special_tokens && special_ids_[id])) bytes += *added_token_bytes_[id];
-    } else if (model_->has_token(id)) {
-      bytes += model_->token_bytes(id);
-    } else {
+  auto check = [&](TokenId id) {
+    if (!model_->has_token(id)) {
       throw TokenizerError("cannot decode token id " + std::to_string(id) + ": it is not in the vocabulary");
     }
+  };
+  if (model_->byte_level()) {
+    std::string bytes;
+    for (const TokenId id : ids) {
+      if (id < added_token_content_.size() && added_token_content_[id]) {
+        if (!(skip_special_tokens && special_ids_[id])) bytes += byte_level_decode(*added_token_content_[id]);
+        continue;
+      }
+      check(id);
+      bytes += model_->token_bytes(id);
+    }
+    return unicode::decode_utf8_lossy(bytes);
   }
-  return unicode::decode_utf8_lossy(bytes);
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (const TokenId id : ids) {
+    if (id < added_token_content_.size() && added_token_content_[id]) {
+      if (!(skip_special_tokens && special_ids_[id])) tokens.push_back(*added_token_content_[id]);
+      continue;
+    }
+    check(id);
+    tokens.push_back(model_->token_bytes(id));
+  }
+  if (decoder_) return decoder_->decode(std::move(tokens));
+  // Without a decoder, Hugging Face joins the tokens with spaces.
+  std::string text;
+  for (size_t i = 0; i < tokens.size(); ++i) text += (i ? " " : "") + tokens[i];
+  return text;
 }
 
 }  // namespace barqtrain::tokenizer

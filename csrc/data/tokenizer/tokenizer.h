@@ -1,5 +1,6 @@
-// A Hugging Face tokenizer.json tokenizer for byte-level BPE models (GPT-2, Llama-3,
-// Qwen2/2.5) whose output is identical to Hugging Face tokenizers'.
+// A Hugging Face tokenizer.json tokenizer for BPE models, byte-level (GPT-2, Llama-3,
+// Qwen2/2.5) or SentencePiece-style (Llama-2, Mistral, Gemma), whose output is identical
+// to Hugging Face tokenizers'.
 //
 //   auto tokenizer = barqtrain::tokenizer::Tokenizer::from_file("tokenizer.json");
 //   std::vector<TokenId> ids = tokenizer.encode("Hello world");
@@ -19,7 +20,9 @@
 
 #include "data/json.h"
 #include "data/tokenizer/bpe.h"
+#include "data/tokenizer/decoder.h"
 #include "data/tokenizer/error.h"
+#include "data/tokenizer/normalizer.h"
 #include "data/tokenizer/pre_tokenizer.h"
 
 namespace barqtrain::tokenizer {
@@ -42,6 +45,15 @@ class Tokenizer {
 
   // encode(text), appended to out.
   void encode_into(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& out) const;
+
+  // The ids of text and, for each, the byte range of text it came from, as Hugging Face
+  // reports offsets: tokens the post-processor adds have (0, 0); a token that covers part
+  // of a character, or a character that normalization changed, has the whole character.
+  struct Encoding {
+    std::vector<TokenId> ids;
+    std::vector<Span> offsets;
+  };
+  Encoding encode_with_offsets(std::string_view text, const EncodeOptions& options = {}) const;
 
   // Encodes texts on num_threads threads (0: one per hardware thread) of a persistent pool.
   std::vector<std::vector<TokenId>> encode_batch(const std::vector<std::string_view>& texts,
@@ -88,19 +100,35 @@ class Tokenizer {
   template <typename Emit>
   void split_added_tokens(const AddedTokenMatcher& matcher, std::string_view text, bool skip_special,
                           Emit&& emit) const;
-  void encode_text(std::string_view text, std::vector<TokenId>& out) const;
-  void encode_pieces(std::string_view text, std::vector<TokenId>& out) const;
+  // Encodes text, appending ids and, when offsets is not null, the offsets of each token.
+  void encode_all(std::string_view text, const EncodeOptions& options, std::vector<TokenId>& ids,
+                  std::vector<Span>* offsets) const;
+  // One run of normalized text between added tokens; spans (one per byte) when tracking
+  // offsets; at_input_start when it begins the input (Metaspace's prepend_scheme first).
+  void encode_part(std::string_view text, const Span* spans, bool at_input_start, std::vector<TokenId>& ids,
+                   std::vector<Span>* offsets) const;
+  void encode_pieces(const std::vector<std::string_view>& pieces, std::string_view text, const Span* spans,
+                     std::vector<TokenId>& ids, std::vector<Span>* offsets) const;
+  void trim_offsets(const std::vector<TokenId>& ids, std::vector<Span>& offsets, size_t first) const;
 
   std::shared_ptr<const BpeModel> model_;
   AddedTokenMatcher raw_added_tokens_;         // matched before normalization
   AddedTokenMatcher normalized_added_tokens_;  // matched in normalized text
-  std::vector<std::optional<std::string>> added_token_bytes_;  // by id, for decode
+  std::vector<std::optional<std::string>> added_token_content_;  // by id, as matched (normalized ones normalized)
   std::vector<bool> special_ids_;
-  bool nfc_ = false;
+  Normalizer normalizer_;
+  // Pre-tokenizer: ByteLevel (a split pattern or none, and add_prefix_space), Metaspace,
+  // or nothing (the SentencePiece-style model sees each normalized run whole).
   std::optional<SplitPattern> split_pattern_;
   bool add_prefix_space_ = false;
+  std::optional<Metaspace> metaspace_;
+  // Decoder: ByteLevel when the model is byte-level, else this chain (or none: join).
+  std::optional<DecoderChain> decoder_;
   std::vector<TokenId> prefix_, suffix_;  // from TemplateProcessing
-  uint64_t serial_;                       // identifies this tokenizer to per-thread caches
+  // ByteLevel post-processor: trim the spaces at the ends of tokens from their offsets.
+  bool trim_offsets_ = false;
+  bool trim_keeps_prefix_space_ = false;
+  uint64_t serial_;  // identifies this tokenizer to per-thread caches
 };
 
 }  // namespace barqtrain::tokenizer

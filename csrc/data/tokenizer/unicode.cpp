@@ -52,23 +52,31 @@ uint8_t combining_class(char32_t code_point) {
   return it != std::end(tables::kCombiningClasses) && it->code_point == code_point ? it->value : 0;
 }
 
-void decompose(char32_t code_point, std::vector<char32_t>& out) {
+// A character of a segment being normalized, with its alignment change (see append_nfc).
+struct ChangedChar {
+  char32_t code_point;
+  int32_t change;
+};
+
+// Appends the canonical decomposition of code_point: its first character replaces it
+// (change 0), the others are insertions (+1).
+void decompose(char32_t code_point, std::vector<ChangedChar>& out, bool first = true) {
   if (code_point >= kHangulSBase && code_point < kHangulSBase + kHangulSCount) {
     const char32_t index = code_point - kHangulSBase;
-    out.push_back(kHangulLBase + index / kHangulNCount);
-    out.push_back(kHangulVBase + (index % kHangulNCount) / kHangulTCount);
-    if (index % kHangulTCount != 0) out.push_back(kHangulTBase + index % kHangulTCount);
+    out.push_back({kHangulLBase + index / kHangulNCount, first ? 0 : 1});
+    out.push_back({kHangulVBase + (index % kHangulNCount) / kHangulTCount, 1});
+    if (index % kHangulTCount != 0) out.push_back({kHangulTBase + index % kHangulTCount, 1});
     return;
   }
   const auto* it = std::lower_bound(
       std::begin(tables::kDecompositions), std::end(tables::kDecompositions), code_point,
       [](const tables::Decomposition& entry, char32_t cp) { return entry.code_point < cp; });
   if (it == std::end(tables::kDecompositions) || it->code_point != code_point) {
-    out.push_back(code_point);
+    out.push_back({code_point, first ? 0 : 1});
     return;
   }
-  decompose(it->first, out);
-  if (it->second != 0) decompose(it->second, out);
+  decompose(it->first, out, first);
+  if (it->second != 0) decompose(it->second, out, false);
 }
 
 // The primary composite of (first, second), or 0 when they do not compose.
@@ -91,23 +99,28 @@ char32_t compose(char32_t first, char32_t second) {
 }
 
 // Full NFC of a segment: canonical decomposition, canonical ordering, canonical composition.
-void append_nfc_segment(std::string_view segment, std::string& out) {
-  std::vector<char32_t> chars;
+// Changes travel with their characters through the reordering, and a composite takes
+// change(starter) + change(mark) - 1, as in the unicode-normalization crate behind
+// Hugging Face tokenizers.
+void append_nfc_segment(std::string_view segment, std::string& out, std::vector<int32_t>* changes) {
+  thread_local std::vector<ChangedChar> chars;
+  chars.clear();
   for (size_t pos = 0; pos < segment.size();) {
     const auto [cp, length] = decode_at(segment, pos);
     decompose(cp, chars);
     pos += length;
   }
   // Stable sort of each run of non-starters by combining class.
+  auto class_of = [](const ChangedChar& c) { return combining_class(c.code_point); };
   for (size_t start = 0; start < chars.size();) {
-    if (combining_class(chars[start]) == 0) {
+    if (class_of(chars[start]) == 0) {
       ++start;
       continue;
     }
     size_t end = start;
-    while (end < chars.size() && combining_class(chars[end]) != 0) ++end;
+    while (end < chars.size() && class_of(chars[end]) != 0) ++end;
     std::stable_sort(chars.begin() + start, chars.begin() + end,
-                     [](char32_t a, char32_t b) { return combining_class(a) < combining_class(b); });
+                     [&](const ChangedChar& a, const ChangedChar& b) { return class_of(a) < class_of(b); });
     start = end;
   }
   // Compose each character with the last starter unless a character between them blocks it.
@@ -116,11 +129,11 @@ void append_nfc_segment(std::string_view segment, std::string& out) {
   int last_class = -1;
   size_t kept = 0;
   for (size_t i = 0; i < chars.size(); ++i) {
-    const char32_t cp = chars[i];
-    const int cp_class = combining_class(cp);
+    const ChangedChar c = chars[i];
+    const int cp_class = combining_class(c.code_point);
     if (have_starter && (last_class < cp_class || (last_class == -1 && cp_class == 0))) {
-      if (const char32_t composite = compose(chars[starter], cp)) {
-        chars[starter] = composite;
+      if (const char32_t composite = compose(chars[starter].code_point, c.code_point)) {
+        chars[starter] = {composite, chars[starter].change + c.change - 1};
         continue;
       }
     }
@@ -131,9 +144,12 @@ void append_nfc_segment(std::string_view segment, std::string& out) {
     } else {
       last_class = cp_class;
     }
-    chars[kept++] = cp;
+    chars[kept++] = c;
   }
-  for (size_t i = 0; i < kept; ++i) utf8::append(out, chars[i]);
+  for (size_t i = 0; i < kept; ++i) {
+    utf8::append(out, chars[i].code_point);
+    if (changes) changes->push_back(chars[i].change);
+  }
 }
 
 bool nfc_unstable(char32_t code_point) {
@@ -210,7 +226,15 @@ std::string decode_utf8_lossy(std::string_view bytes) {
   return out;
 }
 
-void append_nfc(std::string_view text, std::string& out) {
+void append_nfc(std::string_view text, std::string& out, std::vector<int32_t>* changes) {
+  // Copied characters keep their alignment: change 0 each.
+  auto copy = [&](size_t first, size_t last) {
+    out.append(text.data() + first, last - first);
+    if (!changes) return;
+    for (size_t pos = first; pos < last; ++pos) {
+      if ((static_cast<unsigned char>(text[pos]) & 0xC0) != 0x80) changes->push_back(0);
+    }
+  };
   // Text changes only in segments around unstable characters. A segment runs from the
   // stable character before the first unstable one (it may compose with what follows) to
   // the next stable character, which nothing before it can interact with.
@@ -230,12 +254,12 @@ void append_nfc(std::string_view text, std::string& out) {
       if (!nfc_unstable(next.code_point)) break;
       segment_end += next.length;
     }
-    out.append(text.data() + copied, segment_start - copied);
-    append_nfc_segment(text.substr(segment_start, segment_end - segment_start), out);
+    copy(copied, segment_start);
+    append_nfc_segment(text.substr(segment_start, segment_end - segment_start), out, changes);
     copied = previous = segment_end;
     pos = segment_end;
   }
-  out.append(text.data() + copied, text.size() - copied);
+  copy(copied, text.size());
 }
 
 }  // namespace barqtrain::tokenizer::unicode

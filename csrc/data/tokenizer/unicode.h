@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace barqtrain::tokenizer::unicode {
 
@@ -57,7 +58,9 @@ size_t find_invalid_utf8(std::string_view text);
 // bytes.decode("utf-8", "replace") and Rust's String::from_utf8_lossy do.
 std::string decode_utf8_lossy(std::string_view bytes);
 
-// Appends the NFC normalization of text (valid UTF-8) to out.
-void append_nfc(std::string_view text, std::string& out);
+// Appends the NFC normalization of text (valid UTF-8) to out. With changes, also appends
+// one entry per code point appended, as Hugging Face's NFC reports them for alignment: 0
+// replaces the next input character, -n replaces it and drops the n after it, +1 inserts.
+void append_nfc(std::string_view text, std::string& out, std::vector<int32_t>* changes = nullptr);
 
 }  // namespace barqtrain::tokenizer::unicode

@@ -2,19 +2,22 @@
 
     tok = Tokenizer.from_file("tokenizer.json")
     ids = tok.encode("Hello world")
+    ids, offsets = tok.encode("Hello world", offsets=True)  # (start, end) in characters
     batch = tok.encode_batch(texts)          # all cores, without the GIL
     ids, offsets = tok.encode_batch_flat(texts)  # the same in two NumPy arrays
     text = tok.decode(ids)
 
-The ids are identical to those of ``tokenizers.Tokenizer.from_file(path).encode(text).ids``.
-Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen2/2.5) are supported; loading any other
-tokenizer.json feature raises TokenizerError naming it.
+The ids and offsets are identical to those of ``tokenizers.Tokenizer.from_file(path).encode(text)``.
+Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen2/2.5) and SentencePiece-style BPE ones
+(Llama-2, Mistral, Gemma: byte_fallback, Metaspace, Prepend/Replace normalizers) are
+supported; loading any other tokenizer.json feature raises TokenizerError naming it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import numpy as np
 
@@ -43,9 +46,25 @@ class Tokenizer:
             path = os.path.join(path, "tokenizer.json")
         return cls(_native.Tokenizer.from_file(path))
 
-    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+    @overload
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False,
+        offsets: Literal[False] = False,
+    ) -> list[int]: ...
+
+    @overload
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False, *,
+        offsets: Literal[True],
+    ) -> tuple[list[int], list[tuple[int, int]]]: ...
+
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False, offsets=False):
         """Token ids of text. add_special_tokens adds what the post-processor adds (BOS, EOS);
-        split_special_tokens reads special tokens written in the text as plain text."""
+        split_special_tokens reads special tokens written in the text as plain text. With
+        offsets, returns (ids, offsets): each token's (start, end) in characters of text, as
+        Hugging Face's Encoding.offsets ((0, 0) for tokens the post-processor adds)."""
+        if offsets:
+            return self._native.encode_with_offsets(text, add_special_tokens, split_special_tokens)
         return self._native.encode(text, add_special_tokens, split_special_tokens)
 
     def encode_batch(

@@ -176,20 +176,100 @@ TEST(Tokenizer, UnsupportedFeaturesAreNamed) {
   };
   EXPECT_NE(error_of(replaced(R"("normalizer": null)", R"("normalizer": {"type": "NFKC"})")).find("normalizer NFKC"),
             std::string::npos);
-  EXPECT_NE(error_of(replaced(R"("byte_fallback": false)", R"("byte_fallback": true)")).find("byte_fallback"),
+  EXPECT_NE(error_of(replaced(R"("normalizer": null)",
+                              R"("normalizer": {"type": "Replace", "pattern": {"Regex": " +"}, "content": "_"})"))
+                .find("normalizer Replace with a Regex pattern"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("type": "BPE")", R"("type": "WordPiece")")).find("model type WordPiece"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("decoder": {"type": "ByteLevel")", R"("decoder": {"type": "Metaspace")"))
                 .find("decoder Metaspace"),
             std::string::npos);
-  EXPECT_NE(error_of(replaced(R"("pre_tokenizer": {"type": "ByteLevel")", R"("pre_tokenizer": {"type": "Metaspace")"))
-                .find("pre_tokenizer Metaspace"),
+  EXPECT_NE(error_of(replaced(R"("pre_tokenizer": {"type": "ByteLevel")", R"("pre_tokenizer": {"type": "Whitespace")"))
+                .find("pre_tokenizer Whitespace"),
+            std::string::npos);
+  // A SentencePiece-style pre-tokenizer with the byte-level decoder is refused, not mixed.
+  EXPECT_NE(error_of(replaced(R"("pre_tokenizer": {"type": "ByteLevel")",
+                              R"("pre_tokenizer": {"type": "Metaspace", "replacement": "▁")"))
+                .find("decoder ByteLevel with a SentencePiece-style"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("post_processor": null)", R"("post_processor": {"type": "BertProcessing"})"))
                 .find("post_processor BertProcessing"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("Ġt he")", R"("Ġt hx")")).find("merges[2]"), std::string::npos);
+}
+
+TEST(Tokenizer, OffsetsAreByteRangesOfTheInput) {
+  const Tokenizer tokenizer = tiny("", R"({"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [], "special_tokens": {"<|eot|>": {"id": "<|eot|>", "ids": [300], "tokens": ["<|eot|>"]}}})");
+  // "é" is two bytes; its two byte tokens both cover the whole character.
+  const auto encoding = tokenizer.encode_with_offsets(" the<|eot|>\xC3\xA9");
+  EXPECT_EQ(encoding.ids, (Ids{300, 258, 300, 0xC3, 0xA9}));
+  std::vector<std::pair<uint32_t, uint32_t>> offsets;
+  for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
+  EXPECT_EQ(offsets, (std::vector<std::pair<uint32_t, uint32_t>>{{0, 0}, {0, 4}, {4, 11}, {11, 13}, {11, 13}}));
+}
+
+// A SentencePiece-style BPE: characters "▁", "a", "b", "▁a", "ab", the <0xNN> tokens for
+// the bytes of "é" only, Llama-2's legacy normalizer and decoder.
+std::string sentencepiece_json(const std::string& model_options, const std::string& normalizer,
+                               const std::string& pre_tokenizer, const std::string& decoder) {
+  return R"({"added_tokens": [{"id": 0, "content": "<unk>", "special": true, "normalized": false},
+                              {"id": 1, "content": "<s>", "special": true, "normalized": false}],
+    "normalizer": )" + normalizer + R"(, "pre_tokenizer": )" + pre_tokenizer + R"(, "post_processor": null,
+    "decoder": )" + decoder + R"(,
+    "model": {"type": "BPE", "unk_token": "<unk>", )" + model_options + R"(,
+              "vocab": {"<unk>": 0, "<s>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁": 4, "a": 5, "b": 6, "▁a": 7, "ab": 8,
+                        "▁ab": 9},
+              "merges": ["▁ a", "a b", "▁a b"]}})";
+}
+
+const char* const kLegacyNormalizer = R"({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]})";
+const char* const kLegacyDecoder = R"({"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]})";
+
+TEST(SentencePieceTokenizer, ByteFallbackAndUnknownCharacters) {
+  const Tokenizer fallback(json::parse(
+      sentencepiece_json(R"("byte_fallback": true, "fuse_unk": true)", kLegacyNormalizer, "null", kLegacyDecoder)));
+  // "ab é" -> "▁ab▁é": "é" is not in the vocabulary but both its bytes are; "ü" is unknown.
+  EXPECT_EQ(fallback.encode("ab \xC3\xA9"), (Ids{9, 4, 2, 3}));
+  EXPECT_EQ(fallback.encode("a\xC3\xBC\xC3\xBC" "b"), (Ids{7, 0, 6}));
+  EXPECT_EQ(fallback.decode(fallback.encode("ab \xC3\xA9 a")), "ab \xC3\xA9 a");
+  EXPECT_EQ(fallback.decode(Ids{2, 5}), "\xEF\xBF\xBD" "a");  // a lone byte is U+FFFD
+  const Tokenizer unfused(json::parse(
+      sentencepiece_json(R"("byte_fallback": false, "fuse_unk": false)", kLegacyNormalizer, "null", kLegacyDecoder)));
+  EXPECT_EQ(unfused.encode("a\xC3\xBC\xC3\xBC" "b"), (Ids{7, 0, 0, 6}));
+  EXPECT_EQ(unfused.encode("\xC3\xA9"), (Ids{4, 0}));
+}
+
+TEST(SentencePieceTokenizer, MetaspacePrependSchemes) {
+  auto with = [](const std::string& scheme, bool split) {
+    const std::string metaspace = R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": ")" + scheme +
+                                  R"(", "split": )" + (split ? "true" : "false") + "}";
+    return Tokenizer(json::parse(sentencepiece_json(R"("byte_fallback": true)", "null", metaspace, metaspace)));
+  };
+  // "first" prepends only at the start of the input, not after an added token.
+  EXPECT_EQ(with("first", false).encode("ab<s>ab"), (Ids{9, 1, 8}));
+  EXPECT_EQ(with("always", false).encode("ab<s>ab"), (Ids{9, 1, 9}));
+  EXPECT_EQ(with("never", false).encode("ab<s>ab"), (Ids{8, 1, 8}));
+  // split cuts before each "▁": "▁a" "▁" "▁b" instead of one piece.
+  EXPECT_EQ(with("always", true).encode("a  b"), (Ids{7, 4, 4, 6}));
+  // The Metaspace decoder drops the first token's "▁".
+  EXPECT_EQ(with("always", true).decode(Ids{7, 4, 4, 6}), "a  b");
+}
+
+TEST(SentencePieceTokenizer, OffsetsFollowTheNormalizer) {
+  const Tokenizer tokenizer(json::parse(
+      sentencepiece_json(R"("byte_fallback": true)", kLegacyNormalizer, "null", kLegacyDecoder)));
+  // "▁ab▁▁a": the prepended "▁" belongs to the first character, a replaced space to itself.
+  const auto encoding = tokenizer.encode_with_offsets("ab  a");
+  EXPECT_EQ(encoding.ids, (Ids{9, 4, 7}));
+  std::vector<std::pair<uint32_t, uint32_t>> offsets;
+  for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
+  EXPECT_EQ(offsets, (std::vector<std::pair<uint32_t, uint32_t>>{{0, 2}, {2, 3}, {3, 5}}));
 }
 
 TEST(Tokenizer, MissingFileIsNamed) {
