@@ -77,3 +77,22 @@ def test_plain_text_lines(tok):
     lines = [l for l in path.read_text(encoding="utf-8").split("\n") if l.strip()]
     assert len(data) == len(lines)
     assert data[5]["input_ids"] == tok.encode(lines[5])
+
+
+def test_a_stream_resumes_with_the_records_that_came_next(tmp_path, tok):
+    from barqtrain.data import DatasetStream
+
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(1000)))
+    whole = read_dataset(path, "text", tok)
+    stream = DatasetStream(path, "text", tok)
+    head = stream.read(300)
+    state = json.loads(json.dumps(stream.state_dict()))
+    resumed = DatasetStream(path, "text", tok)
+    resumed.load_state_dict(state)
+    chunks = [head] + list(resumed)
+    assert [c[i]["input_ids"] for c in chunks for i in range(len(c))] == [whole[i]["input_ids"] for i in range(len(whole))]
+    assert resumed.read(10) is None
+    path.write_text(path.read_text() + "\n")
+    with pytest.raises(ReaderError, match="the file changed"):
+        DatasetStream(path, "text", tok).load_state_dict(state)
