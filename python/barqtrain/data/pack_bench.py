@@ -42,7 +42,8 @@ def run(name: str, lengths: np.ndarray, row_length: int, window: int, repeats: i
     buffers = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        packer = _native.Packer(tokens, offsets, None, row_length, shuffle_window=window, seed=1)
+        source = _native.InMemorySequences(tokens, offsets, None)
+        packer = _native.Packer(source, row_length, shuffle_window=window, seed=1)
         t1 = time.perf_counter()
         shape = (packer.num_rows, row_length)
         if buffers is None or buffers[0].shape != shape:
