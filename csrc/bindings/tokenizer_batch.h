@@ -112,30 +112,20 @@ inline nb::tuple encode_batch_flat(const tokenizer::Tokenizer& self, nb::handle 
   return nb::make_tuple(ids_array, offsets_array);
 }
 
-// Byte offsets into text (UTF-8) as offsets into the Python str, counted in code points,
-// the way Hugging Face tokenizers converts them: a start inside a character counts from
-// that character; an end at the end of the text is the number of characters; an offset
-// pair whose start is not in the text (the empty text) stays as it is.
+// Byte offsets into text (UTF-8) as offsets into the Python str, counted in code points.
+// Offsets are on character boundaries or at the end of the text.
 inline std::vector<std::pair<size_t, size_t>> character_offsets(std::string_view text,
                                                                  const std::vector<tokenizer::Span>& offsets) {
-  std::vector<uint32_t> character_of(text.size() + 1);  // the character holding each byte
+  std::vector<uint32_t> character_at(text.size() + 1);  // the character index of each byte
   uint32_t characters = 0;
   for (size_t pos = 0; pos < text.size(); ++pos) {
     if ((static_cast<unsigned char>(text[pos]) & 0xC0) != 0x80 && pos > 0) ++characters;
-    character_of[pos] = characters;
+    character_at[pos] = characters;
   }
-  const uint32_t total = text.empty() ? 0 : characters + 1;
+  character_at[text.size()] = text.empty() ? 0 : characters + 1;
   std::vector<std::pair<size_t, size_t>> out;
   out.reserve(offsets.size());
-  for (const tokenizer::Span& span : offsets) {
-    if (span.start >= text.size()) {
-      out.emplace_back(span.start, span.end);
-    } else if (span.end >= text.size()) {
-      out.emplace_back(character_of[span.start], span.end == text.size() ? total : span.end);
-    } else {
-      out.emplace_back(character_of[span.start], character_of[span.end]);
-    }
-  }
+  for (const tokenizer::Span& span : offsets) out.emplace_back(character_at[span.start], character_at[span.end]);
   return out;
 }
 

@@ -28,8 +28,8 @@ std::vector<Span> nfc_spans(const AlignedText& before, std::string_view after, c
   for (const int32_t change : changes) {
     Span span;
     if (change > 0) {
-      span = input == 0 ? Span{before.spans.empty() ? 0 : before.spans[0].start, before.spans.empty() ? 0 : before.spans[0].start}
-                        : before.spans[input - 1];
+      // An insertion before any input character has an empty span where the text starts.
+      span = input > 0 ? before.spans[input - 1] : Span{before.spans[0].start, before.spans[0].start};
     } else {
       span = before.spans[input];
       input += utf8_length(before.text[input]);

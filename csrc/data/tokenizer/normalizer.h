@@ -29,8 +29,8 @@ struct AlignedText {
   std::vector<Span> spans;
   bool tracked = false;
 
-  // Starts from original[first, last) (first/last are offsets into the whole input).
-  void assign(std::string_view original, size_t first, bool track);
+  // Starts from segment, which begins segment_offset bytes into the input.
+  void assign(std::string_view segment, size_t segment_offset, bool track);
 };
 
 // Each occurrence of pattern (non-empty) becomes content.

@@ -1,5 +1,6 @@
 """Differential tests: barqtrain.data.Tokenizer against Hugging Face tokenizers on the
-real tokenizer.json files of GPT-2, Llama-3 and Qwen2/2.5."""
+real tokenizer.json files of GPT-2, Llama-3 and Qwen2/2.5 (test_tokenizer_built.py covers
+tokenizers the tests train themselves, SentencePiece-style ones included)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def assert_same(ours: Tokenizer, theirs, text: str, add_special_tokens: bool = T
 def test_matches_hugging_face(pair, text):
     assert_same(*pair, text)
     assert_same(*pair, text, add_special_tokens=False)
+
+
+def test_offsets_match_hugging_face(pair):
+    ours, theirs = pair
+    rng = random.Random(1)
+    alphabet = "".join(SCRIPTS + ADVERSARIAL[4:] + [CODE])
+    mixtures = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80))) for _ in range(100)]
+    for text in SCRIPTS + ADVERSARIAL + [CODE] + mixtures + shakespeare_lines()[:200]:
+        for add_special_tokens in (True, False):
+            expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+            ids, offsets = ours.encode(text, add_special_tokens=add_special_tokens, offsets=True)
+            assert (ids, offsets) == (expected.ids, [tuple(o) for o in expected.offsets]), repr(text[:200])
 
 
 def test_matches_hugging_face_on_shakespeare_and_chinese(pair):

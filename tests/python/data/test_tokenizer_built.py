@@ -1,0 +1,254 @@
+"""Differential tests on tokenizers these tests build themselves with Hugging Face's
+`tokenizers` library: small BPEs trained here with the SentencePiece-style configurations
+of Llama-2, Mistral and Gemma (byte_fallback, unk, Metaspace, Prepend/Replace) and with the
+byte-level pre-tokenizers of GPT-2, Llama-3 and Qwen2. Ids, offsets and decoding must be
+identical to Hugging Face's; decode(encode(x)) == x where the configuration round-trips."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from shared_data import SHARED, require
+from test_tokenizer import ADVERSARIAL, CODE, SCRIPTS
+
+from barqtrain.data import Tokenizer
+
+hf = pytest.importorskip("tokenizers", reason="Hugging Face tokenizers (the oracle) is not installed")
+
+require(SHARED / "text" / "tinyshakespeare" / "input.txt")
+
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def training_corpus() -> list[str]:
+    lines = (SHARED / "text" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").splitlines()[:4000]
+    return lines + SCRIPTS * 10 + [CODE] * 10
+
+
+def added_token(content: str, token_id: int, special: bool = True, normalized: bool = False) -> dict:
+    return {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": normalized, "special": special}
+
+
+def bos_template(token: str, token_id: int) -> dict:
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [], "special_tokens": {token: {"id": token, "ids": [token_id], "tokens": [token]}}}
+
+
+# ---------------------------------------------------------------- SentencePiece-style
+
+def metaspace(scheme: str, split: bool) -> dict:
+    return {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split}
+
+
+LEGACY_NORMALIZER = {"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+REPLACE_DECODER = {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}
+LLAMA2_DECODER = {"type": "Sequence", "decoders": [
+    REPLACE_DECODER, {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+GEMMA_DECODER = {"type": "Sequence", "decoders": [REPLACE_DECODER, {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+# name: (normalizer, pre_tokenizer, decoder, byte_fallback, fuse_unk, decode(encode(x)) == x)
+SENTENCEPIECE_VARIANTS = {
+    "llama2-legacy": (LEGACY_NORMALIZER, None, LLAMA2_DECODER, True, True, True),
+    # A leading space is taken for the "▁" that "first" would prepend: " x" decodes to "x".
+    "mistral-metaspace-first": (None, metaspace("first", False), LLAMA2_DECODER, True, True, False),
+    "metaspace-always-split": (
+        None, metaspace("always", True), {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, metaspace("always", True)]},
+        True, True, False),
+    "metaspace-never-nfc": (
+        {"type": "NFC"}, metaspace("never", True), {"type": "Sequence", "decoders": [
+            {"type": "ByteFallback"}, metaspace("never", True), {"type": "Fuse"}]}, True, True, False),
+    "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}, None, GEMMA_DECODER, True, True, True),
+    "unk-fused": (LEGACY_NORMALIZER, None, LLAMA2_DECODER, False, True, False),
+    "unk-unfused": (LEGACY_NORMALIZER, None, LLAMA2_DECODER, False, False, False),
+}
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model() -> dict:
+    """vocab and merges of a small SentencePiece-style BPE, with <unk> <s> </s> and the
+    256 <0xNN> byte tokens first, as in Llama-2's tokenizer.json."""
+    trainer_tokenizer = hf.Tokenizer(hf.models.BPE(unk_token="<unk>", byte_fallback=True))
+    trainer_tokenizer.normalizer = hf.normalizers.Replace(" ", "▁")
+    trainer_tokenizer.pre_tokenizer = hf.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    # A small alphabet leaves most scripts to byte fallback (or <unk>).
+    trainer = hf.trainers.BpeTrainer(vocab_size=700, limit_alphabet=90, show_progress=False)
+    trainer_tokenizer.train_from_iterator(training_corpus(), trainer)
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+    vocab = {token: i for i, token in enumerate(SPECIALS + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    return {"vocab": vocab, "merges": trained["merges"]}
+
+
+def sentencepiece_config(model: dict, name: str) -> dict:
+    normalizer, pre_tokenizer, decoder, byte_fallback, fuse_unk, _ = SENTENCEPIECE_VARIANTS[name]
+    added = [added_token(content, i) for i, content in enumerate(SPECIALS)]
+    # A normalized added token is matched (and decodes) in its normalized form.
+    added.append(added_token("my token", len(model["vocab"]), special=False, normalized=True))
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": bos_template("<s>", 1),
+            "decoder": decoder,
+            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": fuse_unk, "byte_fallback": byte_fallback,
+                      "ignore_merges": False, **model}}
+
+
+# ---------------------------------------------------------------- byte-level
+
+def split_then_byte_level(regex: str) -> dict:
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+
+
+def byte_level(add_prefix_space: bool, trim_offsets: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": trim_offsets, "use_regex": True}
+
+
+# name: (normalizer, pre_tokenizer, ByteLevel post-processor's trim_offsets, BOS template,
+#        ignore_merges, decode(encode(x)) == x)
+BYTE_LEVEL_VARIANTS = {
+    "gpt2": (None, byte_level(False, True), False, False, False, True),
+    "gpt2-prefix-space-trimmed": (None, byte_level(True, True), True, False, False, False),
+    "llama3": (None, split_then_byte_level(LLAMA3_REGEX), False, True, True, True),
+    "qwen2": ({"type": "NFC"}, split_then_byte_level(QWEN2_REGEX), False, False, False, False),
+}
+
+
+@pytest.fixture(scope="module")
+def byte_level_models() -> dict[str, dict]:
+    """A small trained model per pre-tokenizer (the merges depend on how text is split)."""
+    models = {}
+    for name, (normalizer, pre_tokenizer, *_) in BYTE_LEVEL_VARIANTS.items():
+        tokenizer = hf.Tokenizer.from_str(json.dumps({
+            "version": "1.0", "added_tokens": [], "normalizer": normalizer, "pre_tokenizer": pre_tokenizer,
+            "post_processor": None, "decoder": None,
+            "model": {"type": "BPE", "vocab": {}, "merges": []}}))
+        trainer = hf.trainers.BpeTrainer(vocab_size=800, show_progress=False,
+                                         initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator(training_corpus(), trainer)
+        models[name] = json.loads(tokenizer.to_str())["model"]
+    return models
+
+
+def byte_level_config(model: dict, name: str) -> dict:
+    normalizer, pre_tokenizer, trim_offsets, bos, ignore_merges, _ = BYTE_LEVEL_VARIANTS[name]
+    end_id, bos_id = len(model["vocab"]), len(model["vocab"]) + 1
+    post_processor = byte_level(pre_tokenizer.get("add_prefix_space", False), trim_offsets)
+    if bos:
+        post_processor = {"type": "Sequence", "processors": [post_processor, bos_template("<|begin_of_text|>", bos_id)]}
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [added_token("<|endoftext|>", end_id), added_token("<|begin_of_text|>", bos_id)],
+            "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+            "decoder": byte_level(True, True),
+            "model": {**model, "ignore_merges": ignore_merges, "byte_fallback": False}}
+
+
+# ---------------------------------------------------------------- the tests
+
+ALL_NAMES = [("sentencepiece", name) for name in SENTENCEPIECE_VARIANTS] + [
+    ("byte-level", name) for name in BYTE_LEVEL_VARIANTS]
+
+
+@pytest.fixture(scope="module", params=ALL_NAMES, ids=[name for _, name in ALL_NAMES])
+def built(request, tmp_path_factory, sentencepiece_model, byte_level_models):
+    kind, name = request.param
+    if kind == "sentencepiece":
+        config = sentencepiece_config(sentencepiece_model, name)
+        round_trips = SENTENCEPIECE_VARIANTS[name][-1]
+    else:
+        config = byte_level_config(byte_level_models[name], name)
+        round_trips = BYTE_LEVEL_VARIANTS[name][-1]
+    path = tmp_path_factory.mktemp(name) / "tokenizer.json"
+    path.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    return Tokenizer.from_file(path), hf.Tokenizer.from_file(str(path)), round_trips
+
+
+LITERAL_SPECIALS = [
+    "<s>hello</s> <unk> <s><s>", "<|endoftext|>x<|begin_of_text|> <|endoftext|", "my token and my  token, mytoken",
+    " my token", "▁already ▁metaspace▁ ▁",
+]
+LONG_WORDS = ["a" * 4000, "Supercalifragilistic" * 150, "😀" * 1500, "日本" * 2000]
+
+
+def texts(literal_specials: bool = True) -> list[str]:
+    """The issue's inputs and random mixtures of them; with literal_specials, also text
+    holding this file's added tokens (a SentencePiece-style normalizer prepends "▁" after
+    each, so decoding does not give such text back)."""
+    rng = random.Random(7)
+    specials = LITERAL_SPECIALS if literal_specials else []
+    alphabet = "".join(SCRIPTS + ADVERSARIAL[4:] + [CODE] + specials)
+    mixtures = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80))) for _ in range(150)]
+    return SCRIPTS + ADVERSARIAL + [CODE] + specials + LONG_WORDS + mixtures
+
+
+def hf_offsets(encoding) -> list[tuple[int, int]]:
+    return [tuple(offset) for offset in encoding.offsets]
+
+
+def test_ids_and_offsets_match_hugging_face(built):
+    ours, theirs, _ = built
+    for add_special_tokens in (True, False):
+        for text in texts():
+            expected = theirs.encode(text, add_special_tokens=add_special_tokens)
+            ids, offsets = ours.encode(text, add_special_tokens=add_special_tokens, offsets=True)
+            assert ids == expected.ids, repr(text[:100])
+            assert offsets == hf_offsets(expected), repr(text[:100])
+            assert ours.encode(text, add_special_tokens=add_special_tokens) == ids
+
+
+def test_batches_match_hugging_face(built):
+    ours, theirs, _ = built
+    corpus = training_corpus()[:500] + texts()
+    assert ours.encode_batch(corpus, num_threads=2) == [e.ids for e in theirs.encode_batch(corpus)]
+
+
+def test_decode_matches_hugging_face_and_round_trips(built):
+    ours, theirs, round_trips = built
+    for text in texts():
+        ids = ours.encode(text)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    if round_trips:
+        for text in texts(literal_specials=False):
+            assert ours.decode(ours.encode(text, add_special_tokens=False)) == text, repr(text[:100])
+
+
+def test_split_special_tokens_matches_hugging_face(built):
+    ours, theirs, _ = built
+    theirs.encode_special_tokens = True
+    try:
+        for text in LITERAL_SPECIALS:
+            assert ours.encode(text, split_special_tokens=True) == theirs.encode(text).ids
+    finally:
+        theirs.encode_special_tokens = False
+
+
+def test_sentencepiece_errors_name_the_feature(tmp_path, sentencepiece_model):
+    from barqtrain.data import TokenizerError
+
+    config = sentencepiece_config(sentencepiece_model, "llama2-legacy")
+    cases = {
+        "normalizer NFKC": {"normalizer": {"type": "NFKC"}},
+        "decoder CTC": {"decoder": {"type": "CTC"}},
+        "decoder Replace with a Regex": {"decoder": {"type": "Replace", "pattern": {"Regex": "▁"}, "content": " "}},
+        "unknown prepend_scheme \"sometimes\"": {"pre_tokenizer": metaspace("sometimes", True)},
+        "unk_token \"<nope>\" is not in model.vocab": {"model": config["model"] | {"unk_token": "<nope>"}},
+        "decoder ByteLevel with a SentencePiece-style": {"decoder": byte_level(True, True)},
+    }
+    path = tmp_path / "tokenizer.json"
+    for message, change in cases.items():
+        path.write_text(json.dumps(config | change), encoding="utf-8")
+        with pytest.raises(TokenizerError, match=message):
+            Tokenizer.from_file(path)
