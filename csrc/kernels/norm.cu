@@ -6,7 +6,7 @@
 // row at a time and keeps it in registers (kVecsPerThread 16-byte vectors per thread), so
 // the reductions and the normalization need no second pass over memory. The backward runs
 // a persistent grid: each block walks many rows, accumulates its share of dweight/dbias in
-// registers, and writes one fp32 partial per block; a small second kernel sums the
+// shared memory (registers for rows too wide for it), and writes one fp32 partial per block; a small second kernel sums the
 // partials in a fixed order (deterministic, no atomics). The residual add and LayerNorm
 // are compile-time switches of the same kernels, so each variant pays only for itself.
 //
@@ -58,14 +58,15 @@ __device__ __forceinline__ int vec_index(int i, int num_vecs) {
 
 template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidual>
 __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormForwardParams p) {
-  __shared__ float scratch[2][32];
+  __shared__ float scratch[96];
   const int64_t row = blockIdx.x;
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
 
   float rx[kVecsPerThread][kVec];
-  float sum = 0.0f;  // of s for LayerNorm's mean, of s^2 for RMSNorm
+  float sum = 0.0f;  // of x for LayerNorm's mean, of x^2 for RMSNorm
+  int count = 0;     // values this thread holds
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int v = vec_index<kVec>(i, num_vecs);
@@ -79,25 +80,28 @@ __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormFor
       store_from_float<T, kVec>(static_cast<T*>(p.residual_out) + row * p.residual_out_row_stride + v * kVec,
                                 rx[i]);
     }
+    count += kVec;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) sum += kLayerNorm ? rx[i][e] : rx[i][e] * rx[i][e];
   }
 
   float mean = 0.0f, rstd;
   if constexpr (kLayerNorm) {
-    // Two passes over the registers: the variance of centered values keeps its precision.
-    mean = block_sum(sum, scratch[0]) * inv_hidden;
-    float sum_sq = 0.0f;
+    // Each thread centres its own values on its own mean (exact in registers); the block
+    // merges the (count, mean, M2) triples in one reduction.
+    MeanM2 own{static_cast<float>(count), count > 0 ? sum / static_cast<float>(count) : 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (vec_index<kVec>(i, num_vecs) < 0) continue;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sum_sq += (rx[i][e] - mean) * (rx[i][e] - mean);
+      for (int e = 0; e < kVec; ++e) own.m2 += (rx[i][e] - own.mean) * (rx[i][e] - own.mean);
     }
-    rstd = rsqrtf(block_sum(sum_sq, scratch[1]) * inv_hidden + p.eps);
+    const MeanM2 stats = block_mean_m2(own, scratch);
+    mean = stats.mean;
+    rstd = rsqrtf(stats.m2 * inv_hidden + p.eps);
     if (p.mean != nullptr && threadIdx.x == 0) p.mean[row] = mean;
   } else {
-    rstd = rsqrtf(block_sum(sum, scratch[0]) * inv_hidden + p.eps);
+    rstd = rsqrtf(block_sum(sum, scratch) * inv_hidden + p.eps);
   }
   if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
 
@@ -119,18 +123,72 @@ __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormFor
   }
 }
 
-template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad>
+// A block's running column sums of dweight or dbias over the rows it walks. Each thread
+// owns the same columns in every row, so neither form needs a barrier.
+template <int kVec, int kVecsPerThread, bool kShared>
+struct ColumnSums;
+
+// In registers: the only choice for wide rows.
+template <int kVec, int kVecsPerThread>
+struct ColumnSums<kVec, kVecsPerThread, false> {
+  float sums[kVecsPerThread][kVec] = {};
+  __device__ explicit ColumnSums(float* /*shared*/) {}
+  __device__ void add(int i, int /*v*/, const float (&values)[kVec]) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sums[i][e] += values[e];
+  }
+  __device__ float get(int i, int /*v*/, int e) const { return sums[i][e]; }
+};
+
+// In shared memory (this block's [hidden] floats): frees kVecsPerThread * kVec registers a
+// thread per sum, which is what lets a third 512-thread block stay resident for LayerNorm.
+template <int kVec, int kVecsPerThread>
+struct ColumnSums<kVec, kVecsPerThread, true> {
+  float* sums;
+  __device__ explicit ColumnSums(float* shared) : sums(shared) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sums[v * kVec + e] = 0.0f;
+    }
+  }
+  __device__ void add(int /*i*/, int v, const float (&values)[kVec]) {
+    if constexpr (kVec % 4 == 0) {
+      float4* chunk = reinterpret_cast<float4*>(sums + v * kVec);
+#pragma unroll
+      for (int c = 0; c < kVec / 4; ++c) {
+        float4 s = chunk[c];
+        s.x += values[4 * c];
+        s.y += values[4 * c + 1];
+        s.z += values[4 * c + 2];
+        s.w += values[4 * c + 3];
+        chunk[c] = s;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sums[v * kVec + e] += values[e];
+    }
+  }
+  __device__ float get(int /*i*/, int v, int e) const { return sums[v * kVec + e]; }
+};
+
+template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad, bool kSharedSums>
 __global__ void __launch_bounds__(kMaxThreads)
 norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
   __shared__ float scratch[2][64];  // one paired reduction a row, two rows in rotation
+  extern __shared__ float4 shared_sums[];  // [kLayerNorm ? 2 : 1][blockDim.x * kVecsPerThread * kVec] if kSharedSums
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* weight = static_cast<const T*>(p.weight);
 
   // The weight is re-read for every row (an L1 hit) rather than held: registers go to the
   // row and the accumulators, which is what keeps wide rows spill-free.
-  float dweight_acc[kVecsPerThread][kVec] = {};
-  float dbias_acc[kLayerNorm ? kVecsPerThread : 1][kVec] = {};
+  float* shared_base = reinterpret_cast<float*>(shared_sums);
+  const int shared_columns = static_cast<int>(blockDim.x) * kVecsPerThread * kVec;
+  ColumnSums<kVec, kVecsPerThread, kSharedSums> dweight_sums(shared_base);
+  ColumnSums<kVec, kLayerNorm ? kVecsPerThread : 1, kSharedSums && kLayerNorm> dbias_sums(shared_base +
+                                                                                          shared_columns);
 
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
@@ -145,19 +203,20 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int v = vec_index<kVec>(i, num_vecs);
       if (v < 0) continue;
-      float rw[kVec];
+      float rw[kVec], dweight_row[kVec];
       load_as_float<T, kVec>(dy + v * kVec, rg[i]);
       load_as_float<T, kVec>(x + v * kVec, rxhat[i]);
       load_as_float<T, kVec>(weight + v * kVec, rw);
+      if constexpr (kLayerNorm) dbias_sums.add(i, v, rg[i]);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         rxhat[i][e] = (rxhat[i][e] - mean) * rstd;
-        dweight_acc[i][e] += rg[i][e] * rxhat[i][e];
-        if constexpr (kLayerNorm) dbias_acc[i][e] += rg[i][e];
+        dweight_row[e] = rg[i][e] * rxhat[i][e];
         rg[i][e] *= p.weight_offset + rw[e];  // dy -> g
         dot += rg[i][e] * rxhat[i][e];
         sum_g += rg[i][e];
       }
+      dweight_sums.add(i, v, dweight_row);
     }
     float mean_dot, mean_g = 0.0f;
     if constexpr (kLayerNorm) {
@@ -195,9 +254,9 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
     if (v < 0) continue;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      if (dweight_partials != nullptr) dweight_partials[partial_offset + v * kVec + e] = dweight_acc[i][e];
+      if (dweight_partials != nullptr) dweight_partials[partial_offset + v * kVec + e] = dweight_sums.get(i, v, e);
       if constexpr (kLayerNorm) {
-        if (dbias_partials != nullptr) dbias_partials[partial_offset + v * kVec + e] = dbias_acc[i][e];
+        if (dbias_partials != nullptr) dbias_partials[partial_offset + v * kVec + e] = dbias_sums.get(i, v, e);
       }
     }
   }
@@ -273,18 +332,43 @@ RowTiling backward_tiling(const NormBackwardParams& p) {
   return choose_tiling(p.hidden, vectorizable, p.dtype);
 }
 
-// Persistent grid of the backward: as many blocks as fit on the device at once.
-int backward_blocks(const NormBackwardParams& p, int device) {
+// Column sums live in shared memory up to this size a block (three resident blocks still
+// fit in an SM's 228 KiB), in registers beyond it.
+constexpr size_t kMaxSharedSumsBytes = 64 * 1024;
+
+using NormBackwardKernel = void (*)(NormBackwardParams, float*, float*);
+
+// Calls f(kernel, tiling, shared_bytes) with the backward kernel for p and its launch shape.
+template <typename F>
+void with_backward_kernel(const NormBackwardParams& p, F&& f) {
   const RowTiling tiling = backward_tiling(p);
-  int blocks_per_sm = 0;
+  const size_t shared_bytes = size_t{p.kind == NormKind::kLayerNorm ? 2u : 1u} * tiling.threads *
+                              tiling.vecs_per_thread * tiling.vec * sizeof(float);
+  const bool shared_sums = shared_bytes <= kMaxSharedSumsBytes;
   dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
                 [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
                   using T = decltype(type_tag);
-                  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &blocks_per_sm, norm_backward_kernel<T, vec, vpt, layer_norm, fused>,
-                                 tiling.threads, 0),
-                             "occupancy query");
+                  if constexpr (decltype(vpt)::value <= 2) {  // wider rows never fit: no instantiation for them
+                    if (shared_sums) {
+                      NormBackwardKernel kernel = norm_backward_kernel<T, vec, vpt, layer_norm, fused, true>;
+                      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      static_cast<int>(shared_bytes)),
+                                 "norm_backward shared memory");
+                      f(kernel, tiling, shared_bytes);
+                      return;
+                    }
+                  }
+                  f(NormBackwardKernel{norm_backward_kernel<T, vec, vpt, layer_norm, fused, false>}, tiling, size_t{0});
                 });
+}
+
+// Persistent grid of the backward: as many blocks as fit on the device at once.
+int backward_blocks(const NormBackwardParams& p, int device) {
+  int blocks_per_sm = 0;
+  with_backward_kernel(p, [&](NormBackwardKernel kernel, const RowTiling& tiling, size_t shared_bytes) {
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, tiling.threads, shared_bytes),
+               "occupancy query");
+  });
   const int64_t blocks = int64_t{std::max(blocks_per_sm, 1)} * device_multiprocessors(device);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, p.rows)));
 }
@@ -361,25 +445,24 @@ void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspac
   float* dbias_partials = has_dbias ? static_cast<float*>(workspace) + (p.dweight != nullptr ? partial_floats : 0)
                                     : nullptr;
 
-  const RowTiling tiling = backward_tiling(p);
-  dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
-                [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
-                  using T = decltype(type_tag);
-                  norm_backward_kernel<T, vec, vpt, layer_norm, fused>
-                      <<<blocks, tiling.threads, 0, stream>>>(p, dweight_partials, dbias_partials);
-                  check_cuda(cudaGetLastError(), "norm_backward launch");
-                  const dim3 block(kReduceCols, kReduceRows);
-                  const unsigned grid = static_cast<unsigned>((p.hidden + kReduceCols - 1) / kReduceCols);
-                  if (dweight_partials != nullptr) {
-                    reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dweight_partials, blocks, p.hidden,
-                                                                          static_cast<T*>(p.dweight));
-                  }
-                  if (dbias_partials != nullptr) {
-                    reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dbias_partials, blocks, p.hidden,
-                                                                          static_cast<T*>(p.dbias));
-                  }
-                  check_cuda(cudaGetLastError(), "norm partial-sum launch");
-                });
+  with_backward_kernel(p, [&](NormBackwardKernel kernel, const RowTiling& tiling, size_t shared_bytes) {
+    kernel<<<blocks, tiling.threads, shared_bytes, stream>>>(p, dweight_partials, dbias_partials);
+    check_cuda(cudaGetLastError(), "norm_backward launch");
+  });
+  dispatch_dtype(p.dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    const dim3 block(kReduceCols, kReduceRows);
+    const unsigned grid = static_cast<unsigned>((p.hidden + kReduceCols - 1) / kReduceCols);
+    if (dweight_partials != nullptr) {
+      reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dweight_partials, blocks, p.hidden,
+                                                            static_cast<T*>(p.dweight));
+    }
+    if (dbias_partials != nullptr) {
+      reduce_partials_kernel<T><<<grid, block, 0, stream>>>(dbias_partials, blocks, p.hidden,
+                                                            static_cast<T*>(p.dbias));
+    }
+    check_cuda(cudaGetLastError(), "norm partial-sum launch");
+  });
 }
 
 }  // namespace barqtrain::kernels

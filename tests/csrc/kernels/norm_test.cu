@@ -24,6 +24,7 @@ struct NormCase {
   k::NormCasting casting = k::NormCasting::kLlama;
   bool residual = false;  // fused residual add
   bool bias = false;      // LayerNorm bias
+  double x_mean = 0.5;    // of LayerNorm inputs: a large one tests the variance's precision
 };
 
 std::string describe(const NormCase& c) {
@@ -31,7 +32,7 @@ std::string describe(const NormCase& c) {
          std::to_string(c.hidden) + "_pad" + std::to_string(c.row_padding) +
          (c.kind == k::NormKind::kLayerNorm ? "_layernorm" : "_rmsnorm") +
          (c.casting == k::NormCasting::kGemma ? "_gemma" : "_llama") + (c.residual ? "_residual" : "") +
-         (c.bias ? "_bias" : "");
+         (c.bias ? "_bias" : "") + (c.x_mean >= 100.0 ? "_mean" + std::to_string(static_cast<int>(c.x_mean)) : "");
 }
 
 void PrintTo(const NormCase& c, std::ostream* os) { *os << describe(c); }
@@ -53,7 +54,7 @@ class NormKernel : public ::testing::TestWithParam<NormCase> {
 
     std::vector<T> x, residual, weight, bias, dy, d_residual_out;
     std::vector<double> x_exact, residual_exact, weight_exact, bias_exact, dy_exact, d_residual_out_exact;
-    random_values<T>(c.rows * stride, layer_norm ? 0.5 : 0.0, 1.0, rng, x, x_exact);
+    random_values<T>(c.rows * stride, layer_norm ? c.x_mean : 0.0, 1.0, rng, x, x_exact);
     random_values<T>(c.rows * stride, 0.0, 1.0, rng, residual, residual_exact);
     random_values<T>(c.hidden, weight_offset ? 0.0 : 1.0, 0.2, rng, weight, weight_exact);
     random_values<T>(c.hidden, 0.0, 0.5, rng, bias, bias_exact);
@@ -196,6 +197,11 @@ std::vector<NormCase> all_cases() {
     cases.push_back({dtype, 7, 777, 1, layer, gemma, false, true});
   }
   cases.push_back({k::DType::kBFloat16, 7, 16384, 0});
+  // LayerNorm rows too wide for shared-memory column sums: the register path.
+  cases.push_back({k::DType::kBFloat16, 300, 16384, 0, layer, gemma, false, true});
+  cases.push_back({k::DType::kFloat32, 300, 8192, 0, layer, gemma, true, true});
+  // A mean 1000 standard deviations from zero: no E[x^2] - E[x]^2 cancellation.
+  cases.push_back({k::DType::kFloat32, 37, 4096, 0, layer, gemma, false, true, 1000.0});
   return cases;
 }
 
