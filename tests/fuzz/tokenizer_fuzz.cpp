@@ -1,9 +1,12 @@
-// libFuzzer target: encode and decode on fixed tokenizers (one per split pattern, built
-// here, plus any tokenizer.json named in BARQTRAIN_FUZZ_TOKENIZERS, colon-separated).
+// libFuzzer target: encode and decode on fixed tokenizers (one per split pattern and two
+// SentencePiece-style ones, built here, plus any tokenizer.json named in
+// BARQTRAIN_FUZZ_TOKENIZERS, colon-separated).
 //
 // Input: one control byte (which tokenizer, which options), then the text. Checks:
 //   - invalid UTF-8 is a TokenizerError, never a crash;
 //   - decode(encode(x)) == x for valid x when the tokenizer does not normalize;
+//   - encode_with_offsets gives encode's ids, with offsets that are ranges of the text
+//     (start <= end <= size, on character boundaries);
 //   - encode_batch_flat of the text split in two equals encode of each half;
 //   - decoding arbitrary ids either works or throws TokenizerError.
 #include <cstddef>
@@ -74,6 +77,32 @@ std::string split_pre_tokenizer(tk::SplitPattern pattern) {
       {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})";
 }
 
+// A SentencePiece-style BPE over a few characters, with <0xNN> tokens for every byte
+// (ids 3..258) and an unknown token, under the given normalizer / pre-tokenizer / decoder.
+std::string sentencepiece_config(const std::string& normalizer, const std::string& pre_tokenizer,
+                                 const std::string& decoder, bool byte_fallback) {
+  static const char* const kHex = "0123456789ABCDEF";
+  std::string vocab = R"("<unk>": 0, "<s>": 1, "</s>": 2, )";
+  for (int b = 0; b < 256; ++b) {
+    vocab += std::string("\"<0x") + kHex[b >> 4] + kHex[b & 15] + ">\": " + std::to_string(3 + b) + ", ";
+  }
+  vocab += R"("▁": 259, "t": 260, "h": 261, "e": 262, "a": 263, "é": 264, "▁t": 265, "he": 266, "▁the": 267,
+              "▁a": 268, "▁▁": 269)";
+  return R"({"version": "1.0", "truncation": null, "padding": null,
+    "added_tokens": [{"id": 0, "content": "<unk>", "special": true, "normalized": false},
+                     {"id": 1, "content": "<s>", "special": true, "normalized": false},
+                     {"id": 2, "content": "</s>", "special": true, "normalized": false},
+                     {"id": 270, "content": "the end", "special": false, "normalized": true}],
+    "normalizer": )" + normalizer + R"(, "pre_tokenizer": )" + pre_tokenizer + R"(,
+    "post_processor": {"type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+    "decoder": )" + decoder + R"(,
+    "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "fuse_unk": true, "byte_fallback": )" +
+         (byte_fallback ? "true" : "false") + R"(, "vocab": {)" + vocab +
+         R"(}, "merges": ["▁ t", "h e", "▁t he", "▁ a", "▁ ▁"]}})";
+}
+
 struct Fixture {
   std::unique_ptr<tk::Tokenizer> tokenizer;
   bool round_trips;  // decode(encode(x)) == x: no normalizer, no prefix space
@@ -90,6 +119,19 @@ std::vector<Fixture> make_fixtures() {
   add(tiny_config(prefixed, "null", false), false);
   add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kLlama3), "null", true), true);
   add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kQwen2), R"({"type": "NFC"})", false), false);
+  // Llama-2's legacy normalizer and decoder: round-trips text without added tokens only.
+  add(sentencepiece_config(
+          R"({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+              {"type": "NFC"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]})",
+          "null",
+          R"({"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+              {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]})",
+          true),
+      false);
+  add(sentencepiece_config(
+          "null", R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true})",
+          R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true})", false),
+      false);
   if (const char* paths = std::getenv("BARQTRAIN_FUZZ_TOKENIZERS")) {
     std::string_view rest(paths);
     while (!rest.empty()) {
@@ -127,6 +169,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::vector<tk::TokenId> ids = tokenizer.encode(text, options);
     for (const tk::TokenId id : ids) {
       if (id >= tokenizer.id_bound()) std::abort();
+    }
+    const tk::Tokenizer::Encoding encoding = tokenizer.encode_with_offsets(text, options);
+    if (encoding.ids != ids || encoding.offsets.size() != ids.size()) std::abort();
+    auto on_boundary = [&](uint32_t at) {
+      return at == text.size() || (at < text.size() && (static_cast<uint8_t>(text[at]) & 0xC0) != 0x80);
+    };
+    for (const tk::Span& span : encoding.offsets) {
+      if (span.start > span.end || span.end > text.size() || !on_boundary(span.start) || !on_boundary(span.end)) {
+        std::abort();
+      }
     }
     // Without the post-processor's BOS, decoding (special tokens kept) gives the text back.
     const std::string decoded = tokenizer.decode(ids, /*skip_special_tokens=*/false);
