@@ -1,6 +1,7 @@
 """BarqTrain: fused CUDA C++ kernels and a lean trainer for fine-tuning Hugging Face models."""
 
-from barqtrain import ops
+from barqtrain import lora, ops
+from barqtrain.lora import get_peft_model
 from barqtrain.patch import (
     PatchReport,
     apply_to_gemma,
@@ -28,6 +29,8 @@ __all__ = [
     "apply_to_phi3",
     "apply_to_qwen2",
     "apply_to_qwen3",
+    "get_peft_model",
+    "lora",
     "ops",
     "patch_model",
     "revert_class_patches",

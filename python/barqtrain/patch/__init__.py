@@ -12,9 +12,11 @@ Per family (the Hugging Face classes change, so models created afterwards are pa
     barqtrain.revert_class_patches()
 
 Both take ops=(...) to patch in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope,
-add_rms_norm (the residual add before a decoder layer's second norm), and
+add_rms_norm (the residual add before a decoder layer's second norm),
 linear_cross_entropy (the training loss of <Family>ForCausalLM without the logits: in
-training with labels, its output's logits are None).
+training with labels, its output's logits are None), and lora (PEFT's LoRA Linear layers,
+and with them the MLP and the q/k/v projections as single functions; instance patching
+only, see lora.py).
 """
 
 from barqtrain.patch.classes import (

@@ -2,8 +2,9 @@
 barqtrain.ops.apply_rope instead of apply_rotary_pos_emb.
 
 Everything else is what Hugging Face does: the projections (called, so PEFT LoRA keeps
-working), Qwen3's and Gemma 3's q/k norms, the KV-cache update, and the attention itself
-through the function Hugging Face selects from config._attn_implementation, with each
+working; q, k and v are one barqtrain.lora.lora_projections where they are LoRA layers
+patched by BarqTrain and plain nn.Linear), Qwen3's and Gemma 3's q/k norms, the KV-cache
+update, and the attention itself through the function Hugging Face selects from config._attn_implementation, with each
 family's sliding window, softcap and scaling. The families' forwards differ only in the
 few ways an AttentionVariant names; one function computes them all.
 """
@@ -19,6 +20,8 @@ import torch
 from torch import nn
 
 from barqtrain import ops
+from barqtrain.lora import lora_projections
+from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, simple_name
 
 if TYPE_CHECKING:
@@ -86,11 +89,12 @@ def _project_qkv(
         key_size = attention.num_key_value_heads * attention.head_dim
         query, key, value = qkv.split([query_size, key_size, qkv.shape[-1] - query_size - key_size], dim=-1)
     else:
-        query, key, value = (
-            attention.q_proj(hidden_states),
-            attention.k_proj(hidden_states),
-            attention.v_proj(hidden_states),
-        )
+        modules = [attention.q_proj, attention.k_proj, attention.v_proj]
+        projections = block_projections(modules, hidden_states)
+        if projections is None:
+            query, key, value = (module(hidden_states) for module in modules)
+        else:
+            query, key, value = lora_projections(hidden_states, projections)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     if variant.qk_norm:
         # Over head_dim, so before the transpose (Qwen3) or after it (Gemma 3) computes the

@@ -3,8 +3,9 @@ which BarqTrain op. Instance patching (patch_model) and class-level patching
 (apply_to_<family>) both read it.
 
 A new op adds its replacement forwards in a module of its own, its name to OPS with a
-detector in OP_DETECTORS, and its rows to _family; a new family adds one _family(...) line,
-whose arguments say how it differs from Llama.
+detector in OP_DETECTORS, and its rows to _family (or to SHARED_REPLACEMENTS when its class
+is the same in every family, as PEFT's LoRA layers are); a new family adds one _family(...)
+line, whose arguments say how it differs from Llama.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from barqtrain.patch import attention, causal_lm, decoder_layer, mlp, rmsnorm
+from barqtrain.patch import attention, causal_lm, decoder_layer, lora, mlp, rmsnorm
 from barqtrain.patch.attention import AttentionVariant, config_sliding_window, layer_sliding_window
 from barqtrain.patch.replacement import ModuleReplacement, hf_class_path
 from barqtrain.patch.rmsnorm import GEMMA_STYLE, LLAMA_STYLE, RMSNormClass, RMSNormStyle
@@ -25,7 +26,7 @@ class UnsupportedModelError(ValueError):
 
 
 # Every op that patching can route modules through, in report order.
-OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP, causal_lm.OP)
+OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP, causal_lm.OP, lora.OP)
 
 # Per op: how to recognize a module of that kind that no row covers, so that it is
 # reported as not patched instead of passing unnoticed.
@@ -35,7 +36,12 @@ OP_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {
     attention.OP: attention.looks_like_attention,
     decoder_layer.OP: decoder_layer.looks_like_decoder_layer,
     causal_lm.OP: causal_lm.looks_like_causal_lm,
+    lora.OP: lora.looks_like_lora_layer,
 }
+
+# Rows of every family, for classes that are not the family's own. Instance patching only:
+# apply_to_<family>() leaves PEFT's classes alone.
+SHARED_REPLACEMENTS: tuple[ModuleReplacement, ...] = (lora.lora_linear_replacement(),)
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,9 @@ _FAMILY_BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_typ
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILY_BY_MODEL_TYPE))
 
 # Every replacement forward, so that a patched instance or class is recognized as BarqTrain's.
-REPLACEMENT_FORWARDS = frozenset(row.forward for family in FAMILIES for row in family.replacements)
+REPLACEMENT_FORWARDS = frozenset(
+    row.forward for rows in (*(family.replacements for family in FAMILIES), SHARED_REPLACEMENTS) for row in rows
+)
 
 
 def family_for(model_type: str, model_class: str) -> ModelFamily:

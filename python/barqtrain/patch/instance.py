@@ -14,7 +14,14 @@ from types import MethodType
 
 from torch import nn
 
-from barqtrain.patch.families import OP_DETECTORS, OPS, REPLACEMENT_FORWARDS, checked_ops, family_for
+from barqtrain.patch.families import (
+    OP_DETECTORS,
+    OPS,
+    REPLACEMENT_FORWARDS,
+    SHARED_REPLACEMENTS,
+    checked_ops,
+    family_for,
+)
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
@@ -80,7 +87,7 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
     if hf_model is not model:
         model_class = f"{type(model).__name__}({model_class})"
     family = family_for(model_type, model_class)
-    replacement_for_class = {row.module_class: row for row in family.replacements}
+    replacement_for_class = {row.module_class: row for row in (*family.replacements, *SHARED_REPLACEMENTS)}
 
     patched: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # op -> class -> names
     not_patched: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (op, class, reason) -> names

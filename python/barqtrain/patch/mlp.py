@@ -1,8 +1,10 @@
 """Gated-MLP replacements: down(act(gate) * up) with act(gate) * up computed by
 barqtrain.ops.glu (SwiGLU or GeGLU).
 
-The projections stay the module's own layers and are called, never read, so PEFT LoRA
-layers and quantized linears in their place keep working.
+The projections are the module's own layers, called, so that PEFT LoRA layers and quantized
+linears in their place keep working; except where they are LoRA layers patched by BarqTrain
+(and plain nn.Linear): then the whole MLP is one barqtrain.lora.lora_gated_mlp, which stores
+less for the backward than the layers would one by one.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import torch
 from torch import nn
 
 from barqtrain import ops
+from barqtrain.lora import lora_gated_mlp
 from barqtrain.patch.fallback import fall_back
+from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 
 OP = "glu"
@@ -49,6 +53,10 @@ def gate_up_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     activation = _glu_activation(self.act_fn)
     if activation is None:
         return fall_back(self, _unsupported_activation(self.act_fn))(x)
+    projections = block_projections([self.gate_proj, self.up_proj, self.down_proj], x)
+    if projections is not None:
+        *gate_up, down = projections
+        return lora_gated_mlp(x, gate_up, down, activation)
     return self.down_proj(ops.glu(self.gate_proj(x), self.up_proj(x), activation))
 
 
@@ -57,6 +65,10 @@ def fused_gate_up_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> t
     activation = _glu_activation(self.activation_fn)
     if activation is None:
         return fall_back(self, _unsupported_activation(self.activation_fn))(hidden_states)
+    projections = block_projections([self.gate_up_proj, self.down_proj], hidden_states)
+    if projections is not None:
+        gate_up, down = projections
+        return lora_gated_mlp(hidden_states, [gate_up], down, activation)
     gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
     return self.down_proj(ops.glu(gate, up, activation))
 

@@ -10,7 +10,7 @@ import barqtrain
 import pytest
 import torch
 import transformers
-from barqtrain.patch import OPS, apply_to_family, fallback, patch_model, revert_class_patches
+from barqtrain.patch import apply_to_family, fallback, patch_model, revert_class_patches
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
     ALREADY_PATCHED_CLASS,
@@ -18,7 +18,15 @@ from barqtrain.patch.report import (
     CLASS_REPLACED,
     NOT_REQUESTED,
 )
-from tiny_models import FAMILIES, LOGIT_OPS, OP_CLASS_SUFFIXES, assert_patching_keeps_outputs, plain_batch, tiny_model
+from tiny_models import (
+    FAMILIES,
+    FAMILY_CLASS_OPS,
+    LOGIT_OPS,
+    OP_CLASS_SUFFIXES,
+    assert_patching_keeps_outputs,
+    plain_batch,
+    tiny_model,
+)
 from torch import nn
 
 
@@ -30,10 +38,11 @@ def reverted_afterwards(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def hf_classes(family: str) -> list[type]:
-    """The family's RMSNorm, MLP, Attention, DecoderLayer and ForCausalLM classes, in OPS order."""
+    """The family's RMSNorm, MLP, Attention, DecoderLayer and ForCausalLM classes, in OPS order
+    (apply_to_<family>() leaves PEFT's LoRA classes alone)."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     prefix = FAMILIES[family].class_prefix
-    return [getattr(module, prefix + OP_CLASS_SUFFIXES[op]) for op in OPS]
+    return [getattr(module, prefix + OP_CLASS_SUFFIXES[op]) for op in FAMILY_CLASS_OPS]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -44,7 +53,7 @@ def test_apply_patches_the_family_classes_and_revert_restores_them_exactly(famil
     report = getattr(barqtrain, f"apply_to_{family}")()
 
     assert report.family == family
-    assert report.patched == {op: (cls.__name__,) for op, cls in zip(OPS, classes, strict=True)}
+    assert report.patched == {op: (cls.__name__,) for op, cls in zip(FAMILY_CLASS_OPS, classes, strict=True)}
     assert report.not_patched == ()
     assert all(vars(cls)["forward"] is not original for cls, original in zip(classes, originals, strict=True))
 
@@ -95,7 +104,8 @@ def test_patch_model_on_a_model_of_patched_classes_reports_them() -> None:
     report = patch_model(model)
 
     assert report.already_patched and report.patched == {}
-    assert {(entry.op, entry.reason) for entry in report.not_patched} == {(op, ALREADY_PATCHED_CLASS) for op in OPS}
+    expected = {(op, ALREADY_PATCHED_CLASS) for op in FAMILY_CLASS_OPS}
+    assert {(entry.op, entry.reason) for entry in report.not_patched} == expected
     assert all("forward" not in vars(module) for module in model.modules())
 
 

@@ -52,7 +52,7 @@ def test_report_lists_every_op_with_its_modules() -> None:
     report = patch_model(model)
 
     assert (report.family, report.model_type, report.model_class) == ("qwen3", "qwen3", "Qwen3ForCausalLM")
-    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm", "linear_cross_entropy")
+    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm", "linear_cross_entropy", "lora")
     assert {op: (entry.class_names, entry.count) for op, entry in report.patched.items()} == {
         "rms_norm": (("Qwen3RMSNorm",), 9),  # 2 per layer, q_norm and k_norm, and the final norm
         "glu": (("Qwen3MLP",), 2),
@@ -79,6 +79,7 @@ def test_report_is_a_readable_table() -> None:
         ["rope", "Qwen2Attention", "2", f"not patched: {NOT_REQUESTED}"],
         ["add_rms_norm", "Qwen2DecoderLayer", "2", "patched"],
         ["linear_cross_entropy", "Qwen2ForCausalLM", "1", f"not patched: {NOT_REQUESTED}"],
+        ["lora", "-", "0", NO_MODULE_OF_THIS_KIND],
     ]
 
 
@@ -97,7 +98,7 @@ def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None
 
     first = patch_model(model, ops=("rms_norm", "glu"))
 
-    assert [first.patched_count(op) for op in OPS] == [5, 2, 0, 0, 0]
+    assert [first.patched_count(op) for op in OPS] == [5, 2, 0, 0, 0, 0]
     assert {(entry.op, entry.reason) for entry in first.not_patched} == {
         ("rope", NOT_REQUESTED),
         ("add_rms_norm", NOT_REQUESTED),
@@ -107,7 +108,7 @@ def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None
 
     second = patch_model(model)
 
-    assert [second.patched_count(op) for op in OPS] == [0, 0, 2, 2, 1]
+    assert [second.patched_count(op) for op in OPS] == [0, 0, 2, 2, 1, 0]
     assert {(entry.op, entry.reason, entry.count) for entry in second.not_patched} == {
         ("rms_norm", ALREADY_PATCHED, 5),
         ("glu", ALREADY_PATCHED, 2),

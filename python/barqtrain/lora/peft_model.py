@@ -1,0 +1,54 @@
+"""barqtrain.get_peft_model: PEFT's get_peft_model, then BarqTrain's patching of the result."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from peft import PeftConfig, PeftModel
+
+# The attribute of the returned model that holds patch_model's report.
+REPORT_ATTRIBUTE = "barqtrain_patch_report"
+
+
+def get_peft_model(
+    model: nn.Module,
+    peft_config: PeftConfig | None = None,
+    *,
+    adapter_name: str = "default",
+    autocast_adapter_dtype: bool = True,
+    ops: Collection[str] | None = None,
+    **lora_options: Any,
+) -> PeftModel:
+    """peft.get_peft_model(model, peft_config), patched by barqtrain.patch_model (which also
+    routes the LoRA layers through barqtrain.lora's functions); its report is the returned
+    model's `barqtrain_patch_report`.
+
+    Give either a PEFT config, or LoraConfig's options as keywords (task_type defaults to
+    "CAUSAL_LM"): get_peft_model(model, r=16, lora_alpha=32, target_modules="all-linear").
+    autocast_adapter_dtype=True (PEFT's default) keeps the adapters of a 16-bit model in
+    float32, computed as PEFT computes them; False keeps them in the model's dtype, the
+    path without fp32 passes (see docs/lora.md). `ops` as for patch_model (default: all).
+    Adapters save and load in PEFT's format (save_pretrained, PeftModel.from_pretrained).
+    """
+    import peft
+
+    # Imported here: barqtrain.patch imports barqtrain.lora's functions, so barqtrain.lora
+    # cannot import barqtrain.patch while it loads.
+    from barqtrain.patch import OPS, patch_model
+
+    if peft_config is None:
+        peft_config = peft.LoraConfig(**{"task_type": "CAUSAL_LM", **lora_options})
+    elif lora_options:
+        raise TypeError(
+            f"barqtrain: get_peft_model got a peft_config and LoraConfig options ({', '.join(lora_options)}); "
+            "give one or the other"
+        )
+    peft_model = peft.get_peft_model(
+        model, peft_config, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype
+    )
+    setattr(peft_model, REPORT_ATTRIBUTE, patch_model(peft_model, ops=OPS if ops is None else ops))
+    return peft_model

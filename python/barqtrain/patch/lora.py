@@ -1,0 +1,177 @@
+"""PEFT LoRA layers computed by barqtrain.lora's functions (the "lora" op).
+
+patch_model gives each plain-LoRA `peft.tuners.lora.layer.Linear` of a model the forward
+below: x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ as one autograd function with no base-weight
+gradient. The family's MLP and attention forwards (mlp.py, attention.py) go one step
+further when their projections are such layers (or plain, frozen nn.Linear): the gated MLP
+and the q, k, v projections are then one function each (block_projections).
+
+What these functions do not compute is left to PEFT's forward: at patch time, with its
+reason in the report (several active adapters, DoRA and the other variants, lora_bias,
+a base layer that is not a plain nn.Linear such as a quantized one, ...); at call time,
+with one warning (autocast, dtype combinations PEFT computes otherwise, adapter_names).
+Merged and disabled adapters are honoured as PEFT does: the base layer alone computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from barqtrain.lora.functions import LoraAdapter, Projection, lora_linear, unsupported_dtypes
+from barqtrain.patch.fallback import fall_back, original_forward
+from barqtrain.patch.replacement import ModuleReplacement
+
+OP = "lora"
+
+# The PEFT class patched, by qualified name so that peft need not be installed or imported.
+LORA_LINEAR_CLASS = "peft.tuners.lora.layer.Linear"
+
+_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+def looks_like_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer of any kind (Linear, Embedding, Conv, quantized Linear, ...)."""
+    return isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "scaling")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Hooks that calling the module would run and reading its weights would skip."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in vars(module)
+    )
+
+
+def _global_hooks() -> bool:
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and not _has_hooks(module)
+
+
+def unsupported_reason(layer: nn.Module) -> str | None:
+    """Why BarqTrain's LoRA does not compute this PEFT LoRA Linear, or None when it does."""
+    adapters = list(layer.active_adapters)
+    if len(adapters) != 1:
+        return f"{len(adapters)} active adapters ({', '.join(adapters)}); BarqTrain's LoRA computes one"
+    [adapter] = adapters
+    variant = getattr(layer, "lora_variant", {}).get(adapter)
+    if variant is not None:
+        return f"adapter {adapter!r} is a {type(variant).__name__} (DoRA or another variant), not plain LoRA"
+    if layer.lora_bias.get(adapter, False):
+        return f"adapter {adapter!r} has lora_bias=True"
+    if layer.fan_in_fan_out:
+        return "fan_in_fan_out=True (a Conv1D base layer)"
+    if not getattr(layer, "cast_input_dtype_enabled", True):
+        return "input dtype casting is disabled (peft.helpers.disable_input_dtype_casting)"
+    base = layer.base_layer
+    if not _is_plain_linear(base):
+        return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear"
+    if adapter not in layer.lora_A:
+        return None  # PEFT then computes the base layer alone; so does BarqTrain
+    for module in (layer.lora_A[adapter], layer.lora_B[adapter]):
+        if not _is_plain_linear(module) or module.bias is not None:
+            return f"its lora_A/lora_B of adapter {adapter!r} are not plain bias-free torch.nn.Linear"
+    dropout = layer.lora_dropout[adapter]
+    if type(dropout) not in (nn.Identity, nn.Dropout) or _has_hooks(dropout):
+        return f"its lora_dropout is {type(dropout).__name__}, not torch.nn.Dropout or Identity"
+    if not isinstance(layer.scaling[adapter], (int, float)):
+        return f"its scaling is a {type(layer.scaling[adapter]).__name__}, not a number"
+    return None
+
+
+@dataclass(frozen=True)
+class PeftComputes:
+    """PEFT's forward computes the call: `reason` says why BarqTrain does not (to warn about),
+    or is None where PEFT's forward is what BarqTrain would run anyway (the base layer alone
+    while merged or disabled)."""
+
+    reason: str | None
+
+
+def projection_of(layer: nn.Module, x: torch.Tensor) -> Projection | PeftComputes:
+    """What a patched PEFT LoRA Linear computes for input x now, as a Projection."""
+    if layer.disable_adapters and layer.merged:
+        return PeftComputes(None)  # PEFT unmerges before computing the base layer
+    base = layer.base_layer
+    if layer.disable_adapters or layer.merged:
+        return Projection(base.weight, base.bias)
+    reason = unsupported_reason(layer)
+    if reason is not None:
+        return PeftComputes(reason)
+    [adapter] = layer.active_adapters
+    if adapter not in layer.lora_A:
+        return Projection(base.weight, base.bias)
+    if torch.is_autocast_enabled(x.device.type):
+        return PeftComputes("autocast is enabled")
+    if x.device.type not in _DEVICE_TYPES:
+        return PeftComputes(f"input on a {x.device.type} device")
+    dropout = layer.lora_dropout[adapter]
+    lora = LoraAdapter(
+        layer.lora_A[adapter].weight,
+        layer.lora_B[adapter].weight,
+        float(layer.scaling[adapter]),
+        dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0,
+    )
+    projection = Projection(base.weight, base.bias, lora)
+    reason = unsupported_dtypes(x, projection)
+    return projection if reason is None else PeftComputes(reason)
+
+
+def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The forward of a patched peft.tuners.lora.layer.Linear."""
+    if args or kwargs:
+        # adapter_names (a batch mixing adapters) and the variants' arguments.
+        why = f"called with extra arguments ({', '.join(kwargs) or 'positional'})"
+        return fall_back(self, why)(x, *args, **kwargs)
+    projection = projection_of(self, x)
+    if isinstance(projection, PeftComputes):
+        peft_forward = original_forward(self) if projection.reason is None else fall_back(self, projection.reason)
+        return peft_forward(x)
+    if projection.lora is None:
+        return original_forward(self)(x)
+    return lora_linear(x, projection)
+
+
+def _is_patched_lora_layer(module: nn.Module) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, MethodType) and forward.__func__ is lora_linear_forward and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def block_projections(modules: list[nn.Module], x: torch.Tensor) -> list[Projection] | None:
+    """The projections of x that `modules` compute, for one block function, or None when the
+    block must call the modules instead: none is a patched LoRA layer with an active adapter,
+    or one is anything but such a layer or a plain nn.Linear (hooks included), or the call is
+    one that PEFT computes (the layer's own forward then says why)."""
+    if _global_hooks():
+        return None
+    projections = []
+    for module in modules:
+        if _is_plain_linear(module):
+            projection = Projection(module.weight, module.bias)
+            if unsupported_dtypes(x, projection) is not None:
+                return None
+        elif _is_patched_lora_layer(module):
+            projection = projection_of(module, x)
+            if isinstance(projection, PeftComputes):
+                return None
+        else:
+            return None
+        projections.append(projection)
+    return projections if any(p.lora is not None for p in projections) else None
+
+
+def lora_linear_replacement() -> ModuleReplacement:
+    return ModuleReplacement(OP, LORA_LINEAR_CLASS, lora_linear_forward, unsupported_reason)
