@@ -13,6 +13,7 @@ namespace barqtrain::tokenizer {
 namespace {
 
 constexpr uint32_t kNoMerge = UINT32_MAX;
+constexpr std::string_view kWordBoundary = "\xE2\x96\x81";  // "▁", U+2581
 // Token ids index dense tables; real vocabularies stay far below this.
 constexpr int64_t kMaxTokenId = int64_t{1} << 24;
 
@@ -176,6 +177,17 @@ void BpeModel::read_vocab(const json::Value& model) {
     }
   }
   for (int c = 0; c < 128; ++c) ascii_tokens_[c] = find(std::string(1, static_cast<char>(c)));
+  // The characters that precede "▁" inside some token: split_words must not cut after them.
+  can_split_words_ = !ignore_merges_ && find(kWordBoundary) != kNoToken;
+  for (const auto& [token, id] : ids_by_bytes_) {
+    for (size_t at = token.find(kWordBoundary, 1); at != std::string::npos; at = token.find(kWordBoundary, at + 1)) {
+      size_t previous = at - 1;
+      while (previous > 0 && (static_cast<unsigned char>(token[previous]) & 0xC0) == 0x80) --previous;
+      uint32_t key = 0;
+      std::memcpy(&key, token.data() + previous, at - previous);
+      joins_word_boundary_.insert(key);
+    }
+  }
   static const char* const kHex = "0123456789ABCDEF";
   for (int b = 0; b < 256; ++b) {
     // Hugging Face spells them "<0x%02X>": "<0x0A>", "<0xE2>".
@@ -261,6 +273,34 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, s
   merge(parts, tracked);
   out.insert(out.end(), parts.begin(), parts.end());
   if (lengths) lengths->insert(lengths->end(), part_lengths.begin(), part_lengths.end());
+}
+
+bool BpeModel::is_character_token(std::string_view text, size_t pos, uint32_t* length) const {
+  const auto byte = static_cast<unsigned char>(text[pos]);
+  if (byte < 0x80) {
+    *length = 1;
+    return ascii_tokens_[byte] != kNoToken;
+  }
+  *length = unicode::decode_at(text, pos).length;
+  uint32_t key = 0;
+  std::memcpy(&key, text.data() + pos, *length);
+  return character_tokens_.count(key) != 0;
+}
+
+void BpeModel::split_words(std::string_view piece, std::vector<std::string_view>& parts) const {
+  size_t start = 0;
+  for (size_t at = piece.find(kWordBoundary, 1); at != std::string_view::npos;
+       at = piece.find(kWordBoundary, at + kWordBoundary.size())) {
+    size_t previous = at - 1;
+    while (previous > 0 && (static_cast<unsigned char>(piece[previous]) & 0xC0) == 0x80) --previous;
+    uint32_t length = 0, key = 0;
+    if (!is_character_token(piece, previous, &length)) continue;
+    std::memcpy(&key, piece.data() + previous, length);
+    if (joins_word_boundary_.count(key)) continue;
+    parts.push_back(piece.substr(start, at - start));
+    start = at;
+  }
+  parts.push_back(piece.substr(start));
 }
 
 void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& parts,

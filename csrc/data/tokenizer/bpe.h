@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "data/json.h"
@@ -37,6 +38,14 @@ class BpeModel {
   void encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<uint32_t>* lengths = nullptr) const;
 
   bool byte_level() const { return byte_level_; }
+
+  // SentencePiece-style text without a splitting pre-tokenizer reaches the model as one
+  // piece per run of text. split_words cuts such a piece before each "▁" whose preceding
+  // character never precedes "▁" inside a vocabulary token (and is itself a token): no
+  // merge can cross such a cut, so encoding the parts one by one (and caching them) gives
+  // exactly the tokens of the whole. Appends the parts to parts.
+  void split_words(std::string_view piece, std::vector<std::string_view>& parts) const;
+  bool can_split_words() const { return can_split_words_; }
   // One more than the largest token id.
   size_t id_bound() const { return token_bytes_.size(); }
   bool has_token(TokenId id) const { return id < has_token_.size() && has_token_[id]; }
@@ -91,6 +100,9 @@ class BpeModel {
   TokenId byte_fallback_tokens_[256];
   TokenId unknown_token_ = kNoToken;
   bool fuse_unknown_ = false;
+  bool can_split_words_ = false;
+  std::unordered_set<uint32_t> joins_word_boundary_;  // characters seen before "▁" in a token
+  bool is_character_token(std::string_view text, size_t pos, uint32_t* length) const;
   // Llama-3: a pre-token that is itself in the vocabulary is one token, without merging.
   bool ignore_merges_ = false;
 };

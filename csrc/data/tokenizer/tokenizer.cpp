@@ -93,9 +93,9 @@ class PieceCache {
   }
 
  private:
-  // 8-byte slots keep the probed table small (512 KiB); the entries they point to are in
+  // 8-byte slots keep the probed table small (1 MiB); the entries they point to are in
   // insertion order, so the frequent pieces, seen first, share cache lines.
-  static constexpr size_t kSlots = size_t{1} << 16;
+  static constexpr size_t kSlots = size_t{1} << 17;
   static constexpr size_t kMask = kSlots - 1;
   struct Slot {
     uint32_t tag;    // the hash's upper half
@@ -479,8 +479,16 @@ void Tokenizer::encode_part(std::string_view text, const Span* spans, bool at_in
   encode_pieces(pieces, text, spans, ids, offsets);
 }
 
-void Tokenizer::encode_pieces(const std::vector<std::string_view>& pieces, std::string_view text, const Span* spans,
-                              std::vector<TokenId>& ids, std::vector<Span>* offsets) const {
+void Tokenizer::encode_pieces(const std::vector<std::string_view>& pre_tokens, std::string_view text,
+                              const Span* spans, std::vector<TokenId>& ids, std::vector<Span>* offsets) const {
+  const std::vector<std::string_view>* split_pieces = &pre_tokens;
+  if (model_->can_split_words()) {
+    thread_local std::vector<std::string_view> words;
+    words.clear();
+    for (const std::string_view piece : pre_tokens) model_->split_words(piece, words);
+    split_pieces = &words;
+  }
+  const std::vector<std::string_view>& pieces = *split_pieces;
   if (offsets) {
     // Offsets come from the model's token lengths; the cache, which keeps only ids, is bypassed.
     thread_local std::vector<uint32_t> lengths;

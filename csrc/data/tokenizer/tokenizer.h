@@ -107,7 +107,7 @@ class Tokenizer {
   // offsets; at_input_start when it begins the input (Metaspace's prepend_scheme first).
   void encode_part(std::string_view text, const Span* spans, bool at_input_start, std::vector<TokenId>& ids,
                    std::vector<Span>* offsets) const;
-  void encode_pieces(const std::vector<std::string_view>& pieces, std::string_view text, const Span* spans,
+  void encode_pieces(const std::vector<std::string_view>& pre_tokens, std::string_view text, const Span* spans,
                      std::vector<TokenId>& ids, std::vector<Span>* offsets) const;
   void trim_offsets(const std::vector<TokenId>& ids, std::vector<Span>& offsets, size_t first) const;
 
