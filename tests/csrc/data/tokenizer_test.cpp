@@ -272,6 +272,16 @@ TEST(SentencePieceTokenizer, OffsetsFollowTheNormalizer) {
   EXPECT_EQ(offsets, (std::vector<std::pair<uint32_t, uint32_t>>{{0, 2}, {2, 3}, {3, 5}}));
 }
 
+TEST(SentencePieceTokenizer, SplitsWordsOnlyWhereNoMergeCrosses) {
+  // "b▁" is a token, so no cut may follow a "b"; after "a" one may.
+  const BpeModel model(json::parse(R"({"type": "BPE", "byte_fallback": false,
+      "vocab": {"▁": 0, "a": 1, "b": 2, "b▁": 3}, "merges": ["b ▁"]})"),
+                       /*byte_level=*/false);
+  std::vector<std::string_view> parts;
+  model.split_words("▁a▁b▁a▁", parts);
+  EXPECT_EQ(parts, (std::vector<std::string_view>{"▁a", "▁b▁a", "▁"}));
+}
+
 TEST(Tokenizer, MissingFileIsNamed) {
   try {
     Tokenizer::from_file("/nonexistent/tokenizer.json");
