@@ -4,7 +4,15 @@ import pytest
 import yaml
 
 from barqtrain import cli
-from barqtrain.train.config import ConfigError, TrainConfig, config_from_dict, load_config, template, template_yaml
+from barqtrain.train.config import (
+    TEMPLATES,
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    template,
+    template_yaml,
+)
 
 
 @pytest.mark.parametrize(
@@ -20,6 +28,10 @@ from barqtrain.train.config import ConfigError, TrainConfig, config_from_dict, l
         ({"lora": 3}, "lora: expected a mapping"),
         ({"batch_size": 0}, "batch_size: must be at least 1"),
         ({"model": {"name": "huge"}}, "model.name: unknown named config"),
+        ({"data": {"eval_split": 1.0}}, "data.eval_split: must be at least 0 and below 1, got 1.0"),
+        ({"data": {"format": "csv"}}, "data.format: expected one of 'text', 'alpaca', 'messages'"),
+        ({"data": {"path": "x.jsonl"}}, "data.tokenizer: a dataset file needs a tokenizer"),
+        ({"optim": {"name": "lion"}}, "optim.name: expected one of 'adamw', 'adamw_8bit'"),
     ],
 )
 def test_bad_configs_name_the_key(mapping, message):
@@ -39,12 +51,35 @@ def test_yaml_scientific_notation_and_lists():
     assert config.optim.lr == 1e-4 and config.lora.target_modules == ["q_proj", "v_proj"]
 
 
-@pytest.mark.parametrize("name", ["lora", "full"])
+@pytest.mark.parametrize("name", TEMPLATES)
 @pytest.mark.parametrize("documented", [False, True])
 def test_templates_load_back(name, documented):
     text = template_yaml(name, documented=documented)
     assert config_from_dict(yaml.safe_load(text)) == template(name)
     assert ("# peak learning rate" in text) == documented
+
+
+def test_templates_say_what_they_are_for():
+    assert template("default") == TrainConfig()  # the embedded default, as YAML
+    lora, full, long = template("lora"), template("full"), template("long-context")
+    assert lora.method == "lora" and full.method == "full" and long.method == "lora"
+    assert long.data.seq_length >= 32768 and long.gradient_checkpointing and long.data.packing
+    for config in (lora, full, long):
+        assert config.model.path and config.data.path and config.steps is None and config.data.eval_split > 0
+    assert "Set model.path to your Hugging Face model directory" in template_yaml("lora")
+
+
+@pytest.mark.parametrize("name, reason", [("qlora", "QLoRA"), ("fsdp", "FSDP")])
+def test_templates_the_trainer_cannot_run_are_a_clear_error(name, reason, capsys):
+    assert cli.main(["config", "--template", name]) == 2
+    err = capsys.readouterr().err
+    assert f"template {name!r}: {reason}" in err and "not supported by barqtrain train yet" in err
+    assert "templates: default, lora, full, long-context" in err
+
+
+def test_unknown_template(capsys):
+    assert cli.main(["config", "--template", "huge"]) == 2
+    assert "unknown template 'huge'; choose from default, lora, full, long-context" in capsys.readouterr().err
 
 
 def test_config_command_writes_a_template(tmp_path, capsys):

@@ -12,6 +12,9 @@ import torch
 from barqtrain import cli
 from barqtrain.train.config import ConfigError, TrainConfig, template
 from barqtrain.train.trainer import resume_run, train
+from shared_data import SHARED  # tests/python/data, on the path through conftest.py
+
+GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 
 
 def quiet(*_):
@@ -107,10 +110,8 @@ def test_text_format_with_a_separate_tokenizer_and_no_evaluation(model_dir, tmp_
 
 
 def test_a_tokenizer_beyond_the_model_vocabulary_is_an_error(alpaca_jsonl, tmp_path):
-    from conftest import GPT2
-
     config = TrainConfig()  # the tiny random Llama has 512 token ids; GPT-2's go to 50256
-    config.data.path, config.data.format, config.data.tokenizer = str(alpaca_jsonl), "alpaca", str(GPT2)
+    config.data.path, config.data.format, config.data.tokenizer = str(alpaca_jsonl), "alpaca", str(GPT2_TOKENIZER)
     config.output_dir = str(tmp_path / "run")
     with pytest.raises(ConfigError, match=r"data\.tokenizer: the dataset has token id 50256, outside the model's vocabulary of 512"):
         train(config, log=quiet, device="cpu")
