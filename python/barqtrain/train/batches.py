@@ -80,7 +80,7 @@ class FileData:
     """A dataset file through barqtrain.data: read_dataset, the held-out split, then packed
     rows from a PackedLoader (its state_dict is the data position)."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, pin_memory: bool) -> None:
         from barqtrain.data import read_dataset
 
         data = config.data
@@ -93,7 +93,8 @@ class FileData:
         train_set, eval_set = split_held_out(dataset, data.eval_split, config.seed, data.path)
         # Without packing, a shuffle window of one puts each sequence in a row of its own.
         options = {} if data.packing else {"shuffle_window": 1}
-        self.loader = train_set.loader(data.seq_length, config.batch_size, seed=config.seed, **options)
+        # Batches are collated ahead by C++ threads, into pinned memory for a GPU run.
+        self.loader = train_set.loader(data.seq_length, config.batch_size, seed=config.seed, pin_memory=pin_memory, **options)
         self.eval_loader = (
             eval_set.loader(data.seq_length, config.batch_size, seed=config.seed, shuffle=False, **options)
             if len(eval_set)
@@ -152,5 +153,5 @@ def scored_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != task.IGNORE_INDEX).sum())
 
 
-def make_data(config: TrainConfig) -> TaskData | FileData:
-    return TaskData(config) if config.data.path is None else FileData(config)
+def make_data(config: TrainConfig, device: torch.device) -> TaskData | FileData:
+    return TaskData(config) if config.data.path is None else FileData(config, pin_memory=device.type == "cuda")

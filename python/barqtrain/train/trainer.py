@@ -253,7 +253,7 @@ def train(
         log(f"No checkpoint in {run_dir}: starting from step 0.")
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
-    data = make_data(config)
+    data = make_data(config, device)
     model = build_model(config, device, log, run_dir)
     _check_vocabulary(model, data, config)
     log(f"Data: {data.describe()}.")
