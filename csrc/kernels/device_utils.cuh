@@ -129,51 +129,6 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
   return make_float2(warp_sum(a), warp_sum(b));
 }
 
-// Count, mean and sum of squared deviations (M2) of a set of values.
-struct MeanM2 {
-  float count, mean, m2;
-};
-
-// Chan et al.'s pairwise merge: exact for the mean, and the variance keeps its precision
-// when the mean is large (no E[x^2] - E[x]^2 cancellation).
-__device__ __forceinline__ MeanM2 merge_mean_m2(MeanM2 a, MeanM2 b) {
-  const float count = a.count + b.count;
-  const float weight_b = count > 0.0f ? b.count / count : 0.0f;
-  const float delta = b.mean - a.mean;
-  return {count, a.mean + delta * weight_b, a.m2 + b.m2 + delta * delta * a.count * weight_b};
-}
-
-// Merges across a warp. The lower lane of each pair is always the merge's first operand,
-// so both lanes compute the same bits and the whole warp ends with one identical result.
-__device__ __forceinline__ MeanM2 warp_mean_m2(MeanM2 v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const MeanM2 other{__shfl_xor_sync(0xffffffffu, v.count, offset), __shfl_xor_sync(0xffffffffu, v.mean, offset),
-                       __shfl_xor_sync(0xffffffffu, v.m2, offset)};
-    v = (lane & offset) ? merge_mean_m2(other, v) : merge_mean_m2(v, other);
-  }
-  return v;
-}
-
-// Mean and M2 over the block from each thread's own; every thread gets the same result.
-// One barrier, so a row's mean and variance cost one reduction instead of two. `scratch` is
-// 96 floats, rotated as for block_sum.
-__device__ __forceinline__ MeanM2 block_mean_m2(MeanM2 v, float* scratch) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int num_warps = (blockDim.x + 31) >> 5;
-  v = warp_mean_m2(v);
-  if (lane == 0) {
-    scratch[warp] = v.count;
-    scratch[32 + warp] = v.mean;
-    scratch[64 + warp] = v.m2;
-  }
-  __syncthreads();
-  v = lane < num_warps ? MeanM2{scratch[lane], scratch[32 + lane], scratch[64 + lane]} : MeanM2{0.0f, 0.0f, 0.0f};
-  return warp_mean_m2(v);
-}
-
 // ------------------------------------------------------------------ dispatch
 template <typename F>
 void dispatch_dtype(DType dtype, F&& f) {

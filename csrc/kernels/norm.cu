@@ -58,15 +58,14 @@ __device__ __forceinline__ int vec_index(int i, int num_vecs) {
 
 template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidual>
 __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormForwardParams p) {
-  __shared__ float scratch[96];
+  __shared__ float scratch[2][32];
   const int64_t row = blockIdx.x;
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
 
   float rx[kVecsPerThread][kVec];
-  float sum = 0.0f;  // of x for LayerNorm's mean, of x^2 for RMSNorm
-  int count = 0;     // values this thread holds
+  float sum = 0.0f;  // of s for LayerNorm's mean, of s^2 for RMSNorm
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int v = vec_index<kVec>(i, num_vecs);
@@ -80,28 +79,27 @@ __global__ void __launch_bounds__(kMaxThreads) norm_forward_kernel(const NormFor
       store_from_float<T, kVec>(static_cast<T*>(p.residual_out) + row * p.residual_out_row_stride + v * kVec,
                                 rx[i]);
     }
-    count += kVec;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) sum += kLayerNorm ? rx[i][e] : rx[i][e] * rx[i][e];
   }
 
   float mean = 0.0f, rstd;
   if constexpr (kLayerNorm) {
-    // Each thread centres its own values on its own mean (exact in registers); the block
-    // merges the (count, mean, M2) triples in one reduction.
-    MeanM2 own{static_cast<float>(count), count > 0 ? sum / static_cast<float>(count) : 0.0f, 0.0f};
+    // Two passes over the registers: the variance of centered values keeps its precision.
+    // (A one-barrier Chan merge of per-thread (count, mean, M2) measured 3x slower on an
+    // H200: with 8 values a thread, the merge's arithmetic made the kernel compute-bound.)
+    mean = block_sum(sum, scratch[0]) * inv_hidden;
+    float sum_sq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (vec_index<kVec>(i, num_vecs) < 0) continue;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) own.m2 += (rx[i][e] - own.mean) * (rx[i][e] - own.mean);
+      for (int e = 0; e < kVec; ++e) sum_sq += (rx[i][e] - mean) * (rx[i][e] - mean);
     }
-    const MeanM2 stats = block_mean_m2(own, scratch);
-    mean = stats.mean;
-    rstd = rsqrtf(stats.m2 * inv_hidden + p.eps);
+    rstd = rsqrtf(block_sum(sum_sq, scratch[1]) * inv_hidden + p.eps);
     if (p.mean != nullptr && threadIdx.x == 0) p.mean[row] = mean;
   } else {
-    rstd = rsqrtf(block_sum(sum, scratch) * inv_hidden + p.eps);
+    rstd = rsqrtf(block_sum(sum, scratch[0]) * inv_hidden + p.eps);
   }
   if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
 
@@ -140,44 +138,60 @@ struct ColumnSums<kVec, kVecsPerThread, false> {
   __device__ float get(int i, int /*v*/, int e) const { return sums[i][e]; }
 };
 
-// In shared memory (this block's [hidden] floats): frees kVecsPerThread * kVec registers a
-// thread per sum, which is what lets a third 512-thread block stay resident for LayerNorm.
+// In shared memory: frees kVecsPerThread * kVec registers a thread per sum, which lets
+// LayerNorm's backward (two sums) keep a third 512-thread block resident. Stored as
+// [kVec / 4][slots] float4s (slot = the thread's vector index), so a warp's accesses are
+// consecutive 16-byte words: no bank conflicts (the row-major [hidden] layout had 2-way
+// conflicts that made L1 the bottleneck).
 template <int kVec, int kVecsPerThread>
 struct ColumnSums<kVec, kVecsPerThread, true> {
+  static constexpr int kWords = kVec % 4 == 0 ? kVec / 4 : 1;  // float4s, or 1 float for kVec == 1
+  static_assert(kVec % 4 == 0 || kVec == 1, "shared column sums hold 16-byte words or single floats");
   float* sums;
-  __device__ explicit ColumnSums(float* shared) : sums(shared) {
+  int slots;  // vectors a block covers: blockDim.x * kVecsPerThread
+  __device__ explicit ColumnSums(float* shared) : sums(shared), slots(static_cast<int>(blockDim.x) * kVecsPerThread) {
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int v = threadIdx.x + i * blockDim.x;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sums[v * kVec + e] = 0.0f;
+      for (int w = 0; w < kWords; ++w) {
+        if constexpr (kVec == 1) {
+          sums[v] = 0.0f;
+        } else {
+          reinterpret_cast<float4*>(sums)[w * slots + v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+      }
     }
   }
   __device__ void add(int /*i*/, int v, const float (&values)[kVec]) {
-    if constexpr (kVec % 4 == 0) {
-      float4* chunk = reinterpret_cast<float4*>(sums + v * kVec);
-#pragma unroll
-      for (int c = 0; c < kVec / 4; ++c) {
-        float4 s = chunk[c];
-        s.x += values[4 * c];
-        s.y += values[4 * c + 1];
-        s.z += values[4 * c + 2];
-        s.w += values[4 * c + 3];
-        chunk[c] = s;
-      }
+    if constexpr (kVec == 1) {
+      sums[v] += values[0];
     } else {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) sums[v * kVec + e] += values[e];
+      for (int w = 0; w < kWords; ++w) {
+        float4& word = reinterpret_cast<float4*>(sums)[w * slots + v];
+        float4 s = word;
+        s.x += values[4 * w];
+        s.y += values[4 * w + 1];
+        s.z += values[4 * w + 2];
+        s.w += values[4 * w + 3];
+        word = s;
+      }
     }
   }
-  __device__ float get(int /*i*/, int v, int e) const { return sums[v * kVec + e]; }
+  __device__ float get(int /*i*/, int v, int e) const {
+    if constexpr (kVec == 1) return sums[v];
+    const float4 word = reinterpret_cast<const float4*>(sums)[(e / 4) * slots + v];
+    const float parts[4] = {word.x, word.y, word.z, word.w};
+    return parts[e % 4];
+  }
 };
 
 template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad, bool kSharedSums>
 __global__ void __launch_bounds__(kMaxThreads)
 norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
   __shared__ float scratch[2][64];  // one paired reduction a row, two rows in rotation
-  extern __shared__ float4 shared_sums[];  // [kLayerNorm ? 2 : 1][blockDim.x * kVecsPerThread * kVec] if kSharedSums
+  extern __shared__ float4 shared_sums[];  // LayerNorm's dweight then dbias sums, if kSharedSums
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* weight = static_cast<const T*>(p.weight);
@@ -342,13 +356,14 @@ using NormBackwardKernel = void (*)(NormBackwardParams, float*, float*);
 template <typename F>
 void with_backward_kernel(const NormBackwardParams& p, F&& f) {
   const RowTiling tiling = backward_tiling(p);
-  const size_t shared_bytes = size_t{p.kind == NormKind::kLayerNorm ? 2u : 1u} * tiling.threads *
-                              tiling.vecs_per_thread * tiling.vec * sizeof(float);
-  const bool shared_sums = shared_bytes <= kMaxSharedSumsBytes;
+  // Only LayerNorm gains: RMSNorm's one sum leaves it at the same three blocks per SM.
+  const size_t shared_bytes = 2u * tiling.threads * tiling.vecs_per_thread * tiling.vec * sizeof(float);
+  const bool shared_sums = p.kind == NormKind::kLayerNorm && shared_bytes <= kMaxSharedSumsBytes;
   dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
                 [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
                   using T = decltype(type_tag);
-                  if constexpr (decltype(vpt)::value <= 2) {  // wider rows never fit: no instantiation for them
+                  // Only LayerNorm rows that fit get the shared form: no instantiation for the rest.
+                  if constexpr (decltype(layer_norm)::value && decltype(vpt)::value <= 2) {
                     if (shared_sums) {
                       NormBackwardKernel kernel = norm_backward_kernel<T, vec, vpt, layer_norm, fused, true>;
                       check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
