@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "kernels/attention/attention.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/glu.h"
 #include "kernels/norm.h"
@@ -58,6 +59,23 @@ TORCH_LIBRARY(barqtrain, m) {
       " float label_smoothing, float z_loss, float softcap, str reduction, Tensor? row_scale,"
       " bool compute_dh, bool compute_dweight, bool compute_dbias)"
       " -> (Tensor loss, Tensor dh, Tensor dweight, Tensor dbias)");
+  // FlashAttention-style attention. q [B, S, Hq, D] and k, v [B, S_k, Hkv, D], or packed
+  // [total, H, D] with cu_seqlens_q/_k (int32 [B + 1]; max_seqlen_* the longest sequence).
+  // Query i sees key j when j <= i + offset + window_right and j >= i + offset - window_left
+  // (offset = S_k - S_q per sequence; negative window: unbounded; causal: window_right 0).
+  // softcap > 0: softcap * tanh(scores / softcap). RoPE fused into the q/k loads with fp32
+  // tables rope_cos/rope_sin [positions, rotary_dim / 2] and int32 positions per row (None:
+  // the index within each sequence). lse is fp32 [Hq, rows] (rows = B * S or total).
+  m.def(
+      "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,"
+      " int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal, int window_left,"
+      " int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions) -> (Tensor o, Tensor lse)");
+  // Gradients of the unrotated q, k and v (dk, dv summed over each GQA group); deterministic.
+  m.def(
+      "attention_backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q,"
+      " Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal,"
+      " int window_left, int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions)"
+      " -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -499,9 +517,182 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
           compute_dbias ? dbias32.to(bias->scalar_type()) : at::empty({0}, weight.options())};
 }
 
+// ---------------------------------------------------------------- attention
+
+// The attention arguments shared by forward and backward.
+struct AttentionArgs {
+  const at::Tensor& q;
+  const at::Tensor& k;
+  const at::Tensor& v;
+  const std::optional<at::Tensor>& cu_seqlens_q;
+  const std::optional<at::Tensor>& cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+  double softmax_scale, softcap;
+  bool causal;
+  int64_t window_left, window_right;
+  const std::optional<at::Tensor>& rope_cos;
+  const std::optional<at::Tensor>& rope_sin;
+  const std::optional<at::Tensor>& positions;
+};
+
+// [B, S, H, D] (batch, row, head) or packed [T, H, D] (row, head) element strides.
+k::AttentionStrides attention_strides(const at::Tensor& t) {
+  if (t.dim() == 3) return {0, t.stride(0), t.stride(1)};
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Views with unit stride along head_dim (a copy only where the input has none).
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+void check_attention_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.is_cuda(), "barqtrain: attention ", name, " must be a CUDA tensor");
+  check_same(t, name, q, "q");
+  TORCH_CHECK(t.dim() == q.dim() && t.size(-1) == q.size(-1), "barqtrain: attention ", name, " has shape ",
+              t.sizes(), " which does not match q's ", q.sizes(), " (same rank and head_dim)");
+}
+
+// Fills the kernel parameters (pointers of q, k, v, o, lse and the options) from the op's arguments.
+k::AttentionParams attention_params(const AttentionArgs& a, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse) {
+  const bool packed = a.cu_seqlens_q.has_value();
+  TORCH_CHECK(packed == a.cu_seqlens_k.has_value(), "barqtrain: attention needs cu_seqlens_q and cu_seqlens_k together");
+  TORCH_CHECK(q.dim() == (packed ? 3 : 4), "barqtrain: attention q must be ",
+              packed ? "[total, heads, head_dim] with cu_seqlens" : "[batch, seq, heads, head_dim]", ", got ",
+              q.sizes());
+  check_attention_operand(k, "k", q);
+  check_attention_operand(v, "v", q);
+  TORCH_CHECK(k.sizes() == v.sizes(), "barqtrain: attention k ", k.sizes(), " and v ", v.sizes(), " must match");
+  k::AttentionParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = o.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_strides = attention_strides(q);
+  p.k_strides = attention_strides(k);
+  p.v_strides = attention_strides(v);
+  p.o_strides = attention_strides(o);
+  const int head_axis = packed ? 1 : 2;
+  p.q_heads = static_cast<int>(q.size(head_axis));
+  p.kv_heads = static_cast<int>(k.size(head_axis));
+  p.head_dim = static_cast<int>(q.size(-1));
+  if (packed) {
+    for (const at::Tensor* cu : {&*a.cu_seqlens_q, &*a.cu_seqlens_k}) {
+      TORCH_CHECK(cu->scalar_type() == at::kInt && cu->device() == q.device() && cu->dim() == 1 && cu->size(0) >= 1 &&
+                      cu->is_contiguous(),
+                  "barqtrain: attention cu_seqlens must be contiguous int32 [batch + 1] on ", q.device());
+    }
+    TORCH_CHECK(a.cu_seqlens_q->size(0) == a.cu_seqlens_k->size(0),
+                "barqtrain: attention cu_seqlens_q and cu_seqlens_k must have the same length");
+    p.cu_seqlens_q = a.cu_seqlens_q->data_ptr<int32_t>();
+    p.cu_seqlens_k = a.cu_seqlens_k->data_ptr<int32_t>();
+    p.batch = static_cast<int>(a.cu_seqlens_q->size(0) - 1);
+    p.seqlen_q = static_cast<int>(a.max_seqlen_q);
+    p.seqlen_k = static_cast<int>(a.max_seqlen_k);
+    p.q_rows = q.size(0);
+  } else {
+    TORCH_CHECK(k.size(0) == q.size(0), "barqtrain: attention q and k must have the same batch size");
+    p.batch = static_cast<int>(q.size(0));
+    p.seqlen_q = static_cast<int>(q.size(1));
+    p.seqlen_k = static_cast<int>(k.size(1));
+    p.q_rows = q.size(0) * q.size(1);
+  }
+  p.softmax_scale = static_cast<float>(a.softmax_scale);
+  p.softcap = static_cast<float>(a.softcap);
+  p.causal = a.causal;
+  p.window_left = static_cast<int>(a.window_left);
+  p.window_right = static_cast<int>(a.window_right);
+  TORCH_CHECK(a.rope_cos.has_value() == a.rope_sin.has_value(), "barqtrain: attention needs rope_cos and rope_sin together");
+  if (a.rope_cos) {
+    for (const at::Tensor* t : {&*a.rope_cos, &*a.rope_sin}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == q.device() && t->dim() == 2 && t->is_contiguous() &&
+                      t->sizes() == a.rope_cos->sizes(),
+                  "barqtrain: attention rope_cos and rope_sin must be contiguous float32 [positions, rotary_dim / 2] on ",
+                  q.device());
+    }
+    p.rope_cos = a.rope_cos->data_ptr<float>();
+    p.rope_sin = a.rope_sin->data_ptr<float>();
+    p.rotary_dim = static_cast<int>(2 * a.rope_cos->size(1));
+    p.rope_table_rows = static_cast<int>(a.rope_cos->size(0));
+    if (a.positions) {
+      TORCH_CHECK(a.positions->scalar_type() == at::kInt && a.positions->device() == q.device() &&
+                      a.positions->is_contiguous() && a.positions->numel() == p.q_rows,
+                  "barqtrain: attention positions must be contiguous int32 with one entry per query row (", p.q_rows,
+                  ")");
+      TORCH_CHECK(k.sizes().slice(0, k.dim() - 2) == q.sizes().slice(0, q.dim() - 2),
+                  "barqtrain: attention positions apply to self-attention (q and k of the same tokens)");
+      p.q_positions = p.k_positions = a.positions->data_ptr<int32_t>();
+    }
+  } else {
+    TORCH_CHECK(!a.positions, "barqtrain: attention positions without rope tables");
+  }
+  p.dtype = kernel_dtype(q, "q");
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double softmax_scale, double softcap, bool causal, int64_t window_left,
+    int64_t window_right, const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
+    const std::optional<at::Tensor>& positions) {
+  TORCH_CHECK(q_in.is_cuda(), "barqtrain: attention q must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const AttentionArgs args{q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                           causal, window_left, window_right, rope_cos, rope_sin, positions};
+  at::Tensor o = at::empty(q.sizes(), q.options());
+  const int64_t rows = q.dim() == 3 ? q.size(0) : q.size(0) * q.size(1);
+  at::Tensor lse = at::empty({q.size(-2), rows}, q.options().dtype(at::kFloat));
+  const k::AttentionParams p = attention_params(args, q, k, v, o, lse);
+  k::attention_forward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& d_o_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& o_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
+    const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+    double softcap, bool causal, int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& rope_cos,
+    const std::optional<at::Tensor>& rope_sin, const std::optional<at::Tensor>& positions) {
+  TORCH_CHECK(q_in.is_cuda(), "barqtrain: attention q must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
+  const at::Tensor o = unit_last_stride(o_in), d_o = unit_last_stride(d_o_in);
+  check_attention_operand(o, "o", q);
+  check_attention_operand(d_o, "d_o", q);
+  TORCH_CHECK(o.sizes() == q.sizes() && d_o.sizes() == q.sizes(), "barqtrain: attention o and d_o must have q's shape ",
+              q.sizes());
+  const int64_t rows = q.dim() == 3 ? q.size(0) : q.size(0) * q.size(1);
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 2 && lse_in.size(0) == q.size(-2) &&
+                  lse_in.size(1) == rows,
+              "barqtrain: attention lse must be the float32 [heads, rows] tensor the forward returned");
+  const at::Tensor lse = lse_in.contiguous();
+  const AttentionArgs args{q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
+                           causal, window_left, window_right, rope_cos, rope_sin, positions};
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor d_o_dot_o = at::empty_like(lse);
+  k::AttentionParams p = attention_params(args, q, k, v, o, lse);
+  p.d_o = d_o.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.d_o_dot_o = d_o_dot_o.data_ptr<float>();
+  p.d_o_strides = attention_strides(d_o);
+  p.dq_strides = attention_strides(dq);
+  p.dk_strides = attention_strides(dk);
+  p.dv_strides = attention_strides(dv);
+  k::attention_backward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
+  m.impl("attention_forward", &attention_forward_cuda);
+  m.impl("attention_backward", &attention_backward_cuda);
   m.impl("rms_norm_forward", &rms_norm_forward_cuda);
   m.impl("add_rms_norm_forward", &add_rms_norm_forward_cuda);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);

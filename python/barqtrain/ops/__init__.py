@@ -11,6 +11,7 @@ from barqtrain import _native
 _native.load()
 
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
+from barqtrain.ops.attention import attention, attention_reference, attention_rope_tables  # noqa: E402
 from barqtrain.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
 from barqtrain.ops.norm import (  # noqa: E402
@@ -27,6 +28,9 @@ from barqtrain.ops.rope import apply_rope, rope_reference  # noqa: E402
 from barqtrain.ops.rope_tables import RopeScaling, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 __all__ = [
+    "attention",
+    "attention_reference",
+    "attention_rope_tables",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "glu",

@@ -70,3 +70,17 @@ def fused_linear_cross_entropy(
     dweight = torch.empty_like(weight, memory_format=torch.contiguous_format) if compute_dweight else weight.new_empty(0)
     dbias = torch.empty_like(bias) if compute_dbias else weight.new_empty(0)
     return loss, dh, dweight, dbias
+
+
+@torch.library.register_fake("barqtrain::attention_forward")
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap, causal,
+                      window_left, window_right, rope_cos, rope_sin, positions):
+    rows = q.shape[0] if q.dim() == 3 else q.shape[0] * q.shape[1]
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return o, q.new_empty((q.shape[-2], rows), dtype=torch.float32)
+
+
+@torch.library.register_fake("barqtrain::attention_backward")
+def attention_backward(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                       softcap, causal, window_left, window_right, rope_cos, rope_sin, positions):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
