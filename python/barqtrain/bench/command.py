@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from barqtrain.bench import e2e, ops, xent
+from barqtrain.bench import attention, e2e, ops, xent
 from barqtrain.bench.models import BENCHMARK_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "e2e", "all")
+SUITES = ("ops", "xent", "attn", "e2e", "all")
 ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + e2e.BASELINES))
 
 
@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Benchmark BarqTrain against the baselines on this GPU. 'ops' times each fused op "
             "against the GPU's copy and matmul ceilings; 'xent' times the fused linear + "
-            "cross-entropy and its memory; 'e2e' fine-tunes real model shapes with LoRA, one "
+            "cross-entropy and its memory; 'attn' times attention against SDPA's flash and cuDNN "
+            "backends; 'e2e' fine-tunes real model shapes with LoRA, one "
             "process per variant. Without a suite, all run."
         ),
     )
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         ops.run_ops_benchmark(args.ops, baselines, args.out, args.command_line)
     if args.suite in ("xent", "all"):
         xent.run_xent_benchmark([name for name in args.compare if name in xent.BASELINES], args.out, args.command_line)
+    if args.suite in ("attn", "all"):
+        attention.run_attention_benchmark(args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)

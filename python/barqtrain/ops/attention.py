@@ -30,6 +30,8 @@ from barqtrain import _native
 # Kernel limits (csrc/kernels/attention/attention.h).
 _MAX_HEAD_DIM_FORWARD = 256
 _MAX_HEAD_DIM_BACKWARD = 128
+# Looked up once: torch.compile traces `attention` and must not see the dispatcher query.
+_HAS_CUDA_KERNELS = _native.has_cuda_kernels("attention_forward")
 _warned_reasons: set[str] = set()
 
 
@@ -243,7 +245,7 @@ def _unsupported_reason(q, rope_cos, needs_grad: bool) -> str | None:
     """Why the CUDA kernels cannot run this call, or None."""
     if not q.is_cuda:
         return None  # the CPU op runs the reference
-    if not _native.has_cuda_kernels("attention_forward"):
+    if not _HAS_CUDA_KERNELS:
         return "barqtrain was built without CUDA kernels"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the kernels take float16 and bfloat16)"

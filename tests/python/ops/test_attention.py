@@ -318,7 +318,7 @@ def test_cuda_unsupported_head_dim_falls_back_with_one_warning(monkeypatch):
     expected = ("barqtrain attention: falling back to PyTorch for head_dim 256 (the backward kernels take multiples "
                 "of 8 up to 128)")
     assert [str(w.message) for w in caught] == [expected]
-    torch.testing.assert_close(out, sdpa(q, k, v))
+    assert relative_error(out, sdpa(q, k, v)) < 1e-2
     with torch.no_grad():  # the forward kernel holds head_dim 256
         assert_no_worse_than_torch("o", attention(q, k, v), sdpa(q, k, v),
                                    attention_reference(q.double(), k.double(), v.double(), softmax_scale=1 / 16)[0])

@@ -1,0 +1,162 @@
+"""`barqtrain bench attn`: the attention kernels against PyTorch SDPA's flash (FlashAttention-2)
+and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
+full, D 64 and 128, sequences 1K-16K, GQA 32/8).
+
+TFLOP/s use the standard count: the forward is 4·B·Hq·S_q·S_k·D (two matmuls), halved
+under a causal mask; forward + backward is 3.5 times the forward (the backward's five
+matmuls, 2.5 times the forward, as FlashAttention counts them, though the deterministic
+backward here does seven). Inputs are [B, S, H, D] for every implementation (SDPA reads
+them through transposed views, as Hugging Face's attention modules pass them).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from barqtrain import _native
+from barqtrain.bench.environment import Unavailable, collect_environment, device_name
+from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain.bench.timing import time_calls
+
+TOKENS_PER_BATCH = 16384  # batch = tokens / seq: every case does the same amount of attention rows
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    batch: int
+    seq: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"B{self.batch} S{self.seq} H{self.q_heads}/{self.kv_heads} D{self.head_dim} {mask}"
+
+    @property
+    def forward_flops(self) -> float:
+        flops = 4.0 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim
+        return flops / 2 if self.causal else flops
+
+
+def _cases() -> list[AttentionCase]:
+    cases = [AttentionCase(4, 4096, 32, 32, 128, causal=True)]  # SPEC 4's target
+    for causal in (True, False):
+        for head_dim in (64, 128):
+            for seq in (1024, 2048, 4096, 8192, 16384):
+                cases.append(AttentionCase(TOKENS_PER_BATCH // seq, seq, 32, 8, head_dim, causal))
+    return cases
+
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def _barqtrain() -> Attention | Unavailable:
+    if not _native.has_cuda_kernels("attention_forward"):
+        return Unavailable("barqtrain's op library was built without CUDA kernels")
+    from barqtrain.ops import attention
+
+    return lambda q, k, v, causal: attention(q, k, v, causal=causal)
+
+
+def _sdpa(backend: torch.nn.attention.SDPBackend) -> Attention:
+    def run(q, k, v, causal):
+        with torch.nn.attention.sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _implementations() -> dict[str, Attention | Unavailable]:
+    backends = torch.nn.attention.SDPBackend
+    return {
+        "barqtrain": _barqtrain(),
+        "sdpa-flash": _sdpa(backends.FLASH_ATTENTION),
+        "sdpa-cudnn": _sdpa(backends.CUDNN_ATTENTION),
+    }
+
+
+def _inputs(case: AttentionCase, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def make(heads):
+        return torch.randn(case.batch, case.seq, heads, case.head_dim, device=device, dtype=torch.bfloat16)
+
+    q, k, v = make(case.q_heads), make(case.kv_heads), make(case.kv_heads)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), torch.randn_like(q)
+
+
+def _forward(fn: Attention, case: AttentionCase, inputs) -> None:
+    q, k, v, _ = inputs
+    with torch.no_grad():
+        fn(q, k, v, case.causal)
+
+
+def _forward_backward(fn: Attention, case: AttentionCase, inputs) -> None:
+    q, k, v, d_o = inputs
+    torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), d_o)
+
+
+def run_attention_benchmark(out_dir: Path, command_line: str) -> None:
+    if not torch.cuda.is_available():
+        print("barqtrain bench attn needs a CUDA GPU; nothing was measured or written.")
+        return
+    device = torch.device("cuda")
+    print(f"{device_name()}: attention, bf16", flush=True)
+    rows: list[dict[str, Any]] = []
+    for case in _cases():
+        inputs = _inputs(case, device)
+        for name, fn in _implementations().items():
+            print(f"  {case.label}: {name}", flush=True)
+            row: dict[str, Any] = {"case": case.label, "implementation": name}
+            if isinstance(fn, Unavailable):
+                rows.append({**row, "status": "unavailable", "reason": fn.reason})
+                continue
+            try:
+                forward = time_calls(lambda batch, fn=fn: _forward(fn, case, batch), [inputs])
+                both = time_calls(lambda batch, fn=fn: _forward_backward(fn, case, batch), [inputs])
+            except (RuntimeError, torch.OutOfMemoryError) as error:  # e.g. a backend refusing the shape
+                rows.append({**row, "status": "error", "error": str(error).splitlines()[0]})
+                continue
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            rows.append({
+                **row,
+                "status": "ok",
+                "forward_ms": forward.gpu_ms,
+                "forward_tflops": case.forward_flops / (forward.gpu_ms * 1e-3) / 1e12,
+                "forward_backward_ms": both.gpu_ms,
+                "forward_backward_tflops": 3.5 * case.forward_flops / (both.gpu_ms * 1e-3) / 1e12,
+            })  # fmt: skip
+        del inputs
+        torch.cuda.empty_cache()
+
+    columns = ("case", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s")
+    cells = [
+        (
+            row["case"],
+            row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+            format_value(row.get("forward_ms"), ".2f"),
+            format_value(row.get("forward_tflops"), ".0f"),
+            format_value(row.get("forward_backward_ms"), ".2f"),
+            format_value(row.get("forward_backward_tflops"), ".0f"),
+        )
+        for row in rows
+    ]
+    print()
+    print(format_table(columns, cells))
+    notes = problem_notes(rows, ("case", "implementation"))
+    if notes:
+        print("Not measured:\n" + notes)
+    payload = {"benchmark": "attn", "environment": collect_environment(command_line), "results": rows}
+    print(f"Wrote {write_json(out_dir / 'attn.json', payload)}")
