@@ -6,12 +6,19 @@ tiktoken, in MB/s of UTF-8 input, on one core and on all cores, in one run.
 The corpus is the text file repeated to --megabytes and cut into documents at blank lines
 (about 1 KB each for Shakespeare), so batch encoding has independent work to share.
 Every competitor's ids are checked against barqtrain's before its speed is reported.
+
+No SentencePiece-style tokenizer.json ships with the shared data, so the "sentencepiece"
+row set uses one trained here with Hugging Face tokenizers on the text itself (32k
+tokens, Llama-2's layout: <0xNN> byte fallback, Prepend/Replace normalizer, no
+pre-tokenizer); --names picks it like the tokenizer folders.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +56,47 @@ def tiktoken_encoding(tokenizer_dir: Path):
         ranks = tiktoken.load.load_tiktoken_bpe(str(models[0]))
         return tiktoken.Encoding("llama3-local", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={})
     return None
+
+
+SENTENCEPIECE = "sentencepiece"
+
+
+def build_sentencepiece(text_path: Path, folder: Path, vocab_size: int = 32000) -> Path:
+    """A Llama-2-layout tokenizer.json trained with Hugging Face tokenizers on text_path."""
+    import tokenizers
+
+    trainer_tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
+    trainer_tokenizer.normalizer = tokenizers.normalizers.Replace(" ", "▁")
+    trainer_tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    text = text_path.read_text(encoding="utf-8")
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False)
+    trainer_tokenizer.train_from_iterator(text.split("\n\n"), trainer)
+    trained = json.loads(trainer_tokenizer.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token in sorted(trained["vocab"], key=trained["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    config = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, token in enumerate(specials)],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": None,
+        "post_processor": {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": trained["merges"]},
+    }
+    folder = folder / SENTENCEPIECE
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    return folder
 
 
 def best_seconds(run: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -120,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m barqtrain.data.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizers", type=Path, default=shared / "tokenizers",
                         help="folder of tokenizer folders, each with a tokenizer.json")
-    parser.add_argument("--names", default="gpt2,llama3,qwen2.5", help="comma-separated tokenizer folders")
+    parser.add_argument("--names", default=f"gpt2,llama3,qwen2.5,{SENTENCEPIECE}",
+                        help=f"comma-separated tokenizer folders, and {SENTENCEPIECE} for the one trained here")
     parser.add_argument("--text", type=Path, default=shared / "text" / "tinyshakespeare" / "input.txt")
     parser.add_argument("--megabytes", type=float, default=20.0, help="corpus size")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
@@ -129,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     megabytes = sum(len(d.encode("utf-8")) for d in documents) / 1e6
     print(f"corpus: {args.text.name}, {megabytes:.1f} MB in {len(documents)} documents; {os.cpu_count()} cores")
     rows = []
-    for name in args.names.split(","):
-        rows += bench_tokenizer(args.tokenizers / name, documents, args.repeats)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.names.split(","):
+            folder = build_sentencepiece(args.text, Path(scratch)) if name == SENTENCEPIECE else args.tokenizers / name
+            rows += bench_tokenizer(folder, documents, args.repeats)
     print(format_table(rows))
 
 
