@@ -47,7 +47,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train_demo(steps: int = 30, seed: int = 0, batch_size: int = 64, verbose: bool = False) -> DemoResult:
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import barqtrain
@@ -58,8 +57,9 @@ def train_demo(steps: int = 30, seed: int = 0, batch_size: int = 64, verbose: bo
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA))
     log(f"A random Llama with {sum(p.numel() for p in model.parameters()):,} parameters on {device}.")
-    log(barqtrain.patch_model(model))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    # PEFT's LoRA adapter, computed by BarqTrain's fused LoRA functions and ops.
+    model = barqtrain.get_peft_model(model, r=8, lora_alpha=16, target_modules="all-linear")
+    log(model.barqtrain_patch_report)
     trainable = [p for p in model.parameters() if p.requires_grad]
     log(f"LoRA r=8 on every linear layer: {sum(p.numel() for p in trainable):,} trainable parameters.")
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)

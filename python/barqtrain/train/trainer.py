@@ -73,24 +73,23 @@ def build_model(
         if run_dir is not None and not (run_dir / BASE / "config.json").exists():
             save_base(model, run_dir / BASE)
     model.config.use_cache = False
-    if config.model.patch:
-        log(barqtrain.patch_model(model))
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.method == "lora":
-        from peft import LoraConfig, get_peft_model
+        import peft
 
         lora = config.lora
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
+        lora_config = peft.LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
         )
+        if config.model.patch:  # PEFT's adapter (and format), computed by BarqTrain's fused LoRA and ops
+            model = barqtrain.get_peft_model(model, lora_config)
+            log(model.barqtrain_patch_report)
+        else:
+            model = peft.get_peft_model(model, lora_config)
+    elif config.model.patch:
+        log(barqtrain.patch_model(model))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model
