@@ -29,7 +29,12 @@ def small_config(output_dir, steps=12, **overrides) -> TrainConfig:
 def test_embedded_default_command_learns(tmp_path, capsys):
     assert cli.main(["train", "--output-dir", str(tmp_path / "run"), "--steps", "40"]) == 0
     out = capsys.readouterr().out
-    assert "embedded default" in out and "patch report" in out and "tok/s" in out and "ETA" in out
+    assert "embedded default" in out and "patch report" in out
+    # Not a terminal: a plain line at the first step, every log_interval (5) steps and the last, no bar.
+    steps = [line for line in out.splitlines() if line.lstrip().startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/40", *(f"{s}/40" for s in range(5, 41, 5))]
+    assert all("loss " in line and "tok/s" in line and "ETA " in line for line in steps)
+    assert "\r" not in out
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 40 and losses[-1] < 0.6 * losses[0]
