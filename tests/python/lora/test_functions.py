@@ -42,7 +42,9 @@ def _check_against_peft(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> 
 @pytest.mark.parametrize(("r", "use_rslora"), [(8, False), (256, True)], ids=["r8", "r256-rslora"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_lora_linear_is_no_worse_than_peft(dtype, fp32_adapters, r, use_rslora, bias):
-    layer = peft_linear(320, 200, r=r, dtype=dtype, bias=bias, use_rslora=use_rslora, autocast_adapter_dtype=fp32_adapters)
+    layer = peft_linear(
+        320, 200, r=r, dtype=dtype, bias=bias, use_rslora=use_rslora, autocast_adapter_dtype=fp32_adapters
+    )
     assert layer.lora_A["default"].weight.dtype == (torch.float32 if fp32_adapters else dtype)
     if use_rslora:
         assert layer.scaling["default"] == pytest.approx((2 * r + 3) / r**0.5)
