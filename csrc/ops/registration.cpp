@@ -459,7 +459,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
   at::Tensor dlogits = grads ? at::empty({group, vocab}, h.options()) : at::Tensor();
   at::Tensor loss_rows = at::empty({tokens}, f32);
   at::Tensor dh = compute_dh ? at::empty({tokens, hidden}, h.options()) : at::Tensor();
-  at::Tensor dweight32 = compute_dweight ? at::zeros({vocab, hidden}, f32) : at::Tensor();
+  // The first group's GEMM writes dW (no zero fill, no read of zeros); with no tokens it stays 0.
+  at::Tensor dweight32 = !compute_dweight ? at::Tensor()
+                         : tokens > 0     ? at::empty({vocab, hidden}, f32)
+                                          : at::zeros({vocab, hidden}, f32);
   at::Tensor dbias32 = compute_dbias ? at::zeros({vocab}, f32) : at::Tensor();
   const at::Tensor weight_c = weight.contiguous();
   const at::Tensor bias_c = bias ? bias->contiguous() : at::Tensor();
@@ -501,8 +504,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_linear_cross_en
     const bool group_full = group_row + rows == group || start + rows == tokens;
     if (compute_dweight && group_full) {
       const int64_t group_start = start - group_row;
-      at::addmm_out(dweight32, dweight32, dlogits.narrow(0, 0, group_row + rows).t(),
-                    h.narrow(0, group_start, group_row + rows), at::kFloat);
+      const at::Tensor dlogits_group_t = dlogits.narrow(0, 0, group_row + rows).t();
+      const at::Tensor h_group = h.narrow(0, group_start, group_row + rows);
+      if (group_start == 0) {
+        at::mm_out(dweight32, dlogits_group_t, h_group, at::kFloat);
+      } else {
+        at::addmm_out(dweight32, dweight32, dlogits_group_t, h_group, at::kFloat);
+      }
     }
   }
 
