@@ -93,3 +93,22 @@ def test_train_command_rejects_a_bad_config(tmp_path, capsys):
     path.write_text("optim:\n  lr: fast\n")
     assert cli.main(["train", str(path)]) == 2
     assert "optim.lr: expected a number, got 'fast'" in capsys.readouterr().err
+
+
+def test_the_readme_quick_start_config_is_the_lora_template():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = yaml.safe_load(block)
+    config = config_from_dict(shown)  # valid as it stands
+
+    def same(mapping, expected, path=""):
+        for key, value in mapping.items():
+            if isinstance(value, dict):
+                same(value, getattr(expected, key), f"{path}{key}.")
+            else:
+                assert getattr(expected, key) == value, f"README sets {path}{key}: {value!r}; the lora template has {getattr(expected, key)!r}"
+
+    same(shown, template("lora"))
+    assert config.method == "lora"
