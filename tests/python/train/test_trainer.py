@@ -77,3 +77,16 @@ def test_full_fine_tuning_runs(tmp_path, method):
     config.optim.lr = 1e-3
     result = train(config, log=lambda *_: None, device="cpu")
     assert (tmp_path / "run" / "model" / "config.json").exists() and len(result.losses) == 3
+
+
+@pytest.mark.gpu
+def test_embedded_default_learns_on_a_gpu(tmp_path):
+    config = small_config(tmp_path / "run", steps=40)
+    config.batch_size = 64
+    config.lora.dropout = 0.0
+    result = train(config, log=lambda *_: None, device="cuda")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 40 and all(r["gpu_mem_gib"] > 0 for r in steps)
+    assert steps[-1]["loss"] < 0.6 * steps[0]["loss"]
+    assert result.accuracy_after > 0.6 > result.accuracy_before
