@@ -217,8 +217,14 @@ def task_accuracy(model, batches, device) -> float:
     )
 
 
-def _check_vocabulary(model: torch.nn.Module, data, config: TrainConfig) -> None:
-    vocab = model.get_input_embeddings().num_embeddings
+def _check_vocabulary(data, config: TrainConfig) -> None:
+    """Before the (slow) model load: every token id of the data has an embedding."""
+    from transformers import AutoConfig
+
+    if config.model.path is None:
+        vocab = task.TINY_LLAMA["vocab_size"]
+    else:
+        vocab = AutoConfig.from_pretrained(config.model.path).get_text_config().vocab_size
     if data.max_token_id() >= vocab:
         raise ConfigError(
             f"data.tokenizer: the dataset has token id {data.max_token_id()}, outside the model's vocabulary of "
@@ -253,8 +259,8 @@ def train(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
     data = make_data(config, device)
+    _check_vocabulary(data, config)
     model = build_model(config, device, log, run_dir)
-    _check_vocabulary(model, data, config)
     log(f"Data: {data.describe()}.")
     steps = config.steps
     if steps is None:

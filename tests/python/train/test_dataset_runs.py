@@ -115,6 +115,7 @@ def test_a_tokenizer_beyond_the_model_vocabulary_is_an_error(alpaca_jsonl, tmp_p
     config.output_dir = str(tmp_path / "run")
     with pytest.raises(ConfigError, match=r"data\.tokenizer: the dataset has token id 50256, outside the model's vocabulary of 512"):
         train(config, log=quiet, device="cpu")
+    assert not (tmp_path / "run" / "base").exists()  # found before the model is built
 
 
 def test_template_placeholders_and_missing_files_name_the_key(model_dir, alpaca_jsonl, tmp_path, capsys):
