@@ -1,17 +1,17 @@
-"""The `barqtrain bench [ops|xent|e2e]` command."""
+"""The `barqtrain bench [ops|xent|attn|lora|e2e]` command."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from barqtrain.bench import attention, e2e, ops, xent
+from barqtrain.bench import attention, e2e, lora, ops, xent
 from barqtrain.bench.models import BENCHMARK_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "attn", "e2e", "all")
-ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + e2e.BASELINES))
+SUITES = ("ops", "xent", "attn", "lora", "e2e", "all")
+ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Benchmark BarqTrain against the baselines on this GPU. 'ops' times each fused op "
             "against the GPU's copy and matmul ceilings; 'xent' times the fused linear + "
             "cross-entropy and its memory; 'attn' times attention against SDPA's flash and cuDNN "
-            "backends; 'e2e' fine-tunes real model shapes with LoRA, one "
+            "backends; 'lora' times the LoRA linear against its frozen-base GEMMs and PEFT, and a "
+            "decoder layer's time and saved activations; 'e2e' fine-tunes real model shapes with LoRA, one "
             "process per variant. Without a suite, all run."
         ),
     )
@@ -79,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         xent.run_xent_benchmark([name for name in args.compare if name in xent.BASELINES], args.out, args.command_line)
     if args.suite in ("attn", "all"):
         attention.run_attention_benchmark(args.out, args.command_line)
+    if args.suite in ("lora", "all"):
+        lora.run_lora_benchmark([name for name in args.compare if name in lora.BASELINES], args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)
