@@ -1,5 +1,7 @@
-"""`barqtrain config --template NAME [--documented] [--out FILE]`: writes a config for
-`barqtrain train`: default (the embedded default), lora, full or long-context."""
+"""`barqtrain config --template NAME [--documented] [--out FILE]`: writes a train config.
+
+The templates: default (the embedded default), lora, full, long-context.
+"""
 
 from __future__ import annotations
 
