@@ -29,10 +29,11 @@ class TaskData:
 
     def eval_batches(self) -> list[dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(10_000_019 + self.seed)
-        return [
-            dict(zip(("input_ids", "labels"), task.make_batch(self.batch_size, generator)))
-            for _ in range(self.eval_batch_count)
-        ]
+        batches = []
+        for _ in range(self.eval_batch_count):
+            input_ids, labels = task.make_batch(self.batch_size, generator)
+            batches.append({"input_ids": input_ids, "labels": labels})
+        return batches
 
     def micro_batches(self) -> int | None:
         return None
