@@ -11,7 +11,7 @@
 set -uo pipefail
 
 OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
-PHASES=${PHASES:-"build cpp python sanitize bench-ops bench-xent bench-e2e"}
+PHASES=${PHASES:-"build cpp python sanitize bench-ops bench-xent bench-attn bench-lora bench-e2e"}
 PYTHON=${PYTHON:-python3}
 CUDA_ARCHS=${CUDA_ARCHS:-"80;90a"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -69,7 +69,7 @@ run_python_tests() {
 
 # memcheck and racecheck over a representative subset (every tiling path of every kernel).
 run_sanitizers() {
-  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*'
+  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*'
   compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
     compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
 }
@@ -80,6 +80,8 @@ phase python run_python_tests
 phase sanitize run_sanitizers
 phase bench-ops bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench ops --out '$OUTDIR/bench'"
 phase bench-xent bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench xent --out '$OUTDIR/bench'"
+phase bench-attn bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench attn --out '$OUTDIR/bench'"
+phase bench-lora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench lora --out '$OUTDIR/bench'"
 phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e --out '$OUTDIR/bench'"
 
 echo "=== summary" | tee -a "$LOG"
