@@ -135,6 +135,21 @@ void register_pipeline(nb::module_& m) {
           nb::arg("tokens"), nb::arg("offsets"), nb::arg("labels").none(),
           "A copy of int32 tokens (and labels, None: the tokens) with int64 offsets.");
 
+  nb::class_<SubsetSequences, SequenceSource>(m, "SubsetSequences")
+      .def(
+          "__init__",
+          [](SubsetSequences* self, std::shared_ptr<const SequenceSource> source, Vector<int64_t> indices) {
+            std::vector<uint64_t> chosen(indices.shape(0));
+            for (size_t i = 0; i < chosen.size(); ++i) {
+              if (indices.data()[i] < 0) throw PackingError("subset index " + std::to_string(indices.data()[i]) + " is negative");
+              chosen[i] = static_cast<uint64_t>(indices.data()[i]);
+            }
+            nb::gil_scoped_release release;
+            new (self) SubsetSequences(std::move(source), std::move(chosen));
+          },
+          nb::arg("source"), nb::arg("indices"),
+          "The sequences indices (int64) of source, in that order, without copying their tokens.");
+
   nb::class_<Packer>(m, "Packer")
       .def(
           "__init__",

@@ -152,6 +152,19 @@ void InMemorySequences::read(size_t sequence, size_t start, size_t count, int64_
   }
 }
 
+SubsetSequences::SubsetSequences(std::shared_ptr<const SequenceSource> source, std::vector<uint64_t> indices)
+    : source_(std::move(source)), indices_(std::move(indices)) {
+  if (!source_) throw PackingError("the sequence source is null");
+  const size_t count = source_->size();
+  for (const uint64_t i : indices_) {
+    if (i >= count) {
+      throw PackingError("subset index " + std::to_string(i) + " is out of range for a source of " +
+                         std::to_string(count) + " sequences");
+    }
+    tokens_ += source_->length(i);
+  }
+}
+
 Packer::Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offsets, size_t count,
                const PackOptions& options)
     : Packer(std::make_shared<InMemorySequences>(tokens, labels, offsets, count), options) {}

@@ -146,6 +146,26 @@ class InMemorySequences final : public SequenceSource {
   std::vector<int64_t> offsets_;
 };
 
+// A view of some sequences of another source, in the order given: sequence i is the
+// source's sequence indices[i]. Nothing is copied but the indices, so a held-out split of
+// memory-mapped shards costs 8 bytes a sequence. An index out of range is a PackingError.
+class SubsetSequences final : public SequenceSource {
+ public:
+  SubsetSequences(std::shared_ptr<const SequenceSource> source, std::vector<uint64_t> indices);
+
+  size_t size() const override { return indices_.size(); }
+  size_t num_tokens() const override { return tokens_; }
+  size_t length(size_t s) const override { return source_->length(indices_[s]); }
+  void read(size_t sequence, size_t start, size_t count, int64_t* ids, int64_t* labels) const override {
+    source_->read(indices_[sequence], start, count, ids, labels);
+  }
+
+ private:
+  std::shared_ptr<const SequenceSource> source_;
+  std::vector<uint64_t> indices_;
+  size_t tokens_ = 0;
+};
+
 class Packer {
  public:
   Packer(std::shared_ptr<const SequenceSource> source, const PackOptions& options);

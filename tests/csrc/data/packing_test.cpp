@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -260,6 +261,27 @@ TEST(Packing, BadArgumentsAreErrors) {
   const Packer packer = corpus.pack(options);
   std::vector<int64_t> buf(8);
   EXPECT_THROW(packer.collate(0, 2, {buf.data(), buf.data(), buf.data()}), PackingError);
+}
+
+TEST(Packing, ASubsetReadsTheChosenSequencesInItsOrder) {
+  const Corpus corpus({4, 1, 6, 2});
+  auto all = std::make_shared<InMemorySequences>(corpus.tokens.data(), corpus.labels.data(), corpus.offsets.data(),
+                                                 corpus.size());
+  const SubsetSequences subset(all, {3, 0, 2});
+  ASSERT_EQ(subset.size(), 3u);
+  EXPECT_EQ(subset.num_tokens(), 2u + 4u + 6u);
+  const std::vector<size_t> chosen{3, 0, 2};
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const size_t n = subset.length(i);
+    ASSERT_EQ(n, all->length(chosen[i]));
+    std::vector<int64_t> ids(n), labels(n), want_ids(n), want_labels(n);
+    subset.read(i, 0, n, ids.data(), labels.data());
+    all->read(chosen[i], 0, n, want_ids.data(), want_labels.data());
+    EXPECT_EQ(ids, want_ids);
+    EXPECT_EQ(labels, want_labels);
+  }
+  EXPECT_THROW(SubsetSequences(all, {4}), PackingError);
+  EXPECT_THROW(SubsetSequences(nullptr, {}), PackingError);
 }
 
 TEST(Packing, ARealisticDistributionFillsAtLeast99Percent) {
