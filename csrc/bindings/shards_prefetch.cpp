@@ -49,7 +49,9 @@ void register_shards_and_prefetch(nb::module_& m) {
   m.def("token_bytes_for", &token_bytes_for, nb::arg("id_bound"));
 
   nb::class_<ShardDirectoryWriter>(m, "ShardDirectoryWriter")
-      .def(nb::init<std::string, size_t, size_t>(), nb::arg("directory"), nb::arg("id_bound"), nb::arg("shard_tokens"))
+      .def(nb::init<std::string, size_t, size_t, size_t>(), nb::arg("directory"), nb::arg("id_bound"),
+           nb::arg("shard_tokens"), nb::arg("complete_shards") = 0,
+           "complete_shards k > 0: continue an interrupted run after its first k shards (see csrc/data/shards.h).")
       .def(
           "add",
           [](ShardDirectoryWriter& w, Vector<int32_t> tokens, Vector<int32_t> labels, Vector<int64_t> offsets) {

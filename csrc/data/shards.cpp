@@ -104,8 +104,14 @@ std::string shard_name(size_t index) {
 }
 
 bool is_shard_name(const std::string& name) {
-  return name.size() > 10 && name.compare(0, 6, "shard-") == 0 && name.compare(name.size() - 4, 4, ".bqt") == 0;
+  if (name.size() <= 10 || name.compare(0, 6, "shard-") != 0 || name.compare(name.size() - 4, 4, ".bqt") != 0) {
+    return false;
+  }
+  return std::all_of(name.begin() + 6, name.end() - 4, [](char c) { return c >= '0' && c <= '9'; });
 }
+
+// The NNNNN of shard-NNNNN.bqt (is_shard_name(name) holds).
+size_t shard_index(const std::string& name) { return std::stoull(name.substr(6, name.size() - 10)); }
 
 }  // namespace
 
@@ -173,7 +179,8 @@ uint64_t write_shard(const std::string& path, const TokenizedData& data, uint32_
   return bytes;
 }
 
-ShardDirectoryWriter::ShardDirectoryWriter(std::string directory, size_t id_bound, size_t shard_tokens)
+ShardDirectoryWriter::ShardDirectoryWriter(std::string directory, size_t id_bound, size_t shard_tokens,
+                                           size_t complete_shards)
     : directory_(std::move(directory)), token_bytes_(token_bytes_for(id_bound)), shard_tokens_(shard_tokens) {
   if (shard_tokens_ == 0) throw ShardError("shard_tokens must be at least 1");
   if (::mkdir(directory_.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -181,17 +188,41 @@ ShardDirectoryWriter::ShardDirectoryWriter(std::string directory, size_t id_boun
   }
   DIR* dir = ::opendir(directory_.c_str());
   if (dir == nullptr) throw ShardError(system_error(directory_ + ": cannot open the directory"));
-  std::string found;
-  while (const dirent* entry = ::readdir(dir)) {
-    const std::string name = entry->d_name;
-    if (name == kShardManifest || is_shard_name(name)) {
-      found = name;
-      break;
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(dir)) names.emplace_back(entry->d_name);
+  ::closedir(dir);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    if (name == kShardManifest) {
+      throw ShardError(directory_ + ": already holds " + name + " from an earlier, finished run; write to an empty directory");
     }
   }
-  ::closedir(dir);
-  if (!found.empty()) {
-    throw ShardError(directory_ + ": already holds " + found + " from an earlier run; write to an empty directory");
+  if (complete_shards == 0) {
+    for (const std::string& name : names) {
+      if (is_shard_name(name)) {
+        throw ShardError(directory_ + ": already holds " + name + " from an earlier run; write to an empty directory");
+      }
+    }
+    return;
+  }
+  for (size_t k = 0; k < complete_shards; ++k) {
+    const Shard shard(join(directory_, shard_name(k)));
+    if (shard.header().token_bytes != token_bytes_) {
+      throw ShardError(shard.path() + ": holds " + std::to_string(shard.header().token_bytes) +
+                       "-byte token ids, but this tokenizer's need " + std::to_string(token_bytes_));
+    }
+    files_.push_back({shard_name(k), shard.size(), shard.num_tokens()});
+    sequences_ += shard.size();
+    tokens_ += shard.num_tokens();
+  }
+  for (const std::string& name : names) {
+    // The interrupted run's later shards (rewritten from the same sequences) and temporaries.
+    const bool later_shard = is_shard_name(name) && shard_index(name) >= complete_shards;
+    const bool temporary = (name.rfind("shard-", 0) == 0 || name.rfind(kShardManifest, 0) == 0) &&
+                           name.find(".tmp.") != std::string::npos;
+    if ((later_shard || temporary) && ::unlink(join(directory_, name).c_str()) != 0) {
+      throw ShardError(system_error(join(directory_, name) + ": cannot delete"));
+    }
   }
 }
 
@@ -199,7 +230,12 @@ void ShardDirectoryWriter::add(const TokenizedData& chunk) {
   if (finished_) throw ShardError("ShardDirectoryWriter::add after finish");
   for (size_t s = 0; s < chunk.size(); ++s) {
     const int64_t a = chunk.offsets[s], b = chunk.offsets[s + 1];
-    if (pending_.size() > 0 && pending_.tokens.size() + static_cast<size_t>(b - a) > shard_tokens_) flush();
+    // A full shard closes before the next sequence, even an empty one, exactly as the check
+    // after the loop closes it at the end of a chunk.
+    if (pending_.size() > 0 && (pending_.tokens.size() >= shard_tokens_ ||
+                                pending_.tokens.size() + static_cast<size_t>(b - a) > shard_tokens_)) {
+      flush();
+    }
     pending_.tokens.insert(pending_.tokens.end(), chunk.tokens.begin() + a, chunk.tokens.begin() + b);
     pending_.labels.insert(pending_.labels.end(), chunk.labels.begin() + a, chunk.labels.begin() + b);
     pending_.offsets.push_back(static_cast<int64_t>(pending_.tokens.size()));
@@ -307,7 +343,8 @@ std::shared_ptr<ShardSet> ShardSet::open(const std::string& path) {
     const std::string manifest_path = join(path, kShardManifest);
     if (::access(manifest_path.c_str(), F_OK) != 0) {
       throw ShardError(path + ": no " + std::string(kShardManifest) +
-                       ": not a `barqtrain tokenize` output directory, or the run did not finish");
+                       ": not a `barqtrain tokenize` output directory, or its run did not finish (rerun the same "
+                       "`barqtrain tokenize` command to finish it)");
     }
     json::Value manifest;
     try {

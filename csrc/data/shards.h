@@ -64,11 +64,17 @@ uint32_t token_bytes_for(size_t id_bound);
 uint64_t write_shard(const std::string& path, const TokenizedData& data, uint32_t token_bytes);
 
 // Cuts tokenized chunks into shards of at most shard_tokens tokens (a longer sequence gets a
-// shard of its own) and writes them into a directory.
+// shard of its own) and writes them into a directory. Where a shard ends depends only on the
+// sequences, never on how they were split into add() calls, so a rerun that adds the same
+// sequences after the shards it kept writes the same files.
 class ShardDirectoryWriter {
  public:
-  // The directory is created if missing; it must hold no shards.json or shard files yet.
-  ShardDirectoryWriter(std::string directory, size_t id_bound, size_t shard_tokens);
+  // The directory is created if missing. With complete_shards 0 it must hold no shards.json
+  // or shard files yet. With complete_shards k > 0 the writer continues an interrupted run:
+  // shard-00000 .. shard-(k-1) are kept (opened and checked, and their width must be this
+  // tokenizer's), later shard files and temporaries are deleted, and the next add() starts
+  // shard k; a shards.json there is an error (the run finished).
+  ShardDirectoryWriter(std::string directory, size_t id_bound, size_t shard_tokens, size_t complete_shards = 0);
   void add(const TokenizedData& chunk);
   // Writes the pending shard and then shards.json with metadata_json (a JSON object) under
   // "metadata". No add() after it.

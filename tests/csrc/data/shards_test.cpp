@@ -4,9 +4,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <dirent.h>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -138,6 +140,75 @@ TEST(Shards, BadDataAndBadFilesAreClearErrors) {
   writer.finish("{}");
   EXPECT_THROW(ShardDirectoryWriter(done, 1000, 1 << 20), ShardError);  // holds an earlier run
   EXPECT_THROW(ShardDirectoryWriter(fresh_dir("meta"), 1000, 16).finish("[1, 2"), ShardError);
+}
+
+// Sequences [first, last) of data as a chunk of their own.
+TokenizedData slice(const TokenizedData& data, size_t first, size_t last) {
+  TokenizedData out;
+  const int64_t a = data.offsets[first], b = data.offsets[last];
+  out.tokens.assign(data.tokens.begin() + a, data.tokens.begin() + b);
+  out.labels.assign(data.labels.begin() + a, data.labels.begin() + b);
+  for (size_t s = first; s < last; ++s) out.offsets.push_back(data.offsets[s + 1] - a);
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST(Shards, WhereShardsEndDoesNotDependOnHowTheSequencesWereAdded) {
+  TokenizedData data = corpus(40);
+  data.offsets.insert(data.offsets.begin() + 11, data.offsets[10]);  // an empty sequence after sequence 9
+  const std::string whole = fresh_dir("whole"), pieces = fresh_dir("pieces");
+  ShardDirectoryWriter a(whole, 100000, 55);  // sequence 9 ends exactly at 55 tokens: a full shard
+  a.add(data);
+  a.finish("{}");
+  ShardDirectoryWriter b(pieces, 100000, 55);
+  for (size_t s = 0; s < data.size(); s += 5) b.add(slice(data, s, std::min(data.size(), s + 5)));  // a chunk ends at 9
+  b.finish("{}");
+  ASSERT_EQ(a.shards(), b.shards());
+  for (size_t k = 0; k < a.shards(); ++k) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/shard-%05zu.bqt", k);
+    EXPECT_EQ(read_file(whole + name), read_file(pieces + name)) << name;
+  }
+}
+
+TEST(Shards, AWriterContinuesAnInterruptedRunAfterItsCompleteShards) {
+  const TokenizedData data = corpus(40);
+  const std::string whole = fresh_dir("resume-whole"), cut = fresh_dir("resume-cut");
+  ShardDirectoryWriter a(whole, 1000, 100);
+  a.add(data);
+  a.finish("{}");
+  // The interrupted run wrote three shards and had started a fourth when it was killed.
+  size_t kept_sequences = 0;
+  {
+    ShardDirectoryWriter b(cut, 1000, 100);
+    for (size_t s = 0; b.shards() < 4; ++s) b.add(slice(data, s, s + 1));
+    kept_sequences = ShardSet::open(cut + "/shard-00000.bqt")->size() + ShardSet::open(cut + "/shard-00001.bqt")->size() +
+                     ShardSet::open(cut + "/shard-00002.bqt")->size();
+    std::ofstream(cut + "/shard-00004.bqt.tmp.99") << "half written";
+  }
+  EXPECT_THROW(ShardDirectoryWriter(cut, 1000, 100), ShardError);  // holds shards: not a fresh run
+  ShardDirectoryWriter resumed(cut, 1000, 100, 3);
+  EXPECT_EQ(resumed.sequences(), kept_sequences);
+  const auto names = files_in(cut);
+  EXPECT_EQ(std::count(names.begin(), names.end(), "shard-00003.bqt"), 0);  // rewritten from the sequences
+  EXPECT_EQ(std::count(names.begin(), names.end(), "shard-00004.bqt.tmp.99"), 0);
+  resumed.add(slice(data, kept_sequences, data.size()));
+  resumed.finish("{}");
+  ASSERT_EQ(resumed.shards(), a.shards());
+  for (size_t k = 0; k < a.shards(); ++k) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "/shard-%05zu.bqt", k);
+    EXPECT_EQ(read_file(whole + name), read_file(cut + name)) << name;
+  }
+  EXPECT_THROW(ShardDirectoryWriter(cut, 1000, 100, 3), ShardError);  // finished: shards.json is there
+  EXPECT_THROW(ShardDirectoryWriter(fresh_dir("resume-none"), 1000, 100, 1), ShardError);  // no shard 0
+  const std::string narrow = fresh_dir("resume-narrow");
+  ShardDirectoryWriter(narrow, 1000, 100).add(data);  // 2-byte ids; never finished
+  EXPECT_THROW(ShardDirectoryWriter(narrow, 100000, 100, 1), ShardError);  // a tokenizer needing 4 bytes
 }
 
 TEST(Shards, PackingShardsGivesTheSameRowsAsPackingTheArrays) {
