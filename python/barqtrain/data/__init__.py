@@ -3,7 +3,7 @@ readers (JSONL, JSON, text, Parquet) with resumable streams, pre-tokenized memor
 shards, a C++ packer into fixed-length rows in the DataCollatorWithFlattening format, and a
 loader whose batches C++ threads collate ahead."""
 
-from barqtrain.data.loader import PackedLoader, SequenceDataset
+from barqtrain.data.loader import PackedLoader, SequenceDataset, SubsetDataset
 from barqtrain.data.packing import PackedBatch, Packing, PackingError, as_source, pack
 from barqtrain.data.prefetch import Prefetch, PrefetchError
 from barqtrain.data.readers import DatasetStream, ReaderError, TokenizedDataset, read_dataset
@@ -20,6 +20,7 @@ __all__ = [
     "PrefetchError",
     "ReaderError",
     "SequenceDataset",
+    "SubsetDataset",
     "ShardDataset",
     "ShardError",
     "TokenizedDataset",

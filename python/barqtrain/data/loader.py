@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from barqtrain.data import _native
@@ -153,3 +154,15 @@ class SequenceDataset:
 
     def loader(self, row_length: int, batch_size: int, **options: Any) -> PackedLoader:
         return PackedLoader(self.source, row_length, batch_size, **options)
+
+    def subset(self, indices: Any) -> SubsetDataset:
+        """The sequences at indices, in that order, reading this dataset's tokens where they
+        are (memory-mapped shards stay on disk): only the indices are stored."""
+        return SubsetDataset(_native.SubsetSequences(self.source, np.ascontiguousarray(indices, dtype=np.int64)))
+
+
+class SubsetDataset(SequenceDataset):
+    """Some sequences of another dataset (SequenceDataset.subset)."""
+
+    def __init__(self, source: _native.SequenceSource) -> None:
+        self.source = source

@@ -51,6 +51,10 @@ class TokenizedDataset(SequenceDataset):
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return {"input_ids": self.tokens[a:b].tolist(), "labels": self.labels[a:b].tolist()}
 
+    def max_token_id(self) -> int:
+        """The largest token id (-1 when empty)."""
+        return int(self.tokens.max()) if len(self.tokens) else -1
+
     @cached_property
     def source(self) -> _native.SequenceSource:
         """The arrays, copied once into C++ for every packing and loader made from them."""

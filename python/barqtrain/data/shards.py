@@ -50,6 +50,11 @@ class ShardDataset(SequenceDataset):
         return self.source.shard_arrays(shard)
 
 
+    def max_token_id(self) -> int:
+        """The largest token id in the shards (-1 when empty); reads every token once."""
+        return max((int(a["tokens"].max()) for a in map(self.shard_arrays, range(self.num_shards)) if len(a["tokens"])), default=-1)
+
+
 def open_shards(path: str | os.PathLike[str], tokenizer: Tokenizer | str | os.PathLike[str] | None = None) -> ShardDataset:
     """Opens a `barqtrain tokenize` directory or one shard file. A tokenizer, when given, is
     checked against the one the shards were made with (by its number of ids)."""

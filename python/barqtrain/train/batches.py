@@ -4,6 +4,8 @@ sees the batches an uninterrupted one would have."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -38,8 +40,9 @@ class TaskData:
     def micro_batches(self) -> int | None:
         return None
 
-    def max_token_id(self) -> int:
-        return task.FIRST_DIGIT + 9
+    def token_id_outside(self, vocab_size: int) -> int | None:
+        largest = task.FIRST_DIGIT + 9
+        return largest if largest >= vocab_size else None
 
     def describe(self) -> str:
         return f"the built-in task, {self.eval_batch_count} held-out batches of {self.batch_size} for evaluation"
@@ -52,10 +55,9 @@ class TaskData:
 
 
 def split_held_out(dataset, fraction: float, seed: int, path: str):
-    """(training, held-out) TokenizedDatasets: a seeded random `fraction` of the sequences
-    (at least one when fraction > 0) is held out for evaluation."""
-    from barqtrain.data import TokenizedDataset
-
+    """(training, held-out) subsets of a SequenceDataset: a seeded random `fraction` of the
+    sequences (at least one when fraction > 0) is held out for evaluation. Each subset keeps
+    sequence indices only, so memory-mapped shards are not read into memory."""
     count = len(dataset)
     held = max(1, round(count * fraction)) if fraction > 0 else 0
     if held >= count:
@@ -64,33 +66,41 @@ def split_held_out(dataset, fraction: float, seed: int, path: str):
             "leaving none to train on; lower it (0: no evaluation)"
         )
     order = np.random.default_rng(seed).permutation(count)
+    return dataset.subset(np.sort(order[held:])), dataset.subset(np.sort(order[:held]))
 
-    def subset(indices: np.ndarray) -> TokenizedDataset:
-        indices = np.sort(indices)
-        starts, lengths = dataset.offsets[indices], dataset.offsets[indices + 1] - dataset.offsets[indices]
-        offsets = np.zeros(len(indices) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # Token j of the subset comes from token j + (start - new start) of its sequence.
-        positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
-        return TokenizedDataset(dataset.tokens[positions], dataset.labels[positions], offsets, dict(dataset.report))
 
-    return subset(order[held:]), subset(order[:held])
+def _tokenizer_to_check(config: TrainConfig) -> str | None:
+    """The tokenizer pre-tokenized shards are checked against: data.tokenizer, else the model
+    directory's own tokenizer.json when it has one."""
+    if config.data.tokenizer is not None:
+        return config.data.tokenizer
+    model_path = config.model.path
+    if model_path is not None and os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        return model_path
+    return None
 
 
 class FileData:
-    """A dataset file through barqtrain.data: read_dataset, the held-out split, then packed
-    rows from a PackedLoader (its state_dict is the data position)."""
+    """A dataset file (read and tokenized with read_dataset) or a `barqtrain tokenize`
+    directory (memory-mapped shards), the held-out split, then packed rows from a
+    PackedLoader (its state_dict is the data position)."""
 
     def __init__(self, config: TrainConfig, pin_memory: bool) -> None:
         from barqtrain.data import read_dataset
 
         data = config.data
-        dataset = read_dataset(
-            data.path, format=data.format, tokenizer=data.tokenizer or config.model.path, chat_template=data.chat_template
-        )
+        if data.format == "pretokenized":
+            dataset = read_dataset(data.path, "pretokenized", tokenizer=_tokenizer_to_check(config))
+            self.kind = f"pre-tokenized shards ({dataset.num_shards} files, {dataset.num_tokens:,} tokens)"
+        else:
+            dataset = read_dataset(
+                data.path, format=data.format, tokenizer=data.tokenizer or config.model.path,
+                chat_template=data.chat_template,
+            )
+            self.kind = f"{dataset.num_tokens:,} tokens"
         if len(dataset) == 0:
             raise ConfigError(f"data.path: {data.path} has no records")
-        self.max_id = int(dataset.tokens.max())
+        self.dataset = dataset
         train_set, eval_set = split_held_out(dataset, data.eval_split, config.seed, data.path)
         # Without packing, a shuffle window of one puts each sequence in a row of its own.
         options = {} if data.packing else {"shuffle_window": 1}
@@ -104,6 +114,15 @@ class FileData:
         self.eval_batch_count = data.eval_batches
         self.sizes = (len(train_set), len(eval_set))
         self._iterator = None
+
+    def token_id_outside(self, vocab_size: int) -> int | None:
+        """The largest token id when it has no embedding in a vocabulary of vocab_size, else
+        None. Shards whose tokenizer has at most vocab_size ids are not scanned."""
+        id_bound = getattr(self.dataset, "metadata", {}).get("id_bound")
+        if id_bound is not None and id_bound <= vocab_size:
+            return None
+        largest = self.dataset.max_token_id()
+        return largest if largest >= vocab_size else None
 
     def next(self) -> dict[str, torch.Tensor]:
         while True:
@@ -126,12 +145,9 @@ class FileData:
     def micro_batches(self) -> int | None:
         return len(self.loader)
 
-    def max_token_id(self) -> int:
-        return self.max_id
-
     def describe(self) -> str:
         train, held = self.sizes
-        text = f"{train:,} training sequences in {len(self.loader):,} batches of {self.loader.batch_size} rows"
+        text = f"{self.kind}; {train:,} training sequences in {len(self.loader):,} batches of {self.loader.batch_size} rows"
         if self.eval_loader is None:
             return text + "; no evaluation (data.eval_split: 0)"
         rows = self.eval_loader.packing.num_rows

@@ -37,9 +37,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str | None = _doc("the built-in synthetic task (repeat-digits); used when path is not set", "repeat-digits")
-    path: str | None = _doc("a dataset file (JSONL, JSON array, plain text); read with barqtrain.data.read_dataset", None)
-    format: Literal["text", "alpaca", "messages"] = _doc(
-        "text (the 'text' field), alpaca (instruction/input/output; the prompt is not learned), messages (chat)", "text"
+    path: str | None = _doc(
+        "a dataset file (JSONL, JSON array, plain text, Parquet), or a `barqtrain tokenize` directory (format: pretokenized)",
+        None,
+    )
+    format: Literal["text", "alpaca", "messages", "pretokenized"] = _doc(
+        "text (the 'text' field), alpaca (instruction/input/output; the prompt is not learned), messages (chat), "
+        "pretokenized (path is a `barqtrain tokenize` directory: memory-mapped, not tokenized again)",
+        "text",
     )
     chat_template: Literal["chatml", "llama3"] = _doc("how format 'messages' renders a conversation", "chatml")
     tokenizer: str | None = _doc("tokenizer.json or its directory; default: the model directory", None)
@@ -227,7 +232,10 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError(f"model.name: unknown named config {config.model.name!r}; choose from tiny-llama")
     if not 0 <= config.data.eval_split < 1:
         raise ConfigError(f"data.eval_split: must be at least 0 and below 1, got {config.data.eval_split}")
-    if config.data.path is not None and config.data.tokenizer is None and config.model.path is None:
+    if (
+        config.data.path is not None and config.data.format != "pretokenized" and config.data.tokenizer is None
+        and config.model.path is None
+    ):
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
 
 
@@ -237,8 +245,20 @@ def check_paths(config: TrainConfig) -> None:
     model_path = config.model.path
     if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path!r} is not a Hugging Face model directory (no config.json in it)")
-    if config.data.path is not None and not os.path.isfile(config.data.path):
-        raise ConfigError(f"data.path: no such file {config.data.path!r}")
+    data_path = config.data.path
+    is_shard_directory = data_path is not None and os.path.isfile(os.path.join(data_path, "shards.json"))
+    if config.data.format == "pretokenized":
+        if not (is_shard_directory or (data_path.endswith(".bqt") and os.path.isfile(data_path))):
+            raise ConfigError(
+                f"data.path: {data_path!r} is not a finished `barqtrain tokenize` directory (no shards.json in it) "
+                "or shard file, which data.format: pretokenized reads"
+            )
+    elif is_shard_directory:
+        raise ConfigError(
+            f"data.path: {data_path!r} holds pre-tokenized shards; set data.format: pretokenized to train on them"
+        )
+    elif data_path is not None and not os.path.isfile(data_path):
+        raise ConfigError(f"data.path: no such file {data_path!r}")
     tokenizer = config.data.tokenizer
     if tokenizer is not None and not os.path.exists(tokenizer):
         raise ConfigError(f"data.tokenizer: no such file or directory {tokenizer!r}")

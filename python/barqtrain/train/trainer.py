@@ -225,9 +225,10 @@ def _check_vocabulary(data, config: TrainConfig) -> None:
         vocab = task.TINY_LLAMA["vocab_size"]
     else:
         vocab = AutoConfig.from_pretrained(config.model.path).get_text_config().vocab_size
-    if data.max_token_id() >= vocab:
+    outside = data.token_id_outside(vocab)
+    if outside is not None:
         raise ConfigError(
-            f"data.tokenizer: the dataset has token id {data.max_token_id()}, outside the model's vocabulary of "
+            f"data.tokenizer: the dataset has token id {outside}, outside the model's vocabulary of "
             f"{vocab} (model {config.model.path or config.model.name}); use the model's own tokenizer"
         )
 
