@@ -1,4 +1,5 @@
-// Forward kernel: one CTA per (query block, head, sequence); each warp owns 16 query rows.
+// Forward kernel: one CTA per (query block, head, sequence); each warp owns kM row tiles of
+// 16 queries, so that every K and V fragment read from shared memory feeds kM mmas.
 //
 // Per key block: S = Q K^T on the tensor cores, the online softmax in registers (running
 // row max and sum in the log2 domain, O rescaled when the max grows), then O += P V with P
@@ -12,12 +13,14 @@
 
 namespace barqtrain::kernels::attention {
 
-template <int kD, int kBlockM, int kBlockN>
+template <int kD, int kBlockM, int kBlockN, int kWarpCount>
 struct ForwardConfig {
   static constexpr int kHeadDimTile = kD;
   static constexpr int kRowsM = kBlockM;
   static constexpr int kRowsN = kBlockN;
-  static constexpr int kWarps = kBlockM / 16;
+  static constexpr int kWarps = kWarpCount;
+  static constexpr int kTilesPerWarp = kBlockM / (16 * kWarpCount);
+  static_assert(kTilesPerWarp * 16 * kWarpCount == kBlockM, "query rows must split into 16-row tiles per warp");
   static constexpr int kThreads = kWarps * 32;
   using QTile = SmemTile<kBlockM, kD>;
   using KVTile = SmemTile<kBlockN, kD>;
@@ -30,6 +33,7 @@ template <typename T, typename Config>
 __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(const AttentionParams p) {
   constexpr int kD = Config::kHeadDimTile, kBlockM = Config::kRowsM, kBlockN = Config::kRowsN;
   constexpr int kThreads = Config::kThreads;
+  constexpr int kM = Config::kTilesPerWarp;
   constexpr int kNTiles = kBlockN / 8;
   constexpr int kQStride = Config::QTile::kStride, kKVStride = Config::KVTile::kStride;
   extern __shared__ __align__(16) char smem_raw[];
@@ -70,9 +74,13 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
   const int first_block = keys.x / kBlockN;
   const int end_block = keys.x < keys.y ? (keys.y + kBlockN - 1) / kBlockN : first_block;
 
-  float o[kD / 8][4] = {};
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; summed over the quad at the end
+  float o[kM][kD / 8][4] = {};
+  float row_max[kM][2], row_sum[kM][2];  // row_sum: this thread's columns only; summed over the quad at the end
+#pragma unroll
+  for (int t = 0; t < kM; ++t) {
+    row_max[t][0] = row_max[t][1] = -INFINITY;
+    row_sum[t][0] = row_sum[t][1] = 0.0f;
+  }
 
   if (q_rotation.active()) {
     load_tile_rotated<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim, q_rotation);
@@ -82,7 +90,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
   if (first_block < end_block) load_k(end_block - 1);
   cp_async_commit();
 
-  const int row_in_block = warp * 16 + lane / 4;
+  const int warp_row0 = warp * kM * 16;  // + 16 t for row tile t; + lane / 4 (+ 8) within it
   for (int n_block = end_block - 1; n_block >= first_block; --n_block) {
     const int n0 = n_block * kBlockN;
     cp_async_wait<0>();
@@ -90,43 +98,48 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
     load_tile_async<T, kBlockN, kD, kThreads>(v_s, v, p.v_strides.row, n0, seq.seqlen_k, p.head_dim);
     cp_async_commit();
 
-    float s[kNTiles][4] = {};
-    mma_rows_by_rows<T, kD, kNTiles, kQStride, kKVStride>(s, q_s, warp * 16, k_s, 0, lane);
+    float s[kM][kNTiles][4] = {};
+    mma_rows_by_rows<T, kD, kM, kNTiles, kQStride, kKVStride>(s, q_s, warp_row0, k_s, 0, lane);
 
     const bool masked = !mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN);
-    float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        float x = transform.logit(s[j][e]);
-        if (masked && !mask.visible(m0 + row_in_block + 8 * r, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) x = -INFINITY;
-        s[j][e] = x;
-        block_max[r] = fmaxf(block_max[r], x);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
-      block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
-      const float new_max = fmaxf(row_max[r], block_max[r]);
-      // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
-      // exp2(-inf - (-inf)) never makes a NaN.
-      const float base = new_max == -INFINITY ? 0.0f : new_max;
-      const float rescale = exp2f(row_max[r] - base);
-      row_max[r] = new_max;
-      row_sum[r] *= rescale;
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j) {
-        o[j][2 * r] *= rescale;
-        o[j][2 * r + 1] *= rescale;
-      }
+    for (int t = 0; t < kM; ++t) {
+      float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
-        s[j][2 * r] = exp2f(s[j][2 * r] - base);
-        s[j][2 * r + 1] = exp2f(s[j][2 * r + 1] - base);
-        row_sum[r] += s[j][2 * r] + s[j][2 * r + 1];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2;
+          float x = transform.logit(s[t][j][e]);
+          if (masked && !mask.visible(m0 + warp_row0 + 16 * t + lane / 4 + 8 * r, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) {
+            x = -INFINITY;
+          }
+          s[t][j][e] = x;
+          block_max[r] = fmaxf(block_max[r], x);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 1));
+        block_max[r] = fmaxf(block_max[r], __shfl_xor_sync(0xffffffffu, block_max[r], 2));
+        const float new_max = fmaxf(row_max[t][r], block_max[r]);
+        // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
+        // exp2(-inf - (-inf)) never makes a NaN.
+        const float base = new_max == -INFINITY ? 0.0f : new_max;
+        const float rescale = exp2f(row_max[t][r] - base);
+        row_max[t][r] = new_max;
+        row_sum[t][r] *= rescale;
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          o[t][j][2 * r] *= rescale;
+          o[t][j][2 * r + 1] *= rescale;
+        }
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+          s[t][j][2 * r] = exp2f(s[t][j][2 * r] - base);
+          s[t][j][2 * r + 1] = exp2f(s[t][j][2 * r + 1] - base);
+          row_sum[t][r] += s[t][j][2 * r] + s[t][j][2 * r + 1];
+        }
       }
     }
 
@@ -134,33 +147,32 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
     __syncthreads();  // V landed; every warp is done with K
     if (n_block > first_block) load_k(n_block - 1);
     cp_async_commit();
-    mma_regs_by_rows<T, kBlockN, kD / 8, kKVStride>(o, s, v_s, 0, lane);
+    mma_regs_by_rows<T, kBlockN, kM, kD / 8, kKVStride>(o, s, v_s, 0, lane);
   }
 
   // Epilogue: normalize, stage in shared memory, store as row chunks; lse per row.
-  float lse[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      o[j][2 * r] *= inv;
-      o[j][2 * r + 1] *= inv;
-    }
-    lse[r] = row_sum[r] > 0.0f ? (row_max[r] + log2f(row_sum[r])) * kLn2 : INFINITY;
-  }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done reading Q, K and V: the staging tile reuses them
   float* staged = reinterpret_cast<float*>(smem_raw);
-  stage_accumulators<kBlockM, kD>(staged, o, warp * 16, lane, 1.0f);
-  if (lane % 4 == 0) {
+#pragma unroll
+  for (int t = 0; t < kM; ++t) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = m0 + row_in_block + 8 * r;
-      if (i < seq.seqlen_q) p.lse[head * p.q_rows + seq.q_first_row + i] = lse[r];
+      float sum = row_sum[t][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        o[t][j][2 * r] *= inv;
+        o[t][j][2 * r + 1] *= inv;
+      }
+      const int i = m0 + warp_row0 + 16 * t + lane / 4 + 8 * r;
+      if (lane % 4 == 0 && i < seq.seqlen_q) {
+        p.lse[head * p.q_rows + seq.q_first_row + i] = sum > 0.0f ? (row_max[t][r] + log2f(sum)) * kLn2 : INFINITY;
+      }
     }
+    stage_accumulators<kBlockM, kD>(staged, o[t], warp_row0 + 16 * t, lane, 1.0f);
   }
   __syncthreads();
   T* out = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);

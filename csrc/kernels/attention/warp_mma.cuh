@@ -99,11 +99,12 @@ struct SmemTile {
   static constexpr int kElems = kRows * kStride;
 };
 
-// acc[j] += A(16 rows of `a_tile` from a_row0, all kDepth columns) * B^T where B's rows are
-// n-rows of `b_tile` (row-major [n][k]): the product of two row-major tiles along their
-// shared inner dimension, kNTiles * 8 output columns (kNTiles even).
-template <typename T, int kDepth, int kNTiles, int kAStride, int kBStride>
-__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const T* a_tile, int a_row0,
+// acc[t][j] += A(rows a_row0 + 16 t .. + 15 of `a_tile`, all kDepth columns) * B^T where B's
+// rows are n-rows of `b_tile` (row-major [n][k]): the product of two row-major tiles along
+// their shared inner dimension, kNTiles * 8 output columns (kNTiles even). Each B fragment
+// loaded from shared memory serves kM row tiles.
+template <typename T, int kDepth, int kM, int kNTiles, int kAStride, int kBStride>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kM][kNTiles][4], const T* a_tile, int a_row0,
                                                  const T* b_tile, int b_row0, int lane) {
   const int a_row = a_row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int a_col = (lane >> 4) * 8;
@@ -111,37 +112,63 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const
   const int b_col = ((lane >> 3) & 1) * 8;
 #pragma unroll
   for (int kk = 0; kk < kDepth / 16; ++kk) {
-    uint32_t a[4];
-    ldmatrix_x4(a, a_tile + a_row * kAStride + kk * 16 + a_col);
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int t = 0; t < kM; ++t) ldmatrix_x4(a[t], a_tile + (a_row + 16 * t) * kAStride + kk * 16 + a_col);
 #pragma unroll
     for (int j = 0; j < kNTiles; j += 2) {
       uint32_t b[4];
       ldmatrix_x4(b, b_tile + (b_row + j * 8) * kBStride + kk * 16 + b_col);
-      mma_16816<T>(acc[j], a, b[0], b[1]);
-      mma_16816<T>(acc[j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int t = 0; t < kM; ++t) {
+        mma_16816<T>(acc[t][j], a[t], b[0], b[1]);
+        mma_16816<T>(acc[t][j + 1], a[t], b[2], b[3]);
+      }
     }
   }
 }
 
-// acc[j] += P * B where P (16 x kDepth) is given as accumulator tiles in registers and B is
-// a row-major tile [k][n] in shared memory (rows b_row0 ..), kNTiles * 8 output columns.
-template <typename T, int kDepth, int kNTiles, int kBStride>
-__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kNTiles][4], const float (&p)[kDepth / 8][4],
+// The single-row-tile case.
+template <typename T, int kDepth, int kNTiles, int kAStride, int kBStride>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const T* a_tile, int a_row0,
+                                                 const T* b_tile, int b_row0, int lane) {
+  mma_rows_by_rows<T, kDepth, 1, kNTiles, kAStride, kBStride>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc), a_tile,
+                                                               a_row0, b_tile, b_row0, lane);
+}
+
+// acc[t][j] += P[t] * B where each P[t] (16 x kDepth) is given as accumulator tiles in
+// registers and B is a row-major tile [k][n] in shared memory (rows b_row0 ..), kNTiles * 8
+// output columns.
+template <typename T, int kDepth, int kM, int kNTiles, int kBStride>
+__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kM][kNTiles][4], const float (&p)[kM][kDepth / 8][4],
                                                  const T* b_tile, int b_row0, int lane) {
   const int b_row = b_row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int b_col = (lane >> 4) * 8;
 #pragma unroll
   for (int kk = 0; kk < kDepth / 16; ++kk) {
-    uint32_t a[4];
-    accumulators_to_a<T>(p, kk, a);
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int t = 0; t < kM; ++t) accumulators_to_a<T>(p[t], kk, a[t]);
 #pragma unroll
     for (int j = 0; j < kNTiles; j += 2) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, b_tile + (b_row + kk * 16) * kBStride + j * 8 + b_col);
-      mma_16816<T>(acc[j], a, b[0], b[1]);
-      mma_16816<T>(acc[j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int t = 0; t < kM; ++t) {
+        mma_16816<T>(acc[t][j], a[t], b[0], b[1]);
+        mma_16816<T>(acc[t][j + 1], a[t], b[2], b[3]);
+      }
     }
   }
+}
+
+// The single-row-tile case.
+template <typename T, int kDepth, int kNTiles, int kBStride>
+__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kNTiles][4], const float (&p)[kDepth / 8][4],
+                                                 const T* b_tile, int b_row0, int lane) {
+  mma_regs_by_rows<T, kDepth, 1, kNTiles, kBStride>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc),
+                                                     reinterpret_cast<const float(&)[1][kDepth / 8][4]>(p), b_tile,
+                                                     b_row0, lane);
 }
 
 }  // namespace barqtrain::kernels::attention
