@@ -41,17 +41,16 @@ class VariantSpec:
 
 def run_variant(spec: VariantSpec) -> dict[str, Any]:
     """Build, patch, wrap with LoRA and train the workload; return the measurements."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     workload = WORKLOADS[spec.model]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(spec.seed)  # the same weights and LoRA initialisation in every variant
     model = build_model(workload, device)
-    patch_report = _apply_variant(model, spec.variant)
     if workload.gradient_checkpointing:
         # Non-reentrant checkpointing needs no inputs that require grad, which frozen PEFT embeddings lack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA_SETTINGS))
+    model, patch_report = _with_lora(model, spec.variant, LoraConfig(task_type="CAUSAL_LM", **LORA_SETTINGS))
     model.train()
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, fused=device.type == "cuda"
@@ -86,19 +85,24 @@ def run_variant(spec: VariantSpec) -> dict[str, Any]:
     }
 
 
-def _apply_variant(model: torch.nn.Module, variant: str) -> str | None:
-    """Patch the bare HF model as the variant prescribes; returns barqtrain's patch report."""
+def _with_lora(model: torch.nn.Module, variant: str, lora_config: Any) -> tuple[torch.nn.Module, str | None]:
+    """The bare HF model with LoRA adapters (PEFT's defaults: fp32 adapters on the bf16 base), set up
+    the way the variant prescribes; returns it and barqtrain's patch report."""
+    from peft import get_peft_model
+
     if variant == "barqtrain":
         import barqtrain
 
-        return str(barqtrain.patch_model(model))
+        # The fused ops and the LoRA layers routed through barqtrain.lora's functions.
+        peft_model = barqtrain.get_peft_model(model, lora_config)
+        return peft_model, str(peft_model.barqtrain_patch_report)
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model)
     elif variant != "hf":
         raise ValueError(f"unknown end-to-end variant {variant!r}; expected one of {VARIANTS}")
-    return None
+    return get_peft_model(model, lora_config), None
 
 
 def _token_batches(workload: Workload, count: int, seed: int, device: torch.device) -> list[torch.Tensor]:
