@@ -1,0 +1,135 @@
+// Weight quantization (SPEC K7), framework-free launchers, in the bitsandbytes layout so that
+// bitsandbytes' Params4bit / QuantState tensors are read as they are.
+//
+// 4-bit (NF4 or FP4): the tensor is flattened and cut into blocks of 64 elements; each block
+// keeps absmax = max |x| (fp32) and every element the index of the nearest code value of
+// x / absmax (NF4: 16 quantiles of a normal distribution in [-1, 1]; FP4: bitsandbytes' sign +
+// 3-bit float). Two indices per byte, the even element in the high nibble. Dequantized value:
+// round_to_T(code[q] * absmax).
+//
+// Double quantization (bitsandbytes' compress_statistics): the fp32 absmax values are stored
+// as 8-bit indices into a 256-entry code (bitsandbytes' signed dynamic map) of
+// (absmax - offset) / absmax2, per block of 256 absmax values, offset = mean(absmax).
+// Dequantized absmax: fp32(code8[q] * absmax2) + offset, two roundings as bitsandbytes does.
+//
+// Rounding follows bitsandbytes' CUDA kernels, which are built with --use_fast_math: the
+// normalized value is x * rcp.approx(absmax) with denormals flushed, and a block of zeros
+// (absmax 0) gives index 0 (NF4 -1.0) times absmax 0.
+//
+// Int8 (absmax per row, as bitsandbytes' int8_vectorwise_quant): q = rint(x * 127 / absmax_row),
+// dequantized q * absmax_row / 127.
+//
+// The fused dequant-GEMM computes, with a 16-bit A and a 4-bit W [n, k] (row-major, k a
+// multiple of 64), fp32 accumulation and one rounding of C:
+//   kForward : C[m, n] = A[m, k] · Wᵀ   (the frozen base of a linear layer: x Wᵀ)
+//   kBackward: C[m, k] = A[m, n] · W    (its input gradient: dy W)
+// W is dequantized tile by tile into shared memory inside the GEMM's main loop; its 16-bit
+// form is never written to global memory.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace barqtrain::kernels {
+
+enum class Code4bit : int { kNF4 = 0, kFP4 = 1 };
+
+constexpr int kQuantBlock4bit = 64;    // elements per absmax of the 4-bit formats
+constexpr int kQuantBlockAbsmax = 256;  // absmax values per absmax2 of double quantization
+constexpr int kDynamicCodeSize = 256;   // entries of the 8-bit code of double quantization
+
+// Where the per-block absmax of a 4-bit tensor comes from: `absmax` (fp32 per block), or,
+// double-quantized, quantized_absmax + code + absmax2 + offset (offset a device scalar, so
+// that a caller never synchronizes to read it).
+struct Absmax4bit {
+  const float* absmax = nullptr;
+  const uint8_t* quantized_absmax = nullptr;  // [blocks]
+  const float* code = nullptr;                // [256]
+  const float* absmax2 = nullptr;             // [ceil(blocks / 256)]
+  const float* offset = nullptr;              // [1]
+  constexpr bool double_quantized() const { return quantized_absmax != nullptr; }
+};
+
+struct Quantize4bitParams {
+  const void* x = nullptr;    // [numel], dtype
+  uint8_t* packed = nullptr;  // [numel / 2]
+  float* absmax = nullptr;    // [numel / 64]
+  int64_t numel = 0;          // a multiple of 64
+  Code4bit code = Code4bit::kNF4;
+  DType dtype = DType::kBFloat16;
+};
+
+// Double quantization of fp32 values (a 4-bit tensor's absmax): blocks of 256 (the last
+// may be shorter), v = values - *offset.
+struct QuantizeAbsmaxParams {
+  const float* values = nullptr;  // [count]
+  const float* offset = nullptr;  // [1], device
+  const float* code = nullptr;    // [256], sorted ascending
+  uint8_t* quantized = nullptr;   // [count]
+  float* absmax2 = nullptr;       // [ceil(count / 256)]
+  int64_t count = 0;
+};
+
+struct Dequantize4bitParams {
+  const uint8_t* packed = nullptr;  // [numel / 2]
+  Absmax4bit absmax;
+  void* out = nullptr;              // [numel], dtype (16-byte aligned for the vector path)
+  int64_t numel = 0;                // a multiple of 64
+  Code4bit code = Code4bit::kNF4;
+  DType dtype = DType::kBFloat16;
+};
+
+// Fp32 absmax of a double-quantized tensor (the per-block scales the 4-bit values multiply).
+struct DequantizeAbsmaxParams {
+  Absmax4bit absmax;   // double-quantized
+  float* out = nullptr;  // [blocks]
+  int64_t blocks = 0;
+};
+
+struct QuantizeInt8Params {
+  const void* x = nullptr;      // [rows, cols], row stride cols
+  int8_t* q = nullptr;          // [rows, cols]
+  float* row_absmax = nullptr;  // [rows]
+  int64_t rows = 0;
+  int64_t cols = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+struct DequantizeInt8Params {
+  const int8_t* q = nullptr;
+  const float* row_absmax = nullptr;
+  void* out = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+enum class QuantGemmOp : int { kForward = 0, kBackward = 1 };
+
+struct Nf4GemmParams {
+  QuantGemmOp op = QuantGemmOp::kForward;
+  const void* a = nullptr;          // [m, a_cols] (k for kForward, n for kBackward), row stride a_row_stride
+  const uint8_t* packed = nullptr;  // W [n, k] as 4-bit, blocks of 64 along k
+  Absmax4bit absmax;
+  void* c = nullptr;                // [m, n] (kForward) or [m, k] (kBackward), row stride c_row_stride
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;                    // a multiple of 64
+  int64_t a_row_stride = 0;         // elements, a multiple of 8 (16-byte rows)
+  int64_t c_row_stride = 0;         // elements, even
+  Code4bit code = Code4bit::kNF4;
+  DType dtype = DType::kBFloat16;   // of A and C: bfloat16 or float16
+};
+
+void quantize_4bit(const Quantize4bitParams& params, cudaStream_t stream);
+void quantize_absmax(const QuantizeAbsmaxParams& params, cudaStream_t stream);
+void dequantize_4bit(const Dequantize4bitParams& params, cudaStream_t stream);
+void dequantize_absmax(const DequantizeAbsmaxParams& params, cudaStream_t stream);
+void quantize_int8_rows(const QuantizeInt8Params& params, cudaStream_t stream);
+void dequantize_int8_rows(const DequantizeInt8Params& params, cudaStream_t stream);
+void nf4_gemm(const Nf4GemmParams& params, cudaStream_t stream);
+
+}  // namespace barqtrain::kernels

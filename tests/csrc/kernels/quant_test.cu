@@ -1,0 +1,374 @@
+// 4-bit (NF4/FP4) and int8 quantization kernels and the fused dequant-GEMM against the CPU
+// reference (kernels/quant/quant_reference.h), with poisoned outputs and fresh random inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/quant/quant.h"
+#include "kernels/quant/quant_reference.h"
+#include "test_utils.cuh"
+
+namespace barqtrain::testing {
+namespace {
+
+namespace k = barqtrain::kernels;
+namespace ref = barqtrain::kernels::reference;
+
+std::mt19937_64 fresh_rng(int64_t salt) {
+  return std::mt19937_64(::testing::UnitTest::GetInstance()->random_seed() * 1000003 + salt);
+}
+
+// A sorted signed 8-bit code with 0 and 1 (the shape of bitsandbytes' dynamic map; the
+// kernels take the table as data, so any sorted code checks the search).
+std::vector<float> signed_code() {
+  std::vector<float> code;
+  for (int i = 0; i < 127; ++i) {
+    const float magnitude = std::pow(10.0f, -6.0f + 6.0f * (i + 0.5f) / 127.0f);
+    code.push_back(magnitude);
+    code.push_back(-magnitude);
+  }
+  code.push_back(0.0f);
+  code.push_back(1.0f);
+  std::sort(code.begin(), code.end());
+  return code;
+}
+
+template <typename T>
+std::vector<float> as_float(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<float>(Storage<T>::to_double(v[i]));
+  return out;
+}
+
+template <typename T>
+void check_quantize_4bit(k::Code4bit code, int64_t numel) {
+  std::mt19937_64 rng = fresh_rng(numel + static_cast<int>(code));
+  std::vector<T> x;
+  std::vector<double> exact;
+  random_values<T>(numel, 0.0, 0.02, rng, x, exact);
+  std::fill(x.begin(), x.begin() + 64, Storage<T>::from_double(0.0));  // a block of zeros
+  const std::vector<float> xf = as_float(x);
+  const ref::Quantized4bit expected = ref::quantize_4bit(xf, code == k::Code4bit::kNF4);
+
+  DeviceBuffer d_x = DeviceBuffer::from_host(x), d_packed(numel / 2), d_absmax(numel / 64 * sizeof(float));
+  k::Quantize4bitParams p;
+  p.x = d_x.get();
+  p.packed = static_cast<uint8_t*>(d_packed.get());
+  p.absmax = static_cast<float*>(d_absmax.get());
+  p.numel = numel;
+  p.code = code;
+  p.dtype = std::is_same<T, float>::value ? k::DType::kFloat32
+            : std::is_same<T, __half>::value ? k::DType::kFloat16 : k::DType::kBFloat16;
+  k::quantize_4bit(p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto packed = d_packed.to_host<uint8_t>(numel / 2);
+  const auto absmax = d_absmax.to_host<float>(numel / 64);
+  EXPECT_EQ(absmax, expected.absmax);
+  int64_t mismatches = 0, ambiguous_mismatches = 0;
+  for (int64_t e = 0; e < numel; ++e) {
+    const int got = e % 2 == 0 ? packed[e / 2] >> 4 : packed[e / 2] & 0xF;
+    const int want = e % 2 == 0 ? expected.packed[e / 2] >> 4 : expected.packed[e / 2] & 0xF;
+    if (got == want) continue;
+    (expected.ambiguous[e] ? ambiguous_mismatches : mismatches) += 1;
+  }
+  EXPECT_EQ(mismatches, 0) << "4-bit codes differ from the reference away from any threshold";
+  // The approximate reciprocal moves a value across a threshold only within a few ulps of it.
+  EXPECT_LE(ambiguous_mismatches, numel / 10000 + 1);
+}
+
+TEST(Quantize4bit, Nf4Bf16) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_quantize_4bit<__nv_bfloat16>(k::Code4bit::kNF4, 64 * 1531);
+}
+TEST(Quantize4bit, Nf4Fp16) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_quantize_4bit<__half>(k::Code4bit::kNF4, 64 * 77);
+}
+TEST(Quantize4bit, Nf4Fp32) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_quantize_4bit<float>(k::Code4bit::kNF4, 64 * 333);
+}
+TEST(Quantize4bit, Fp4Bf16) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_quantize_4bit<__nv_bfloat16>(k::Code4bit::kFP4, 64 * 1531);
+}
+
+TEST(Quantize4bit, RejectsPartialBlocks) {
+  k::Quantize4bitParams p;
+  p.numel = 100;
+  EXPECT_THROW(k::quantize_4bit(p, nullptr), std::invalid_argument);
+}
+
+// A 4-bit tensor with its absmax double-quantized on the device, and the same on the host.
+struct DoubleQuantized {
+  DeviceBuffer quantized, absmax2, code, offset;
+  ref::QuantizedAbsmax expected;
+  std::vector<float> code_host;
+  float offset_host;
+};
+
+DoubleQuantized double_quantize(const std::vector<float>& absmax) {
+  double sum = 0.0;
+  for (float a : absmax) sum += a;
+  const float offset = static_cast<float>(sum / absmax.size());
+  std::vector<float> code = signed_code();
+  DoubleQuantized dq{DeviceBuffer(absmax.size()), DeviceBuffer((absmax.size() + 255) / 256 * sizeof(float)),
+                     DeviceBuffer::from_host(code), DeviceBuffer::from_host(std::vector<float>{offset}),
+                     ref::quantize_absmax(absmax, offset, code), code, offset};
+  DeviceBuffer d_values = DeviceBuffer::from_host(absmax);
+  k::QuantizeAbsmaxParams p;
+  p.values = static_cast<const float*>(d_values.get());
+  p.offset = static_cast<const float*>(dq.offset.get());
+  p.code = static_cast<const float*>(dq.code.get());
+  p.quantized = static_cast<uint8_t*>(dq.quantized.get());
+  p.absmax2 = static_cast<float*>(dq.absmax2.get());
+  p.count = static_cast<int64_t>(absmax.size());
+  k::quantize_absmax(p, nullptr);
+  cudaDeviceSynchronize();
+  return dq;
+}
+
+TEST(QuantizeAbsmax, MatchesReferenceWithPartialLastBlock) {
+  BARQTRAIN_REQUIRE_GPU();
+  std::mt19937_64 rng = fresh_rng(7);
+  std::uniform_real_distribution<float> dist(0.001f, 0.1f);
+  std::vector<float> absmax(256 * 5 + 37);
+  for (float& a : absmax) a = dist(rng);
+  DoubleQuantized dq = double_quantize(absmax);
+  EXPECT_EQ(dq.absmax2.to_host<float>(dq.expected.absmax2.size()), dq.expected.absmax2);
+  const auto quantized = dq.quantized.to_host<uint8_t>(absmax.size());
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < absmax.size(); ++i) mismatches += quantized[i] != dq.expected.quantized[i] && !dq.expected.ambiguous[i];
+  EXPECT_EQ(mismatches, 0);
+}
+
+template <typename T>
+void check_dequantize_4bit(bool double_quantized, k::Code4bit code, int64_t numel) {
+  std::mt19937_64 rng = fresh_rng(numel * 3 + double_quantized);
+  std::vector<uint8_t> packed(numel / 2);
+  for (uint8_t& b : packed) b = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> dist(0.001f, 0.1f);
+  std::vector<float> absmax(numel / 64);
+  for (float& a : absmax) a = dist(rng);
+
+  DeviceBuffer d_packed = DeviceBuffer::from_host(packed), d_absmax = DeviceBuffer::from_host(absmax);
+  DeviceBuffer d_out(numel * sizeof(T));
+  DoubleQuantized dq = double_quantize(absmax);
+  std::vector<float> scales = absmax;
+  k::Dequantize4bitParams p;
+  if (double_quantized) {
+    for (size_t b = 0; b < scales.size(); ++b) {
+      scales[b] = ref::dequantize_absmax_value(dq.expected.quantized, dq.expected.absmax2, dq.code_host, dq.offset_host, b);
+    }
+    p.absmax.quantized_absmax = static_cast<const uint8_t*>(dq.quantized.get());
+    p.absmax.code = static_cast<const float*>(dq.code.get());
+    p.absmax.absmax2 = static_cast<const float*>(dq.absmax2.get());
+    p.absmax.offset = static_cast<const float*>(dq.offset.get());
+  } else {
+    p.absmax.absmax = static_cast<const float*>(d_absmax.get());
+  }
+  p.packed = static_cast<const uint8_t*>(d_packed.get());
+  p.out = d_out.get();
+  p.numel = numel;
+  p.code = code;
+  p.dtype = std::is_same<T, float>::value ? k::DType::kFloat32
+            : std::is_same<T, __half>::value ? k::DType::kFloat16 : k::DType::kBFloat16;
+  k::dequantize_4bit(p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  if (double_quantized) {  // the kernel used the device's quantized absmax: rebuild from it
+    const auto quantized = dq.quantized.to_host<uint8_t>(absmax.size());
+    for (size_t b = 0; b < scales.size(); ++b) {
+      scales[b] = ref::dequantize_absmax_value(quantized, dq.expected.absmax2, dq.code_host, dq.offset_host, b);
+    }
+  }
+  const std::vector<float> expected = ref::dequantize_4bit(packed, scales, code == k::Code4bit::kNF4);
+  const auto out = d_out.to_host<T>(numel);
+  int64_t mismatches = 0;
+  for (int64_t e = 0; e < numel; ++e) {
+    const double want = Storage<T>::to_double(Storage<T>::from_double(expected[e]));
+    mismatches += Storage<T>::to_double(out[e]) != want;
+  }
+  EXPECT_EQ(mismatches, 0) << "dequantized values must be bit-exact";
+}
+
+TEST(Dequantize4bit, Nf4Bf16) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_dequantize_4bit<__nv_bfloat16>(false, k::Code4bit::kNF4, 64 * 2049);
+}
+TEST(Dequantize4bit, Nf4Bf16DoubleQuantized) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_dequantize_4bit<__nv_bfloat16>(true, k::Code4bit::kNF4, 64 * 2049);
+}
+TEST(Dequantize4bit, Fp4Fp16DoubleQuantized) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_dequantize_4bit<__half>(true, k::Code4bit::kFP4, 64 * 515);
+}
+TEST(Dequantize4bit, Nf4Fp32) {
+  BARQTRAIN_REQUIRE_GPU();
+  check_dequantize_4bit<float>(false, k::Code4bit::kNF4, 64 * 97);
+}
+
+TEST(Int8Rows, QuantizeDequantizeMatchReference) {
+  BARQTRAIN_REQUIRE_GPU();
+  const int64_t rows = 37, cols = 1000;
+  std::mt19937_64 rng = fresh_rng(11);
+  std::vector<__nv_bfloat16> x;
+  std::vector<double> exact;
+  random_values<__nv_bfloat16>(rows * cols, 0.0, 1.0, rng, x, exact);
+  std::fill(x.begin(), x.begin() + cols, Storage<__nv_bfloat16>::from_double(0.0));  // a zero row
+  std::vector<int8_t> q_ref;
+  std::vector<float> absmax_ref;
+  ref::quantize_int8_rows(as_float(x), rows, cols, q_ref, absmax_ref);
+
+  DeviceBuffer d_x = DeviceBuffer::from_host(x), d_q(rows * cols), d_absmax(rows * sizeof(float));
+  DeviceBuffer d_out(rows * cols * sizeof(__nv_bfloat16));
+  k::QuantizeInt8Params qp;
+  qp.x = d_x.get();
+  qp.q = static_cast<int8_t*>(d_q.get());
+  qp.row_absmax = static_cast<float*>(d_absmax.get());
+  qp.rows = rows;
+  qp.cols = cols;
+  k::quantize_int8_rows(qp, nullptr);
+  k::DequantizeInt8Params dp;
+  dp.q = qp.q;
+  dp.row_absmax = qp.row_absmax;
+  dp.out = d_out.get();
+  dp.rows = rows;
+  dp.cols = cols;
+  k::dequantize_int8_rows(dp, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(d_q.to_host<int8_t>(rows * cols), q_ref);
+  EXPECT_EQ(d_absmax.to_host<float>(rows), absmax_ref);
+  const auto out = d_out.to_host<__nv_bfloat16>(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float want = (static_cast<float>(q_ref[i]) * absmax_ref[i / cols]) * (1.0f / 127.0f);
+    ASSERT_EQ(Storage<__nv_bfloat16>::to_double(out[i]), Storage<__nv_bfloat16>::to_double(Storage<__nv_bfloat16>::from_double(want)))
+        << "element " << i;
+  }
+}
+
+struct GemmCase {
+  k::DType dtype;
+  k::QuantGemmOp op;
+  int64_t m, n, k;
+  bool double_quantized;
+  bool padded_rows;  // A and C with row strides larger than their rows
+};
+
+void PrintTo(const GemmCase& c, std::ostream* os) {
+  *os << k::dtype_name(c.dtype) << (c.op == k::QuantGemmOp::kForward ? " forward" : " backward") << " m=" << c.m
+      << " n=" << c.n << " k=" << c.k << (c.double_quantized ? " double-quantized" : "") << (c.padded_rows ? " padded" : "");
+}
+
+std::string gemm_name(const ::testing::TestParamInfo<GemmCase>& info) {
+  const GemmCase& c = info.param;
+  return std::string(k::dtype_name(c.dtype)) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" +
+         std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + (c.double_quantized ? "_dq" : "") +
+         (c.padded_rows ? "_padded" : "");
+}
+
+class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
+ protected:
+  template <typename T>
+  void run_case() {
+    BARQTRAIN_REQUIRE_GPU();
+    const GemmCase c = GetParam();
+    std::mt19937_64 rng = fresh_rng(c.m * 31 + c.n * 7 + c.k);
+    const bool forward = c.op == k::QuantGemmOp::kForward;
+    // W from the quantizer: random bf16-scale weights, quantized on the device.
+    std::vector<T> w;
+    std::vector<double> w_exact;
+    random_values<T>(c.n * c.k, 0.0, 0.05, rng, w, w_exact);
+    DeviceBuffer d_w = DeviceBuffer::from_host(w), d_packed(c.n * c.k / 2), d_absmax(c.n * c.k / 64 * sizeof(float));
+    k::Quantize4bitParams qp;
+    qp.x = d_w.get();
+    qp.packed = static_cast<uint8_t*>(d_packed.get());
+    qp.absmax = static_cast<float*>(d_absmax.get());
+    qp.numel = c.n * c.k;
+    qp.dtype = c.dtype;
+    k::quantize_4bit(qp, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto packed = d_packed.to_host<uint8_t>(c.n * c.k / 2);
+    std::vector<float> scales = d_absmax.to_host<float>(c.n * c.k / 64);
+    DoubleQuantized dq = double_quantize(scales);
+    k::Nf4GemmParams p;
+    if (c.double_quantized) {
+      const auto quantized = dq.quantized.to_host<uint8_t>(scales.size());
+      for (size_t b = 0; b < scales.size(); ++b) {
+        scales[b] = ref::dequantize_absmax_value(quantized, dq.expected.absmax2, dq.code_host, dq.offset_host, b);
+      }
+      p.absmax.quantized_absmax = static_cast<const uint8_t*>(dq.quantized.get());
+      p.absmax.code = static_cast<const float*>(dq.code.get());
+      p.absmax.absmax2 = static_cast<const float*>(dq.absmax2.get());
+      p.absmax.offset = static_cast<const float*>(dq.offset.get());
+    } else {
+      p.absmax.absmax = static_cast<const float*>(d_absmax.get());
+    }
+    const std::vector<float> w_fp32 = ref::dequantize_4bit(packed, scales, true);
+    std::vector<double> w_rounded(w_fp32.size());
+    for (size_t i = 0; i < w_fp32.size(); ++i) w_rounded[i] = Storage<T>::to_double(Storage<T>::from_double(w_fp32[i]));
+
+    const int64_t a_cols = forward ? c.k : c.n, out_cols = forward ? c.n : c.k;
+    const int64_t a_stride = a_cols + (c.padded_rows ? 24 : 0), c_stride = out_cols + (c.padded_rows ? 6 : 0);
+    std::vector<T> a;
+    std::vector<double> a_exact;
+    random_values<T>(c.m * a_stride, 0.0, 1.0, rng, a, a_exact);
+    std::vector<double> a_dense(c.m * a_cols);
+    for (int64_t r = 0; r < c.m; ++r) {
+      for (int64_t col = 0; col < a_cols; ++col) a_dense[r * a_cols + col] = a_exact[r * a_stride + col];
+    }
+    const std::vector<double> expected = ref::quant_gemm(a_dense, w_rounded, c.m, c.n, c.k, forward);
+
+    DeviceBuffer d_a = DeviceBuffer::from_host(a), d_c(c.m * c_stride * sizeof(T));
+    p.op = c.op;
+    p.a = d_a.get();
+    p.packed = static_cast<const uint8_t*>(d_packed.get());
+    p.c = d_c.get();
+    p.m = c.m;
+    p.n = c.n;
+    p.k = c.k;
+    p.a_row_stride = a_stride;
+    p.c_row_stride = c_stride;
+    p.dtype = c.dtype;
+    k::nf4_gemm(p, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto out = d_c.to_host<T>(c.m * c_stride);
+    std::vector<T> dense(c.m * out_cols);
+    for (int64_t r = 0; r < c.m; ++r) {
+      for (int64_t col = 0; col < out_cols; ++col) dense[r * out_cols + col] = out[r * c_stride + col];
+    }
+    EXPECT_LT(relative_error(dense, expected), storage_tolerance(c.dtype));
+  }
+};
+
+TEST_P(Nf4Gemm, MatchesDequantizedMatmulInDouble) {
+  if (GetParam().dtype == k::DType::kBFloat16) {
+    run_case<__nv_bfloat16>();
+  } else {
+    run_case<__half>();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Nf4Gemm,
+    ::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 192, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 384, 448, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, true, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 64, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 192, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true}),
+    gemm_name);
+
+TEST(Nf4GemmChecks, RejectsDepthNotMultipleOf64) {
+  k::Nf4GemmParams p;
+  p.m = 4;
+  p.n = 64;
+  p.k = 100;
+  EXPECT_THROW(k::nf4_gemm(p, nullptr), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace barqtrain::testing
