@@ -53,6 +53,21 @@ class TrainResult:
 
 
 BASE = "base"  # a random-init run's base weights, so that `barqtrain export` can merge its adapter
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_precision(config: TrainConfig, device: torch.device) -> str:
+    """fp32, bf16 or fp16: config.precision with auto resolved (bf16 on a GPU that has it)."""
+    if config.precision != "auto":
+        return config.precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def base_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    """The dtype the model's weights are loaded in. LoRA never updates the base, so it is
+    held in the run's precision (half the memory of fp32 under bf16); full fine-tuning keeps
+    fp32 master weights, which the optimizer updates, and computes in bf16/fp16 through autocast."""
+    return _DTYPES[compute_precision(config, device)] if config.method == "lora" else torch.float32
 
 
 def build_model(
@@ -63,15 +78,17 @@ def build_model(
     import barqtrain
 
     torch.manual_seed(config.seed)
+    dtype = base_dtype(config, device)
+    where = f"on {device}, {str(dtype).removeprefix('torch.')}"
     if config.model.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(device)
-        log(f"Model {config.model.path}: {sum(p.numel() for p in model.parameters()):,} parameters on {device}.")
+        model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype).to(device)
+        log(f"Model {config.model.path}: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**task.TINY_LLAMA))
-        log(f"A random tiny Llama: {sum(p.numel() for p in model.parameters()):,} parameters on {device}.")
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**task.TINY_LLAMA), dtype=dtype)
+        log(f"A random tiny Llama: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
         if run_dir is not None and not (run_dir / BASE / "config.json").exists():
-            save_base(model, run_dir / BASE)
+            save_base(model, run_dir / BASE)  # in the dtype trained on, so a merge adds to those weights
     model.config.use_cache = False
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -181,17 +198,15 @@ def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, dat
 
 
 def _autocast(config: TrainConfig, device: torch.device, log: Callable[..., None]):
-    if device.type != "cuda":
-        if config.precision in ("bf16", "fp16"):
-            log(f"precision {config.precision}: mixed precision is for CUDA GPUs; this {device} run computes in fp32.")
-        return contextlib.nullcontext(), False
-    precision = config.precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    """The autocast context of the forward passes and whether fp16 loss scaling is on."""
+    precision = compute_precision(config, device)
     if precision == "fp32":
         return contextlib.nullcontext(), False
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast("cuda", dtype=dtype), precision == "fp16"
+    if device.type != "cuda":
+        computes = f"LoRA's {precision} base in {precision}" if config.method == "lora" else "fp32"
+        log(f"precision {precision}: autocast is for CUDA GPUs; this {device} run computes {computes}.")
+        return contextlib.nullcontext(), False
+    return torch.autocast("cuda", dtype=_DTYPES[precision]), precision == "fp16"
 
 
 @torch.no_grad()
