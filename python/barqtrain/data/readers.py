@@ -156,7 +156,8 @@ def read_dataset(
 class DatasetStream:
     """A dataset file read a chunk of records at a time (memory-mapped: files larger than
     RAM stream), with a position that state_dict() saves and load_state_dict() restores:
-    after it, read() returns exactly the records that came next. Options as read_dataset's."""
+    after it, read() returns exactly the records that came next. Options as read_dataset's.
+    A Parquet file streams a row group at a time; its position's offset is the next row."""
 
     def __init__(
         self,
@@ -177,15 +178,20 @@ class DatasetStream:
     ) -> None:
         self.path = os.fspath(path)
         self.tokenizer, self.eos_id = _resolve(tokenizer, eos_token, eos_id, add_eos)
-        self._native = _native.RecordStream(
-            self.path, self.tokenizer._native, format=format, kind=kind, on_error=on_error, text_unit=text_unit,
-            text_field=text_field, chat_template=chat_template, eos_id=self.eos_id,
-            add_special_tokens=add_special_tokens, num_threads=num_threads,
-        )
+        options = dict(format=format, on_error=on_error, text_field=text_field, chat_template=chat_template,
+                       eos_id=self.eos_id, add_special_tokens=add_special_tokens, num_threads=num_threads)
+        if self.path.endswith(".parquet"):
+            from barqtrain.data.parquet import ParquetStream
+
+            self._stream = ParquetStream(self.path, self.tokenizer, **options)
+        else:
+            self._stream = _native.RecordStream(
+                self.path, self.tokenizer._native, kind=kind, text_unit=text_unit, **options
+            )
 
     def read(self, max_records: int) -> TokenizedDataset | None:
         """Up to max_records more records (skipped malformed ones not counted), or None at the end."""
-        tokens, labels, offsets = self._native.read(max_records)
+        tokens, labels, offsets = self._stream.read(max_records)
         if len(offsets) == 1:
             _warn_skipped(self.report)
             return None
@@ -198,14 +204,14 @@ class DatasetStream:
     @property
     def report(self) -> dict[str, Any]:
         """records and skipped so far, and the first skip messages since the stream began or was restored."""
-        return self._native.report
+        return self._stream.report
 
     @property
     def size_bytes(self) -> int:
-        return self._native.size_bytes
+        return self._stream.size_bytes
 
     def state_dict(self) -> dict[str, Any]:
-        offset, line, records, skipped = self._native.position
+        offset, line, records, skipped = self._stream.position
         return {"path": self.path, "size_bytes": self.size_bytes, "offset": offset, "line": line,
                 "records": records, "skipped": skipped}
 
@@ -215,4 +221,4 @@ class DatasetStream:
                 f"{self.path}: the saved position is for a file of {state['size_bytes']} bytes, this one has "
                 f"{self.size_bytes}: the file changed, so the position would not continue where it stopped"
             )
-        self._native.seek(state["offset"], state["line"], state["records"], state["skipped"])
+        self._stream.seek(state["offset"], state["line"], state["records"], state["skipped"])

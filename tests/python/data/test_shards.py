@@ -12,7 +12,7 @@ import torch
 from shared_data import SHARED, require
 
 from barqtrain.cli import main
-from barqtrain.data import ReaderError, ShardError, Tokenizer, open_shards, read_dataset
+from barqtrain.data import DatasetStream, ReaderError, ShardError, Tokenizer, open_shards, read_dataset
 
 QWEN = SHARED / "tokenizers" / "qwen2.5"
 GPT2 = SHARED / "tokenizers" / "gpt2"
@@ -89,6 +89,29 @@ def test_parquet_reads_like_jsonl(tmp_path):
         read_dataset(tmp_path / "bad.parquet", "alpaca", QWEN)
     with pytest.raises(ReaderError, match="no column 'text'"):
         read_dataset(tmp_path / "a.parquet", "text", QWEN)
+
+
+def test_a_parquet_stream_resumes_at_its_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    records = json.loads(ALPACA.read_text(encoding="utf-8"))[:300]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "a.parquet", row_group_size=70)
+    whole = read_dataset(tmp_path / "a.parquet", "alpaca", QWEN)
+    stream = DatasetStream(tmp_path / "a.parquet", "alpaca", QWEN)
+    first = stream.read(100)  # ends inside the second row group
+    state = stream.state_dict()
+    assert len(first) == 100 and state["offset"] == 100 and state["records"] == 100
+    again = DatasetStream(tmp_path / "a.parquet", "alpaca", QWEN)
+    again.load_state_dict(state)
+    rest = [chunk for chunk in iter(lambda: again.read(45), None)]
+    assert [len(chunk) for chunk in rest] == [45] * 4 + [20]
+    resumed = np.concatenate([first.tokens, *(chunk.tokens for chunk in rest)])
+    assert np.array_equal(resumed, whole.tokens)
+    assert np.array_equal(np.concatenate([first.labels, *(chunk.labels for chunk in rest)]), whole.labels)
+    pq.write_table(pa.Table.from_pylist(records[:299]), tmp_path / "a.parquet", row_group_size=70)
+    with pytest.raises(ReaderError, match="the file changed"):
+        DatasetStream(tmp_path / "a.parquet", "alpaca", QWEN).load_state_dict(state)
 
 
 def test_parquet_without_pyarrow_is_a_clear_error(tmp_path, monkeypatch):
