@@ -78,6 +78,7 @@ void register_shards_and_prefetch(nb::module_& m) {
       .def_prop_ro("sequences", &ShardDirectoryWriter::sequences)
       .def_prop_ro("tokens", &ShardDirectoryWriter::tokens)
       .def_prop_ro("shards", &ShardDirectoryWriter::shards)
+      .def_prop_ro("sequences_in_shards", &ShardDirectoryWriter::sequences_in_shards)
       .def_prop_ro("bytes_written", &ShardDirectoryWriter::bytes_written);
 
   nb::class_<ShardSet, SequenceSource>(m, "ShardSet")

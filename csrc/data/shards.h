@@ -83,6 +83,7 @@ class ShardDirectoryWriter {
   size_t sequences() const { return sequences_ + pending_.size(); }  // added so far
   size_t tokens() const { return tokens_ + pending_.tokens.size(); }
   size_t shards() const { return files_.size(); }
+  size_t sequences_in_shards() const { return sequences_; }  // in the shard files written so far
   uint64_t bytes_written() const { return bytes_; }
 
  private:
