@@ -12,6 +12,8 @@
 // rotated back as stored.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/attention/masking.cuh"
 #include "kernels/attention/tile_io.cuh"
 
@@ -133,13 +135,14 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
 
   float dk[kD / 8][4] = {}, dv[kD / 8][4] = {};
   const int key_in_block = warp * 16 + lane / 4;  // + 8 for the second row of the fragment
-  for (int step = 0; step < steps; ++step) {
+  // One query block of one q head; kMasked blocks test every element, the others none.
+  auto process_step = [&](int step, int m0, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     const int buf = step & 1;
     cp_async_wait<0>();
     __syncthreads();  // this step's tiles landed; every warp is done with the other buffer
     if (step + 1 < steps) load_step(step + 1, buf ^ 1);
     cp_async_commit();
-    const int m0 = (first_block + step % blocks_per_head) * kBlockM;
     const T* q_s = q_buf + buf * Config::QTile::kElems;
     const T* do_s = do_buf + buf * Config::QTile::kElems;
     const float* lse_s = lse_buf + buf * kBlockM;
@@ -148,19 +151,17 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
     // S^T: rows are this warp's keys, columns the block's queries.
     float s[kMTiles][4] = {};
     mma_rows_by_rows<T, kD, kMTiles, kKVStride, kQStride>(s, k_s, warp * 16, q_s, 0, lane);
-    const bool masked = !mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN);
+    transform.cap_all(s);
     float prob[kMTiles][4];
 #pragma unroll
     for (int j = 0; j < kMTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = j * 8 + 2 * (lane % 4) + (e % 2);
-        const int key = n0 + key_in_block + 8 * (e / 2);
-        float tanh_value = 0.0f;
-        const float x = transform.logit(s[j][e], tanh_value);
-        s[j][e] = tanh_value;
-        const bool visible = !masked || mask.visible(m0 + col, key);
-        prob[j][e] = visible ? exp2f(x - lse_s[col]) : 0.0f;
+        prob[j][e] = exp2f(fmaf(s[j][e], transform.multiplier, -lse_s[col]));
+        if constexpr (kMasked) {
+          if (!mask.visible(m0 + col, n0 + key_in_block + 8 * (e / 2))) prob[j][e] = 0.0f;
+        }
       }
     }
     mma_regs_by_rows<T, kBlockM, kD / 8, kQStride>(dv, prob, do_s, 0, lane);
@@ -170,14 +171,24 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
 #pragma unroll
     for (int j = 0; j < kMTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * (lane % 4) + (e % 2);
-        float ds = prob[j][e] * (dp[j][e] - dot_s[col]);
-        if (transform.softcap) ds *= 1.0f - s[j][e] * s[j][e];
-        dp[j][e] = ds;
+      for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] - dot_s[j * 8 + 2 * (lane % 4) + (e % 2)]);
+    }
+    if (transform.softcap) {
+#pragma unroll
+      for (int j = 0; j < kMTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] *= transform.cap_derivative(s[j][e]);
       }
     }
     mma_regs_by_rows<T, kBlockM, kD / 8, kQStride>(dk, dp, q_s, 0, lane);
+  };
+  for (int step = 0; step < steps; ++step) {
+    const int m0 = (first_block + step % blocks_per_head) * kBlockM;
+    if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      process_step(step, m0, std::false_type{});
+    } else {
+      process_step(step, m0, std::true_type{});
+    }
   }
 
   cp_async_wait<0>();
@@ -279,7 +290,9 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
   cp_async_commit();
 
   float dq[kD / 8][4] = {};
-  for (int n_block = first_block; n_block < end_block; ++n_block) {
+  // One key block; kMasked blocks test every element, the others none.
+  auto process_block = [&](int n_block, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     const int buf = (n_block - first_block) & 1;
     const int n0 = n_block * kBlockN;
     cp_async_wait<0>();
@@ -291,19 +304,16 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
 
     float s[kNTiles][4] = {};
     mma_rows_by_rows<T, kD, kNTiles, kQStride, kKVStride>(s, q_s, warp * 16, k_s, 0, lane);
-    const bool masked = !mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN);
+    transform.cap_all(s);
     float prob[kNTiles][4];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        float tanh_value = 0.0f;
-        const float x = transform.logit(s[j][e], tanh_value);
-        s[j][e] = tanh_value;
-        const bool visible =
-            !masked || mask.visible(m0 + row_in_block + 8 * r, n0 + j * 8 + 2 * (lane % 4) + (e % 2));
-        prob[j][e] = visible ? exp2f(x - lse2[r]) : 0.0f;
+        prob[j][e] = exp2f(fmaf(s[j][e], transform.multiplier, -lse2[e / 2]));
+        if constexpr (kMasked) {
+          if (!mask.visible(m0 + row_in_block + 8 * (e / 2), n0 + j * 8 + 2 * (lane % 4) + (e % 2))) prob[j][e] = 0.0f;
+        }
       }
     }
     float dp[kNTiles][4] = {};
@@ -311,13 +321,24 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float ds = prob[j][e] * (dp[j][e] - dot[e / 2]);
-        if (transform.softcap) ds *= 1.0f - s[j][e] * s[j][e];
-        dp[j][e] = ds;
+      for (int e = 0; e < 4; ++e) dp[j][e] = prob[j][e] * (dp[j][e] - dot[e / 2]);
+    }
+    if (transform.softcap) {
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[j][e] *= transform.cap_derivative(s[j][e]);
       }
     }
     mma_regs_by_rows<T, kBlockN, kD / 8, kKVStride>(dq, dp, k_s, 0, lane);
+  };
+  for (int n_block = first_block; n_block < end_block; ++n_block) {
+    const int n0 = n_block * kBlockN;
+    if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      process_block(n_block, std::false_type{});
+    } else {
+      process_block(n_block, std::true_type{});
+    }
   }
 
   cp_async_wait<0>();

@@ -8,6 +8,8 @@
 // the first so that the blocks needing per-element masks come first.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/attention/masking.cuh"
 #include "kernels/attention/tile_io.cuh"
 
@@ -91,7 +93,10 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
   cp_async_commit();
 
   const int warp_row0 = warp * kM * 16;  // + 16 t for row tile t; + lane / 4 (+ 8) within it
-  for (int n_block = end_block - 1; n_block >= first_block; --n_block) {
+  // One key block; kMasked blocks (sequence ends, causal diagonal, window edges) test every
+  // element, the others none.
+  auto process_block = [&](int n_block, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     const int n0 = n_block * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K (and Q) landed; every warp is done with the previous V
@@ -100,8 +105,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
 
     float s[kM][kNTiles][4] = {};
     mma_rows_by_rows<T, kD, kM, kNTiles, kQStride, kKVStride>(s, q_s, warp_row0, k_s, 0, lane);
-
-    const bool masked = !mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN);
+    transform.cap_all(s);
 #pragma unroll
     for (int t = 0; t < kM; ++t) {
       float block_max[2] = {-INFINITY, -INFINITY};
@@ -109,13 +113,11 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
       for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = e / 2;
-          float x = transform.logit(s[t][j][e]);
-          if (masked && !mask.visible(m0 + warp_row0 + 16 * t + lane / 4 + 8 * r, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) {
-            x = -INFINITY;
+          if constexpr (kMasked) {
+            const int i = m0 + warp_row0 + 16 * t + lane / 4 + 8 * (e / 2);
+            if (!mask.visible(i, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) s[t][j][e] = -INFINITY;
           }
-          s[t][j][e] = x;
-          block_max[r] = fmaxf(block_max[r], x);
+          block_max[e / 2] = fmaxf(block_max[e / 2], s[t][j][e]);
         }
       }
 #pragma unroll
@@ -125,19 +127,23 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
         const float new_max = fmaxf(row_max[t][r], block_max[r]);
         // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
         // exp2(-inf - (-inf)) never makes a NaN.
-        const float base = new_max == -INFINITY ? 0.0f : new_max;
-        const float rescale = exp2f(row_max[t][r] - base);
+        const float base = new_max == -INFINITY ? 0.0f : new_max * transform.multiplier;
+        const float rescale = exp2f(row_max[t][r] * transform.multiplier - base);
         row_max[t][r] = new_max;
         row_sum[t][r] *= rescale;
+        // Once the row maxima settle most blocks leave them unchanged: skip the rescale of O
+        // when no row of the warp needs it (warp-uniform, so no divergence).
+        if (__any_sync(0xffffffffu, rescale != 1.0f)) {
 #pragma unroll
-        for (int j = 0; j < kD / 8; ++j) {
-          o[t][j][2 * r] *= rescale;
-          o[t][j][2 * r + 1] *= rescale;
+          for (int j = 0; j < kD / 8; ++j) {
+            o[t][j][2 * r] *= rescale;
+            o[t][j][2 * r + 1] *= rescale;
+          }
         }
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
-          s[t][j][2 * r] = exp2f(s[t][j][2 * r] - base);
-          s[t][j][2 * r + 1] = exp2f(s[t][j][2 * r + 1] - base);
+          s[t][j][2 * r] = exp2f(fmaf(s[t][j][2 * r], transform.multiplier, -base));
+          s[t][j][2 * r + 1] = exp2f(fmaf(s[t][j][2 * r + 1], transform.multiplier, -base));
           row_sum[t][r] += s[t][j][2 * r] + s[t][j][2 * r + 1];
         }
       }
@@ -148,6 +154,14 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
     if (n_block > first_block) load_k(n_block - 1);
     cp_async_commit();
     mma_regs_by_rows<T, kBlockN, kM, kD / 8, kKVStride>(o, s, v_s, 0, lane);
+  };
+  for (int n_block = end_block - 1; n_block >= first_block; --n_block) {
+    const int n0 = n_block * kBlockN;
+    if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      process_block(n_block, std::false_type{});
+    } else {
+      process_block(n_block, std::true_type{});
+    }
   }
 
   // Epilogue: normalize, stage in shared memory, store as row chunks; lse per row.
@@ -169,7 +183,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
       }
       const int i = m0 + warp_row0 + 16 * t + lane / 4 + 8 * r;
       if (lane % 4 == 0 && i < seq.seqlen_q) {
-        p.lse[head * p.q_rows + seq.q_first_row + i] = sum > 0.0f ? (row_max[t][r] + log2f(sum)) * kLn2 : INFINITY;
+        p.lse[head * p.q_rows + seq.q_first_row + i] =
+            sum > 0.0f ? (row_max[t][r] * transform.multiplier + log2f(sum)) * kLn2 : INFINITY;
       }
     }
     stage_accumulators<kBlockM, kD>(staged, o[t], warp_row0 + 16 * t, lane, 1.0f);

@@ -86,26 +86,42 @@ struct Mask {
   }
 };
 
-// Raw score s = q.k -> log2-domain logit x; with softcap also tanh(scale * s / softcap),
-// whose derivative the backward needs.
+// Raw score s = q.k -> capped score c = softcap * tanh(scale * s / softcap) with softcap,
+// else c = s; the log2-domain logit is then x = multiplier * c, so that a probability is one
+// fma and one exp2: exp2(multiplier * c - max), with max a row's largest x (or its lse in
+// log2 units). d(x)/d(s) is log2(e) * scale * (1 - (c / softcap)^2) with softcap.
 struct ScoreTransform {
-  float scale_log2;      // scale * log2(e)
+  float multiplier;      // log2(e) with softcap (the scale is inside the tanh), else scale * log2(e)
   float scale_over_cap;  // scale / softcap
-  float cap_log2;        // softcap * log2(e); 0 without softcap
+  float cap_value;       // softcap
   bool softcap;
 
   __host__ __device__ explicit ScoreTransform(const AttentionParams& p)
-      : scale_log2(p.softmax_scale * kLog2e),
+      : multiplier(p.softcap > 0.0f ? kLog2e : p.softmax_scale * kLog2e),
         scale_over_cap(p.softcap > 0.0f ? p.softmax_scale / p.softcap : 0.0f),
-        cap_log2(p.softcap * kLog2e),
+        cap_value(p.softcap),
         softcap(p.softcap > 0.0f) {}
 
-  __device__ float logit(float s) const { return softcap ? cap_log2 * tanhf(s * scale_over_cap) : s * scale_log2; }
-  // With softcap, t = tanh(scale * s / softcap) is returned through `tanh_out`.
-  __device__ float logit(float s, float& tanh_out) const {
-    if (!softcap) return s * scale_log2;
-    tanh_out = tanhf(s * scale_over_cap);
-    return cap_log2 * tanh_out;
+  __device__ float cap(float s) const { return cap_value * tanhf(s * scale_over_cap); }
+  // The softcap's factor in dS: 1 - tanh^2, from the capped score.
+  __device__ float cap_derivative(float c) const {
+    const float t = c / cap_value;
+    return 1.0f - t * t;
+  }
+  // Applies the cap to a whole fragment: one uniform branch per tile, not per element.
+  template <int kCols>
+  __device__ void cap_all(float (&s)[kCols][4]) const {
+    if (!softcap) return;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = cap(s[j][e]);
+    }
+  }
+  template <int kRows, int kCols>
+  __device__ void cap_all(float (&s)[kRows][kCols][4]) const {
+#pragma unroll
+    for (int t = 0; t < kRows; ++t) cap_all(s[t]);
   }
 };
 
