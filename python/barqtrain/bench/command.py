@@ -1,16 +1,16 @@
-"""The `barqtrain bench [ops|xent|attn|lora|e2e]` command."""
+"""The `barqtrain bench [ops|xent|attn|lora|e2e|data]` command."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from barqtrain.bench import attention, e2e, lora, ops, xent
+from barqtrain.bench import attention, data_wait, e2e, lora, ops, xent
 from barqtrain.bench.models import BENCHMARK_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "attn", "lora", "e2e", "all")
+SUITES = ("ops", "xent", "attn", "lora", "e2e", "data", "all")
 ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "cross-entropy and its memory; 'attn' times attention against SDPA's flash and cuDNN "
             "backends; 'lora' times the LoRA linear against its frozen-base GEMMs and PEFT, and a "
             "decoder layer's time and saved activations; 'e2e' fine-tunes real model shapes with LoRA, one "
-            "process per variant. Without a suite, all run."
+            "process per variant; 'data' times how long a LoRA training step waits for its batch with "
+            "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening. Without a suite, all run."
         ),
     )
     parser.add_argument("suite", nargs="?", choices=SUITES, default="all", help="which benchmark (default: all)")
@@ -45,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAMES",
         help=f"ops, comma-separated: {', '.join(OP_BENCHMARKS)} (default: all)",
     )
-    e2e_options = parser.add_argument_group("end-to-end options")
+    e2e_options = parser.add_argument_group("end-to-end and data options")
     e2e_options.add_argument(
         "--models",
         type=names_from(BENCHMARK_MODELS),
@@ -63,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"untimed steps before them (default: {e2e.DEFAULT_WARMUP})",
     )
     e2e_options.add_argument(
-        "--tiny", action="store_true", help="a tiny model instead of --models: tests the harness, on a CPU too"
+        "--tiny", action="store_true",
+        help="a tiny model instead of --models (e2e) or the 1B shape (data): tests the harness, on a CPU too"
     )
     parser.set_defaults(run=run)
 
@@ -85,4 +87,6 @@ def run(args: argparse.Namespace) -> int:
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)
+    if args.suite in ("data", "all"):
+        data_wait.run_data_benchmark(args.tiny, args.steps, args.warmup, args.out, args.command_line)
     return 0
