@@ -15,6 +15,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/glu.h"
 #include "kernels/norm.h"
+#include "kernels/quant/quant.h"
 #include "kernels/rope.h"
 #endif
 
@@ -76,6 +77,27 @@ TORCH_LIBRARY(barqtrain, m) {
       " Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal,"
       " int window_left, int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions)"
       " -> (Tensor dq, Tensor dk, Tensor dv)");
+  // 4-bit weights in the bitsandbytes layout (quant_type "nf4" or "fp4"): x flattened in
+  // blocks of 64, packed uint8 [numel / 2, 1] (even element in the high nibble), absmax
+  // float32 [numel / 64]. Bytes follow bitsandbytes on the same device (its CUDA kernels on a
+  // GPU, its CPU backend on the CPU).
+  m.def("quantize_4bit(Tensor x, str quant_type) -> (Tensor packed, Tensor absmax)");
+  // Double quantization of a 4-bit tensor's absmax: offset = mean(absmax); uint8 indices into
+  // `code` (256 sorted values) of (absmax - offset) / absmax2 per block of 256.
+  m.def("quantize_absmax(Tensor absmax, Tensor code) -> (Tensor quantized, Tensor absmax2, Tensor offset)");
+  // The 4-bit weight's 16-bit (or fp32) values in `shape`. absmax is float32, or uint8 with
+  // absmax_code, absmax2 and absmax_offset (double-quantized).
+  m.def(
+      "dequantize_4bit(Tensor packed, Tensor absmax, Tensor? absmax_code, Tensor? absmax2, Tensor? absmax_offset,"
+      " str quant_type, int[] shape, ScalarType dtype) -> Tensor");
+  // a Wᵀ (grad_input false: a [..., in_features]) or a W (grad_input true: a [..., out_features])
+  // for W [out_features, in_features] in 4 bits, dequantized inside the GEMM.
+  m.def(
+      "matmul_4bit(Tensor a, Tensor packed, Tensor absmax, Tensor? absmax_code, Tensor? absmax2,"
+      " Tensor? absmax_offset, str quant_type, int out_features, int in_features, bool grad_input) -> Tensor");
+  // Int8 per row (absmax per row): q = rint(x * 127 / absmax), x [rows, cols].
+  m.def("quantize_int8_rows(Tensor x) -> (Tensor q, Tensor row_absmax)");
+  m.def("dequantize_int8_rows(Tensor q, Tensor row_absmax, ScalarType dtype) -> Tensor");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -696,6 +718,199 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------- 4-bit and int8 weights
+
+k::Code4bit parse_quant_type(c10::string_view quant_type) {
+  if (quant_type == "nf4") return k::Code4bit::kNF4;
+  if (quant_type == "fp4") return k::Code4bit::kFP4;
+  TORCH_CHECK(false, "barqtrain: quant_type must be 'nf4' or 'fp4', got '", std::string(quant_type), "'");
+}
+
+cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// The absmax source of a 4-bit weight: fp32 per block, or double-quantized.
+k::Absmax4bit absmax_source(const at::Tensor& packed, const at::Tensor& absmax, const std::optional<at::Tensor>& code,
+                            const std::optional<at::Tensor>& absmax2, const std::optional<at::Tensor>& offset,
+                            int64_t numel) {
+  const int64_t blocks = numel / k::kQuantBlock4bit;
+  TORCH_CHECK(absmax.device() == packed.device() && absmax.is_contiguous() && absmax.numel() == blocks,
+              "barqtrain: absmax must be contiguous with one entry per block of 64 (", blocks, ") on ", packed.device(),
+              ", got ", absmax.sizes());
+  k::Absmax4bit source;
+  if (absmax.scalar_type() == at::kFloat) {
+    TORCH_CHECK(!code && !absmax2 && !offset, "barqtrain: a float32 absmax takes no absmax_code/absmax2/absmax_offset");
+    source.absmax = absmax.data_ptr<float>();
+    return source;
+  }
+  TORCH_CHECK(absmax.scalar_type() == at::kByte, "barqtrain: absmax must be float32, or uint8 when double-quantized, got ",
+              absmax.scalar_type());
+  TORCH_CHECK(code && absmax2 && offset,
+              "barqtrain: a double-quantized (uint8) absmax needs absmax_code, absmax2 and absmax_offset");
+  const int64_t blocks2 = (blocks + k::kQuantBlockAbsmax - 1) / k::kQuantBlockAbsmax;
+  for (const auto& [t, name, count] : {std::make_tuple(&*code, "absmax_code", int64_t{k::kDynamicCodeSize}),
+                                       std::make_tuple(&*absmax2, "absmax2", blocks2),
+                                       std::make_tuple(&*offset, "absmax_offset", int64_t{1})}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == packed.device() && t->is_contiguous() &&
+                    t->numel() == count,
+                "barqtrain: ", name, " must be contiguous float32 with ", count, " elements on ", packed.device(),
+                ", got ", t->scalar_type(), " ", t->sizes());
+  }
+  source.quantized_absmax = absmax.data_ptr<uint8_t>();
+  source.code = code->data_ptr<float>();
+  source.absmax2 = absmax2->data_ptr<float>();
+  source.offset = offset->data_ptr<float>();
+  return source;
+}
+
+void check_packed(const at::Tensor& packed, int64_t numel) {
+  TORCH_CHECK(packed.is_cuda(), "barqtrain: the packed 4-bit weight must be a CUDA tensor");
+  TORCH_CHECK(packed.is_contiguous() && packed.element_size() * packed.numel() == numel / 2,
+              "barqtrain: the packed 4-bit weight must be contiguous with ", numel / 2, " bytes, got ",
+              packed.element_size() * packed.numel());
+  TORCH_CHECK(numel % k::kQuantBlock4bit == 0, "barqtrain: a 4-bit weight needs a multiple of 64 elements, got ", numel);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_4bit_cuda(const at::Tensor& x_in, c10::string_view quant_type) {
+  TORCH_CHECK(x_in.is_cuda(), "barqtrain: quantize_4bit x must be a CUDA tensor");
+  TORCH_CHECK(x_in.numel() % k::kQuantBlock4bit == 0, "barqtrain: quantize_4bit needs a multiple of 64 elements, got ",
+              x_in.numel());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor packed = at::empty({x.numel() / 2, 1}, x.options().dtype(at::kByte));
+  at::Tensor absmax = at::empty({x.numel() / k::kQuantBlock4bit}, x.options().dtype(at::kFloat));
+  k::Quantize4bitParams p;
+  p.x = x.data_ptr();
+  p.packed = packed.data_ptr<uint8_t>();
+  p.absmax = absmax.data_ptr<float>();
+  p.numel = x.numel();
+  p.code = parse_quant_type(quant_type);
+  p.dtype = kernel_dtype(x, "x");
+  k::quantize_4bit(p, current_stream(x));
+  return {packed, absmax};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_absmax_cuda(const at::Tensor& absmax_in, const at::Tensor& code) {
+  TORCH_CHECK(absmax_in.is_cuda() && absmax_in.scalar_type() == at::kFloat, "barqtrain: absmax must be a float32 CUDA tensor");
+  TORCH_CHECK(code.scalar_type() == at::kFloat && code.numel() == k::kDynamicCodeSize && code.device() == absmax_in.device(),
+              "barqtrain: code must be float32 with 256 entries on ", absmax_in.device());
+  const c10::cuda::CUDAGuard guard(absmax_in.device());
+  const at::Tensor absmax = absmax_in.contiguous().reshape({-1});
+  const at::Tensor code_c = code.contiguous();
+  // torch's own mean, as bitsandbytes computes the offset: the same bits on the same device.
+  at::Tensor offset = absmax.mean().reshape({1});
+  at::Tensor quantized = at::empty({absmax.numel()}, absmax.options().dtype(at::kByte));
+  at::Tensor absmax2 = at::empty({(absmax.numel() + k::kQuantBlockAbsmax - 1) / k::kQuantBlockAbsmax}, absmax.options());
+  k::QuantizeAbsmaxParams p;
+  p.values = absmax.data_ptr<float>();
+  p.offset = offset.data_ptr<float>();
+  p.code = code_c.data_ptr<float>();
+  p.quantized = quantized.data_ptr<uint8_t>();
+  p.absmax2 = absmax2.data_ptr<float>();
+  p.count = absmax.numel();
+  k::quantize_absmax(p, current_stream(absmax));
+  return {quantized, absmax2, offset.reshape({})};
+}
+
+at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, const at::Tensor& absmax, const std::optional<at::Tensor>& code,
+                                const std::optional<at::Tensor>& absmax2, const std::optional<at::Tensor>& offset,
+                                c10::string_view quant_type, at::IntArrayRef shape, at::ScalarType dtype) {
+  const int64_t numel = c10::multiply_integers(shape);
+  check_packed(packed, numel);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor offset_1 = offset ? offset->reshape({1}) : at::Tensor();
+  const std::optional<at::Tensor> offset_arg = offset ? std::optional<at::Tensor>(offset_1) : std::nullopt;
+  at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
+  k::Dequantize4bitParams p;
+  p.packed = static_cast<const uint8_t*>(packed.data_ptr());
+  p.absmax = absmax_source(packed, absmax, code, absmax2, offset_arg, numel);
+  p.out = out.data_ptr();
+  p.numel = numel;
+  p.code = parse_quant_type(quant_type);
+  p.dtype = kernel_dtype(out, "dtype");
+  k::dequantize_4bit(p, current_stream(packed));
+  return out;
+}
+
+at::Tensor matmul_4bit_cuda(const at::Tensor& a_in, const at::Tensor& packed, const at::Tensor& absmax,
+                            const std::optional<at::Tensor>& code, const std::optional<at::Tensor>& absmax2,
+                            const std::optional<at::Tensor>& offset, c10::string_view quant_type, int64_t out_features,
+                            int64_t in_features, bool grad_input) {
+  TORCH_CHECK(a_in.is_cuda() && a_in.device() == packed.device(), "barqtrain: matmul_4bit input must be a CUDA tensor on ",
+              packed.device());
+  TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 || a_in.scalar_type() == at::kHalf,
+              "barqtrain: matmul_4bit input must be bfloat16 or float16, got ", a_in.scalar_type());
+  const int64_t a_cols = grad_input ? out_features : in_features, c_cols = grad_input ? in_features : out_features;
+  TORCH_CHECK(a_in.dim() >= 1 && a_in.size(-1) == a_cols, "barqtrain: matmul_4bit input must end in ", a_cols,
+              grad_input ? " (out_features)" : " (in_features)", ", got ", a_in.sizes());
+  TORCH_CHECK(in_features % k::kQuantBlock4bit == 0, "barqtrain: matmul_4bit needs in_features a multiple of 64, got ",
+              in_features);
+  check_packed(packed, out_features * in_features);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor a = as_rows(a_in, a_cols);
+  if (row_stride(a) % 8 != 0 || reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 != 0) {
+    a = a.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned, rows of a_cols
+  }
+  std::vector<int64_t> out_shape(a_in.sizes().begin(), a_in.sizes().end());
+  out_shape.back() = c_cols;
+  at::Tensor c = at::empty(out_shape, a.options());
+  if (c.numel() == 0) return c;
+  const at::Tensor offset_1 = offset ? offset->reshape({1}) : at::Tensor();
+  const std::optional<at::Tensor> offset_arg = offset ? std::optional<at::Tensor>(offset_1) : std::nullopt;
+  k::Nf4GemmParams p;
+  p.op = grad_input ? k::QuantGemmOp::kBackward : k::QuantGemmOp::kForward;
+  p.a = a.data_ptr();
+  p.packed = static_cast<const uint8_t*>(packed.data_ptr());
+  p.absmax = absmax_source(packed, absmax, code, absmax2, offset_arg, out_features * in_features);
+  p.c = c.data_ptr();
+  p.m = a.size(0);
+  p.n = out_features;
+  p.k = in_features;
+  p.a_row_stride = row_stride(a);
+  p.c_row_stride = c_cols;
+  p.code = parse_quant_type(quant_type);
+  p.dtype = kernel_dtype(a, "a");
+  k::nf4_gemm(p, current_stream(a));
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int8_rows_cuda(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.is_cuda() && x_in.dim() == 2, "barqtrain: quantize_int8_rows x must be a 2-D CUDA tensor, got ",
+              x_in.sizes());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor row_absmax = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  k::QuantizeInt8Params p;
+  p.x = x.data_ptr();
+  p.q = q.data_ptr<int8_t>();
+  p.row_absmax = row_absmax.data_ptr<float>();
+  p.rows = x.size(0);
+  p.cols = x.size(1);
+  p.dtype = kernel_dtype(x, "x");
+  k::quantize_int8_rows(p, current_stream(x));
+  return {q, row_absmax};
+}
+
+at::Tensor dequantize_int8_rows_cuda(const at::Tensor& q_in, const at::Tensor& row_absmax_in, at::ScalarType dtype) {
+  TORCH_CHECK(q_in.is_cuda() && q_in.dim() == 2 && q_in.scalar_type() == at::kChar,
+              "barqtrain: dequantize_int8_rows q must be a 2-D int8 CUDA tensor");
+  TORCH_CHECK(row_absmax_in.scalar_type() == at::kFloat && row_absmax_in.numel() == q_in.size(0) &&
+                  row_absmax_in.device() == q_in.device(),
+              "barqtrain: row_absmax must be float32 with one entry per row of q");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), row_absmax = row_absmax_in.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
+  k::DequantizeInt8Params p;
+  p.q = q.data_ptr<int8_t>();
+  p.row_absmax = row_absmax.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.rows = q.size(0);
+  p.cols = q.size(1);
+  p.dtype = kernel_dtype(out, "dtype");
+  k::dequantize_int8_rows(p, current_stream(q));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
@@ -710,6 +925,12 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("glu_backward", &glu_backward_cuda);
   m.impl("rope_forward", &rope_forward_cuda);
   m.impl("fused_linear_cross_entropy", &fused_linear_cross_entropy_cuda);
+  m.impl("quantize_4bit", &quantize_4bit_cuda);
+  m.impl("quantize_absmax", &quantize_absmax_cuda);
+  m.impl("dequantize_4bit", &dequantize_4bit_cuda);
+  m.impl("matmul_4bit", &matmul_4bit_cuda);
+  m.impl("quantize_int8_rows", &quantize_int8_rows_cuda);
+  m.impl("dequantize_int8_rows", &dequantize_int8_rows_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

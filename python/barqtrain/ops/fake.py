@@ -84,3 +84,38 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def attention_backward(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                        softcap, causal, window_left, window_right, rope_cos, rope_sin, positions):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@torch.library.register_fake("barqtrain::quantize_4bit")
+def quantize_4bit(x, quant_type):
+    torch._check(x.numel() % 64 == 0, lambda: "quantize_4bit needs a multiple of 64 elements")
+    return x.new_empty((x.numel() // 2, 1), dtype=torch.uint8), x.new_empty((x.numel() // 64,), dtype=torch.float32)
+
+
+@torch.library.register_fake("barqtrain::quantize_absmax")
+def quantize_absmax(absmax, code):
+    count = absmax.numel()
+    return (absmax.new_empty((count,), dtype=torch.uint8), absmax.new_empty(((count + 255) // 256,)),
+            absmax.new_empty(()))
+
+
+@torch.library.register_fake("barqtrain::dequantize_4bit")
+def dequantize_4bit(packed, absmax, absmax_code, absmax2, absmax_offset, quant_type, shape, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+@torch.library.register_fake("barqtrain::matmul_4bit")
+def matmul_4bit(a, packed, absmax, absmax_code, absmax2, absmax_offset, quant_type, out_features, in_features,
+                grad_input):
+    torch._check(a.shape[-1] == (out_features if grad_input else in_features), lambda: "input size mismatch")
+    return a.new_empty((*a.shape[:-1], in_features if grad_input else out_features))
+
+
+@torch.library.register_fake("barqtrain::quantize_int8_rows")
+def quantize_int8_rows(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+@torch.library.register_fake("barqtrain::dequantize_int8_rows")
+def dequantize_int8_rows(q, row_absmax, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
