@@ -41,7 +41,7 @@ OP_DETECTORS: dict[str, Callable[[nn.Module], bool]] = {
 
 # Rows of every family, for classes that are not the family's own. Instance patching only:
 # apply_to_<family>() leaves PEFT's classes alone.
-SHARED_REPLACEMENTS: tuple[ModuleReplacement, ...] = (lora.lora_linear_replacement(),)
+SHARED_REPLACEMENTS: tuple[ModuleReplacement, ...] = lora.lora_linear_replacements()
 
 
 @dataclass(frozen=True)

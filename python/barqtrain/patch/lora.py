@@ -6,9 +6,14 @@ gradient. The family's MLP and attention forwards (mlp.py, attention.py) go one 
 further when their projections are such layers (or plain, frozen nn.Linear): the gated MLP
 and the q, k, v projections are then one function each (block_projections).
 
+A 4-bit base (QLoRA) is computed the same way: barqtrain's Linear4bit, or bitsandbytes'
+Linear4bit (under PEFT's lora.bnb.Linear4bit, patched too) read through its quant_state,
+both as a barqtrain.quant.Weight4bit whose GEMMs are the fused dequant-GEMM.
+
 What these functions do not compute is left to PEFT's forward: at patch time, with its
 reason in the report (several active adapters, DoRA and the other variants, lora_bias,
-a base layer that is not a plain nn.Linear such as a quantized one, ...); at call time,
+a base layer that is neither a plain nn.Linear nor a supported 4-bit linear, a bitsandbytes
+weight whose layout barqtrain does not read, ...); at call time,
 with one warning (autocast, dtype combinations PEFT computes otherwise, adapter_names).
 Merged and disabled adapters are honoured as PEFT does: the base layer alone computes.
 """
@@ -26,11 +31,15 @@ from torch.nn.modules import module as torch_module
 from barqtrain.lora.functions import LoraAdapter, Projection, lora_linear, unsupported_dtypes
 from barqtrain.patch.fallback import fall_back, original_forward
 from barqtrain.patch.replacement import ModuleReplacement
+from barqtrain.quant.linear import Linear4bit, is_bitsandbytes_4bit, quantized_weight
 
 OP = "lora"
 
-# The PEFT class patched, by qualified name so that peft need not be installed or imported.
+# The PEFT classes patched, by qualified name so that peft need not be installed or imported:
+# its LoRA Linear (over nn.Linear, and over barqtrain's Linear4bit, an nn.Linear subclass)
+# and its LoRA layer over a bitsandbytes Linear4bit.
 LORA_LINEAR_CLASS = "peft.tuners.lora.layer.Linear"
+LORA_BNB_4BIT_CLASS = "peft.tuners.lora.bnb.Linear4bit"
 
 _DEVICE_TYPES = frozenset({"cpu", "cuda"})
 
@@ -59,6 +68,20 @@ def _is_plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and not _has_hooks(module)
 
 
+def _is_4bit_linear(module: nn.Module) -> bool:
+    return (type(module) is Linear4bit or is_bitsandbytes_4bit(module)) and not _has_hooks(module)
+
+
+def _base_weight(base: nn.Module) -> torch.Tensor | str:
+    """The weight barqtrain computes the base with (a Weight4bit for a 4-bit base), or why not."""
+    if _is_plain_linear(base):
+        return base.weight
+    if _is_4bit_linear(base):
+        weight = quantized_weight(base)
+        return weight if isinstance(weight, torch.Tensor) else f"its 4-bit base layer is not supported: {weight}"
+    return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear or a 4-bit linear"
+
+
 def unsupported_reason(layer: nn.Module) -> str | None:
     """Why BarqTrain's LoRA does not compute this PEFT LoRA Linear, or None when it does."""
     adapters = list(layer.active_adapters)
@@ -70,13 +93,13 @@ def unsupported_reason(layer: nn.Module) -> str | None:
         return f"adapter {adapter!r} is a {type(variant).__name__} (DoRA or another variant), not plain LoRA"
     if layer.lora_bias.get(adapter, False):
         return f"adapter {adapter!r} has lora_bias=True"
-    if layer.fan_in_fan_out:
+    if getattr(layer, "fan_in_fan_out", False):
         return "fan_in_fan_out=True (a Conv1D base layer)"
     if not getattr(layer, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled (peft.helpers.disable_input_dtype_casting)"
-    base = layer.base_layer
-    if not _is_plain_linear(base):
-        return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear"
+    weight = _base_weight(layer.base_layer)
+    if isinstance(weight, str):
+        return weight
     if adapter not in layer.lora_A:
         return None  # PEFT then computes the base layer alone; so does BarqTrain
     for module in (layer.lora_A[adapter], layer.lora_B[adapter]):
@@ -104,14 +127,17 @@ def projection_of(layer: nn.Module, x: torch.Tensor) -> Projection | PeftCompute
     if layer.disable_adapters and layer.merged:
         return PeftComputes(None)  # PEFT unmerges before computing the base layer
     base = layer.base_layer
+    if (layer.disable_adapters or layer.merged) and not _is_plain_linear(base):
+        return PeftComputes(None)  # the base layer alone: its own forward
     if layer.disable_adapters or layer.merged:
         return Projection(base.weight, base.bias)
     reason = unsupported_reason(layer)
     if reason is not None:
         return PeftComputes(reason)
+    weight = _base_weight(base)
     [adapter] = layer.active_adapters
     if adapter not in layer.lora_A:
-        return Projection(base.weight, base.bias)
+        return Projection(weight, base.bias)
     if torch.is_autocast_enabled(x.device.type):
         return PeftComputes("autocast is enabled")
     if x.device.type not in _DEVICE_TYPES:
@@ -123,7 +149,7 @@ def projection_of(layer: nn.Module, x: torch.Tensor) -> Projection | PeftCompute
         float(layer.scaling[adapter]),
         dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0,
     )
-    projection = Projection(base.weight, base.bias, lora)
+    projection = Projection(weight, base.bias, lora)
     reason = unsupported_dtypes(x, projection)
     return projection if reason is None else PeftComputes(reason)
 
@@ -159,8 +185,11 @@ def block_projections(modules: list[nn.Module], x: torch.Tensor) -> list[Project
         return None
     projections = []
     for module in modules:
-        if _is_plain_linear(module):
-            projection = Projection(module.weight, module.bias)
+        if _is_plain_linear(module) or _is_4bit_linear(module):
+            weight = _base_weight(module)
+            if isinstance(weight, str):
+                return None
+            projection = Projection(weight, module.bias)
             if unsupported_dtypes(x, projection) is not None:
                 return None
         elif _is_patched_lora_layer(module):
@@ -173,5 +202,8 @@ def block_projections(modules: list[nn.Module], x: torch.Tensor) -> list[Project
     return projections if any(p.lora is not None for p in projections) else None
 
 
-def lora_linear_replacement() -> ModuleReplacement:
-    return ModuleReplacement(OP, LORA_LINEAR_CLASS, lora_linear_forward, unsupported_reason)
+def lora_linear_replacements() -> tuple[ModuleReplacement, ...]:
+    return (
+        ModuleReplacement(OP, LORA_LINEAR_CLASS, lora_linear_forward, unsupported_reason),
+        ModuleReplacement(OP, LORA_BNB_4BIT_CLASS, lora_linear_forward, unsupported_reason),
+    )

@@ -1,0 +1,90 @@
+"""Weight4bit: a 4-bit weight that PyTorch code can use where it uses a 16-bit one.
+
+A tensor subclass with the logical shape [out, in] and the compute dtype, and no 16-bit data:
+F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the fused dequant-GEMM (barqtrain.ops.quant.
+matmul_4bit). That is all barqtrain.lora's functions do with a base weight, so the LoRA linear,
+the q/k/v projections and the gated MLP compute a quantized base unchanged (QLoRA). Any other
+operation on it is an error naming it; .dequantize() gives the 16-bit weight explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from barqtrain.ops import quant as quant_ops
+from barqtrain.ops.quant import Packed4bit
+
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+class Weight4bit(torch.Tensor):
+    packed: Packed4bit
+
+    @staticmethod
+    def __new__(cls, packed: Packed4bit) -> Weight4bit:
+        weight = torch.Tensor._make_wrapper_subclass(
+            cls, packed.shape, dtype=packed.dtype, device=packed.packed.device, requires_grad=False
+        )
+        weight.packed = packed
+        return weight
+
+    def __repr__(self) -> str:  # noqa: D105
+        p = self.packed
+        quant = f"{p.quant_type}{', double-quantized absmax' if p.double_quantized else ''}"
+        return f"Weight4bit(shape={list(p.shape)}, dtype={p.dtype}, {quant}, device={p.packed.device})"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return quant_ops.dequantize_4bit(self.packed, dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            if isinstance(x, Weight4bit) or isinstance(bias, Weight4bit):
+                raise TypeError("barqtrain: a Weight4bit is only supported as F.linear's weight")
+            y = quant_ops.matmul_4bit(x, weight.packed)
+            return y if bias is None else y + bias
+        if func in _MATMULS and len(args) == 2 and isinstance(args[1], Weight4bit) and not isinstance(args[0], Weight4bit):
+            return quant_ops.matmul_4bit(args[0], args[1].packed, grad_input=True)
+        if func is torch.Tensor.addmm_ and len(args) == 3 and isinstance(args[2], Weight4bit):
+            out, a, weight = args
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            if beta != 1:
+                out.mul_(beta)
+            return out.add_(quant_ops.matmul_4bit(a, weight.packed, grad_input=True), alpha=alpha)
+        if getattr(func, "__name__", None) == "__get__":  # metadata: shape, dtype, device, ...
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        name = getattr(func, "__name__", repr(func))
+        raise TypeError(
+            f"barqtrain: {name} is not supported on a 4-bit weight (supported: F.linear(x, W), x @ W, "
+            "out.addmm_(x, W)); call .dequantize() for the 16-bit weight"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"barqtrain: {func} is not supported on a 4-bit weight; call .dequantize() first")
+
+
+def from_bitsandbytes(param: torch.Tensor) -> Weight4bit:
+    """The Weight4bit of a bitsandbytes Params4bit (its packed data and quant_state, as they are)."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        raise ValueError("barqtrain: the weight has no quant_state (not a quantized bitsandbytes Params4bit)")
+    if state.blocksize != quant_ops.BLOCK:
+        raise ValueError(f"barqtrain: bitsandbytes blocksize {state.blocksize} is not supported (only {quant_ops.BLOCK})")
+    shape = tuple(state.shape)
+    if len(shape) != 2:
+        raise ValueError(f"barqtrain: a 4-bit weight must be 2-D, got shape {list(shape)}")
+    if state.nested:
+        inner = state.state2
+        if inner.blocksize != quant_ops.ABSMAX_BLOCK:
+            raise ValueError(f"barqtrain: double-quantization blocksize {inner.blocksize} is not supported (only 256)")
+        offset = torch.as_tensor(state.offset, dtype=torch.float32, device=param.device)
+        packed = Packed4bit(param.data, state.absmax, shape, state.dtype, state.quant_type, inner.code, inner.absmax, offset)
+    else:
+        packed = Packed4bit(param.data, state.absmax, shape, state.dtype, state.quant_type)
+    return Weight4bit(packed)
