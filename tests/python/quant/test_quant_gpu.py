@@ -1,0 +1,117 @@
+"""barqtrain.quant on a GPU: bit-exact with bitsandbytes' CUDA kernels (quantize, double
+quantization, dequantize), the fused dequant-GEMM against float64, and 50 QLoRA steps of a
+tiny Llama matching bitsandbytes + PEFT. Each test says what it compares in its failure."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import barqtrain
+import peft
+import pytest
+import torch
+from barqtrain import quant
+from barqtrain.patch import patch_model
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
+from tiny_models import tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def bnb():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return pytest.importorskip("bitsandbytes")
+
+
+def fresh_weight(shape, dtype):
+    weight = torch.randn(shape, device="cuda") * 0.02
+    weight.view(-1)[:64] = 0
+    return weight.to(dtype)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_quantize_and_dequantize_are_bit_exact_with_bitsandbytes_cuda(bnb, quant_type, dtype):
+    weight = fresh_weight((1024, 1536), dtype)
+    bnb_packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, quant_type=quant_type,
+                                                     compress_statistics=True)  # fmt: skip
+    packed = quant.quantize_4bit(weight, quant_type, double_quant=True)
+    assert torch.equal(packed.packed, bnb_packed), "4-bit codes differ from bitsandbytes'"
+    assert torch.equal(packed.absmax2, state.state2.absmax), "absmax2 differs"
+    assert torch.equal(packed.absmax_offset, state.offset), "offset (mean of absmax) differs"
+    assert torch.equal(packed.absmax, state.absmax), "double-quantized absmax indices differ"
+    restored = quant.dequantize_4bit(packed)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(restored.view(bits), bnb.functional.dequantize_4bit(bnb_packed, state).view(bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 192, 64), (1031, 4096, 1024)])
+def test_fused_gemm_is_no_worse_than_torch_on_the_dequantized_weight(bnb, dtype, m, n, k):
+    packed = quant.quantize_4bit(fresh_weight((n, k), dtype))
+    dense = quant.dequantize_4bit(packed)
+    for grad_input, a_cols in ((False, k), (True, n)):
+        a = torch.randn(m, a_cols, device="cuda", dtype=dtype)
+        exact = a.double() @ (dense.double() if grad_input else dense.double().T)
+        ours = quant.matmul_4bit(a, packed, grad_input=grad_input)
+        torch_out = a @ (dense if grad_input else dense.T)
+        error = (ours.double() - exact).norm() / exact.norm()
+        torch_error = (torch_out.double() - exact).norm() / exact.norm()
+        assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
+
+
+def bnb_quantized_tiny_llama(bnb):
+    model = tiny_model("llama", torch.bfloat16)
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name.endswith("lm_head"):
+            continue
+        layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                  compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)  # fmt: skip
+        layer.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4",
+                                         compress_statistics=True)  # fmt: skip
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+    return model.cuda()
+
+
+def train_losses(model, steps=50):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(4)).cuda()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
+    config = peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear",
+                             init_lora_weights=False)  # fmt: skip
+    reference = barqtrain.get_peft_model(bnb_quantized_tiny_llama(bnb), config, ops=())
+    model = copy.deepcopy(reference)
+    report = patch_model(model)
+    assert report.patched_count("lora") == 14, str(report)
+    expected, losses = train_losses(reference), train_losses(model)
+    assert expected[-1] < 0.9 * expected[0], "bitsandbytes + PEFT did not learn"
+    for step, (loss, want) in enumerate(zip(losses, expected, strict=True)):
+        assert abs(loss - want) <= 1e-2 * abs(want), f"step {step}: barqtrain {loss} vs bitsandbytes+PEFT {want}"
+
+
+def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny_model("llama", torch.bfloat16).cuda()
+    quant.quantize_model(model)
+    model = barqtrain.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    losses = train_losses(model)
+    assert losses[-1] < 0.9 * losses[0]
