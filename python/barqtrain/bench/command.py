@@ -1,16 +1,16 @@
-"""The `barqtrain bench [ops|xent|attn|lora|e2e|data]` command."""
+"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data]` command."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from barqtrain.bench import attention, data_wait, e2e, lora, ops, xent
+from barqtrain.bench import attention, data_wait, e2e, lora, ops, qlora, xent
 from barqtrain.bench.models import BENCHMARK_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "attn", "lora", "e2e", "data", "all")
+SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "all")
 ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "against the GPU's copy and matmul ceilings; 'xent' times the fused linear + "
             "cross-entropy and its memory; 'attn' times attention against SDPA's flash and cuDNN "
             "backends; 'lora' times the LoRA linear against its frozen-base GEMMs and PEFT, and a "
-            "decoder layer's time and saved activations; 'e2e' fine-tunes real model shapes with LoRA, one "
+            "decoder layer's time and saved activations; 'qlora' times NF4 dequantization against the copy "
+            "ceiling, the fused 4-bit GEMM against bf16 cuBLAS and the QLoRA linear against the bf16 LoRA linear, "
+            "bitsandbytes beside them; 'e2e' fine-tunes real model shapes with LoRA, one "
             "process per variant; 'data' times how long a LoRA training step waits for its batch with "
             "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening. Without a suite, all run."
         ),
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         attention.run_attention_benchmark(args.out, args.command_line)
     if args.suite in ("lora", "all"):
         lora.run_lora_benchmark([name for name in args.compare if name in lora.BASELINES], args.out, args.command_line)
+    if args.suite in ("qlora", "all"):
+        qlora.run_qlora_benchmark(args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
         e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)

@@ -28,7 +28,12 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from barqtrain.lora.functions import LoraAdapter, Projection, lora_linear, unsupported_dtypes
+from barqtrain.lora.functions import (
+    LoraAdapter,
+    Projection,
+    lora_linear,
+    unsupported_dtypes,
+)
 from barqtrain.patch.fallback import fall_back, original_forward
 from barqtrain.patch.replacement import ModuleReplacement
 from barqtrain.quant.linear import Linear4bit, is_bitsandbytes_4bit, quantized_weight

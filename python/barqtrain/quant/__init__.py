@@ -8,9 +8,20 @@ A model loaded by bitsandbytes (BitsAndBytesConfig(load_in_4bit=True, ...)) is r
 is: patch_model computes its PEFT LoRA layers the same way (see docs/qlora.md).
 """
 
-from barqtrain.ops.quant import Packed4bit, dequantize_4bit, dynamic_code, matmul_4bit, quantize_4bit
+from barqtrain.ops.quant import (
+    Packed4bit,
+    dequantize_4bit,
+    dynamic_code,
+    matmul_4bit,
+    quantize_4bit,
+)
 from barqtrain.quant.functions import qlora_linear
-from barqtrain.quant.linear import Linear4bit, load_4bit, quantize_model, quantized_weight
+from barqtrain.quant.linear import (
+    Linear4bit,
+    load_4bit,
+    quantize_model,
+    quantized_weight,
+)
 from barqtrain.quant.weight import Weight4bit, from_bitsandbytes
 
 __all__ = [

@@ -29,7 +29,7 @@ class Weight4bit(torch.Tensor):
         weight.packed = packed
         return weight
 
-    def __repr__(self) -> str:  # noqa: D105
+    def __repr__(self) -> str:
         p = self.packed
         quant = f"{p.quant_type}{', double-quantized absmax' if p.double_quantized else ''}"
         return f"Weight4bit(shape={list(p.shape)}, dtype={p.dtype}, {quant}, device={p.packed.device})"

@@ -21,7 +21,7 @@ from barqtrain.patch import patch_model
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import plain_batch, tiny_model  # noqa: E402
+from tiny_models import plain_batch, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

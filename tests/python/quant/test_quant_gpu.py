@@ -17,7 +17,7 @@ from barqtrain.patch import patch_model
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import tiny_model  # noqa: E402
+from tiny_models import tiny_model
 
 pytestmark = pytest.mark.gpu
 

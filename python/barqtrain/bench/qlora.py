@@ -1,0 +1,163 @@
+"""`barqtrain bench qlora`: the 4-bit base of QLoRA on the 8B LoRA shapes (SPEC 4, issue 8).
+
+  dequant : NF4 (double-quantized absmax) -> bf16 standalone, as % of the copy ceiling measured
+            in the same run (bytes: 0.5 read + 2 written per element, plus the absmax bytes);
+            bitsandbytes' dequantize_4bit beside it.
+  gemm    : the fused dequant-GEMM (x Wᵀ forward, dy W backward) against the bf16 cuBLAS GEMM
+            of the same shape, and bitsandbytes' dequantize + matmul, at 8192 tokens x 4096 ->
+            14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096).
+  step    : one LoRA linear forward + backward (r 16, bf16 adapters) over the 4-bit base
+            against the same over the bf16 base, and bitsandbytes + PEFT's Linear4bit LoRA
+            layer; with the GPU memory the base weight takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from barqtrain.bench.ceilings import measure_ceilings
+from barqtrain.bench.environment import (
+    Unavailable,
+    collect_environment,
+    device_name,
+    import_optional,
+)
+from barqtrain.bench.report import format_table, format_value, write_json
+from barqtrain.bench.timing import time_calls
+
+TOKENS = 8192
+SHAPES = ((4096, 14336), (4096, 4096), (14336, 4096))  # (in_features, out_features) of W
+RANK = 16
+
+
+def _time(run: Callable[[], Any]) -> float:
+    return time_calls(lambda _: run(), [None]).gpu_ms
+
+
+def _bnb_state(bnb: Any, weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    return bnb.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+
+
+def _dequant_rows(quant: Any, bnb: Any, copy_tbps: float, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for in_features, out_features in SHAPES:
+        weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
+        packed = quant.quantize_4bit(weight)
+        numel = weight.numel()
+        moved = numel // 2 + numel * 2 + numel // 64 + (numel // 64 // 256) * 4  # packed + out + absmax bytes
+        ms = _time(lambda: quant.dequantize_4bit(packed))
+        row = {"shape": f"{out_features}x{in_features}", "barqtrain_ms": ms,
+               "barqtrain_tbps": moved / (ms * 1e-3) / 1e12}  # fmt: skip
+        row["barqtrain_vs_copy"] = row["barqtrain_tbps"] / copy_tbps
+        if bnb is not None:
+            bnb_packed, state = _bnb_state(bnb, weight)
+            bnb_ms = _time(lambda: bnb.functional.dequantize_4bit(bnb_packed, state))
+            row.update(bitsandbytes_ms=bnb_ms, bitsandbytes_vs_copy=moved / (bnb_ms * 1e-3) / 1e12 / copy_tbps)
+        rows.append(row)
+    return rows
+
+
+def _gemm_rows(quant: Any, bnb: Any, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for in_features, out_features in SHAPES[:2]:
+        weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
+        packed = quant.quantize_4bit(weight)
+        for direction, a_cols in (("forward x Wᵀ", in_features), ("backward dy W", out_features)):
+            grad_input = direction.startswith("backward")
+            a = torch.randn(TOKENS, a_cols, device=device, dtype=torch.bfloat16)
+            dense = weight if grad_input else weight.T
+            cublas_ms = _time(lambda: a @ dense)
+            fused_ms = _time(lambda: quant.matmul_4bit(a, packed, grad_input=grad_input))
+            row = {"case": f"{TOKENS}x{a_cols} -> {in_features if grad_input else out_features}", "direction": direction,
+                   "cublas_bf16_ms": cublas_ms, "fused_4bit_ms": fused_ms, "fused_vs_cublas": fused_ms / cublas_ms}  # fmt: skip
+            if bnb is not None:
+                bnb_packed, state = _bnb_state(bnb, weight)
+
+                def bnb_run():
+                    w = bnb.functional.dequantize_4bit(bnb_packed, state)
+                    return a @ (w if grad_input else w.T)
+
+                row.update(bnb_dequant_matmul_ms=_time(bnb_run))
+            rows.append(row)
+    return rows
+
+
+def _step_rows(quant: Any, bnb: Any, peft: Any, device: torch.device) -> list[dict[str, Any]]:
+    from barqtrain.lora import LoraAdapter, Projection, lora_linear
+
+    rows = []
+    for in_features, out_features in SHAPES[:2]:
+        weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
+        packed = quant.Weight4bit(quant.quantize_4bit(weight))
+        lora_A = (torch.randn(RANK, in_features, device=device, dtype=torch.bfloat16) * 0.01).requires_grad_()
+        lora_B = (torch.randn(out_features, RANK, device=device, dtype=torch.bfloat16) * 0.01).requires_grad_()
+        x = torch.randn(TOKENS, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(TOKENS, out_features, device=device, dtype=torch.bfloat16)
+
+        def step(base):
+            y = lora_linear(x, Projection(base, None, LoraAdapter(lora_A, lora_B, 2.0)))
+            y.backward(dy)
+
+        bf16_ms, qlora_ms = _time(lambda: step(weight)), _time(lambda: step(packed))
+        row = {"case": f"{TOKENS}x{in_features} -> {out_features} r{RANK}", "bf16_lora_ms": bf16_ms,
+               "qlora_ms": qlora_ms, "qlora_vs_bf16_lora": qlora_ms / bf16_ms,
+               "bf16_weight_gib": weight.nbytes / 2**30,
+               "4bit_weight_gib": (packed.packed.packed.nbytes + packed.packed.absmax.nbytes) / 2**30}  # fmt: skip
+        if bnb is not None and peft is not None:
+            layer = _bnb_peft_layer(bnb, peft, weight, device)
+            row["bnb_peft_ms"] = _time(lambda: layer(x).backward(dy))
+        rows.append(row)
+    return rows
+
+
+def _bnb_peft_layer(bnb: Any, peft: Any, weight: torch.Tensor, device: torch.device) -> torch.nn.Module:
+    out_features, in_features = weight.shape
+    base = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    base.weight = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4", compress_statistics=True)
+    holder = torch.nn.Sequential(base.to(device))
+    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["0"])
+    model = peft.get_peft_model(holder, config, autocast_adapter_dtype=False)
+    return model.base_model.model[0].to(torch.bfloat16)
+
+
+def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
+    if not torch.cuda.is_available():
+        print("barqtrain bench qlora needs a CUDA GPU; nothing was measured or written.")
+        return
+    from barqtrain import quant
+
+    bnb = import_optional("bitsandbytes", "functional")
+    peft = import_optional("peft", "get_peft_model")
+    bnb = None if isinstance(bnb, Unavailable) else bnb
+    peft = None if isinstance(peft, Unavailable) else peft
+    device = torch.device("cuda")
+    print(f"{device_name()}: QLoRA (NF4, double-quantized absmax), bf16", flush=True)
+    ceilings = measure_ceilings(device)
+    dequant, gemm, step = (_dequant_rows(quant, bnb, ceilings.copy_tbps, device), _gemm_rows(quant, bnb, device),
+                           _step_rows(quant, bnb, peft, device))  # fmt: skip
+    print(format_table(
+        ("W", "barqtrain ms", "% of copy", "bitsandbytes ms", "% of copy"),
+        [(r["shape"], format_value(r["barqtrain_ms"], ".3f"), format_value(100 * r["barqtrain_vs_copy"], ".0f"),
+          format_value(r.get("bitsandbytes_ms"), ".3f"), format_value(100 * r.get("bitsandbytes_vs_copy", 0), ".0f"))
+         for r in dequant],
+    ))  # fmt: skip
+    print()
+    print(format_table(
+        ("GEMM", "direction", "cuBLAS bf16 ms", "fused 4-bit ms", "x cuBLAS", "bnb dequant+matmul ms"),
+        [(r["case"], r["direction"], format_value(r["cublas_bf16_ms"], ".3f"), format_value(r["fused_4bit_ms"], ".3f"),
+          format_value(r["fused_vs_cublas"], ".2f"), format_value(r.get("bnb_dequant_matmul_ms"), ".3f")) for r in gemm],
+    ))  # fmt: skip
+    print()
+    print(format_table(
+        ("LoRA linear fwd+bwd", "bf16 base ms", "4-bit base ms", "x bf16", "bnb+PEFT ms", "base GiB bf16/4-bit"),
+        [(r["case"], format_value(r["bf16_lora_ms"], ".3f"), format_value(r["qlora_ms"], ".3f"),
+          format_value(r["qlora_vs_bf16_lora"], ".2f"), format_value(r.get("bnb_peft_ms"), ".3f"),
+          f"{r['bf16_weight_gib']:.3f}/{r['4bit_weight_gib']:.3f}") for r in step],
+    ))  # fmt: skip
+    payload = {"benchmark": "qlora", "environment": collect_environment(command_line), "ceilings": ceilings.to_json(),
+               "dequant": dequant, "gemm": gemm, "lora_step": step}  # fmt: skip
+    print(f"Wrote {write_json(out_dir / 'qlora.json', payload)}")
