@@ -11,7 +11,12 @@ from barqtrain import _native
 _native.load()
 
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
-from barqtrain.ops.attention import attention, attention_reference, attention_rope_tables  # noqa: E402
+from barqtrain.ops.attention import (  # noqa: E402
+    attention,
+    attention_reference,
+    attention_rope_tables,
+    cu_seqlens_from_position_ids,
+)
 from barqtrain.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
 from barqtrain.ops.norm import (  # noqa: E402
@@ -31,6 +36,7 @@ __all__ = [
     "attention",
     "attention_reference",
     "attention_rope_tables",
+    "cu_seqlens_from_position_ids",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "glu",

@@ -49,6 +49,21 @@ def attention_rope_tables(
             (angles.sin() * attention_scaling).float().contiguous())
 
 
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """cu_seqlens (int32 [B + 1]) and the longest sequence of a packed row of tokens whose
+    positions restart at 0 at every sequence (Transformers' DataCollatorWithFlattening).
+
+    position_ids is [1, total] or [total]; one device sync (for the longest sequence).
+    """
+    flat = position_ids.reshape(-1)
+    if flat.numel() == 0 or flat[0].item() != 0:
+        raise ValueError("barqtrain: packed position_ids must start at 0 (each sequence restarts at 0)")
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    total = torch.tensor([flat.numel()], device=flat.device)
+    cu_seqlens = torch.cat((starts, total)).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
 # ------------------------------------------------------------------ reference
 
 

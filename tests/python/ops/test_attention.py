@@ -14,7 +14,7 @@ from op_testing import assert_no_worse_than_torch, poison_cuda_allocator, relati
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
-from barqtrain.ops import attention, attention_reference, attention_rope_tables
+from barqtrain.ops import attention, attention_reference, attention_rope_tables, cu_seqlens_from_position_ids
 
 # The module (barqtrain.ops.attention is the function of the same name).
 attention_impl = importlib.import_module("barqtrain.ops.attention")
@@ -126,6 +126,14 @@ def test_packed_rope_positions_restart_per_sequence():
     implicit = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, rope_cos=cos, rope_sin=sin)
     explicit = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, rope_cos=cos, rope_sin=sin, position_ids=restarting)
     assert torch.equal(implicit, explicit)
+
+
+def test_cu_seqlens_from_flattening_collator_position_ids():
+    position_ids = torch.cat([torch.arange(n) for n in (4, 1, 7)])[None]
+    cu_seqlens, longest = cu_seqlens_from_position_ids(position_ids)
+    assert cu_seqlens.tolist() == [0, 4, 5, 12] and cu_seqlens.dtype == torch.int32 and longest == 7
+    with pytest.raises(ValueError, match="must start at 0"):
+        cu_seqlens_from_position_ids(torch.arange(1, 5))
 
 
 def test_rope_tables_match_hf_rotary_embedding():
