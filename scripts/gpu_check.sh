@@ -5,6 +5,7 @@
 #
 #   scripts/gpu_check.sh OUTDIR            # every phase
 #   PHASES="build cpp python" scripts/gpu_check.sh OUTDIR
+#   PYTEST_ARGS="-m gpu" scripts/gpu_check.sh OUTDIR   # only the GPU tests (CI runs the rest)
 #
 # Wheels the machine lacks (e.g. liger-kernel) are installed from .whl/ when present;
 # GoogleTest is built from .deps/googletest when no installed copy is found.
@@ -64,7 +65,9 @@ build_and_run_cpp_tests() {
 }
 
 run_python_tests() {
-  (cd /tmp && $PYTHON -m pytest -q -p no:cacheprovider "$REPO/tests/python" --junitxml="$OUTDIR/pytest.xml")
+  # PYTEST_ARGS is split into words on purpose: it holds pytest options.
+  # shellcheck disable=SC2086
+  (cd /tmp && $PYTHON -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "$REPO/tests/python" --junitxml="$OUTDIR/pytest.xml")
 }
 
 # memcheck and racecheck over a representative subset (every tiling path of every kernel).
