@@ -48,6 +48,15 @@ NB_MODULE(_native, m) {
           nb::arg("texts"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
           nb::arg("num_threads") = 0)
       .def(
+          "encode_batch_with_offsets",
+          [](const Tokenizer& self, nb::handle texts, bool add_special_tokens, bool split_special_tokens,
+             size_t num_threads) {
+            return barqtrain::bindings::encode_batch_with_offsets(
+                self, texts, EncodeOptions{add_special_tokens, split_special_tokens}, num_threads);
+          },
+          nb::arg("texts"), nb::arg("add_special_tokens") = true, nb::arg("split_special_tokens") = false,
+          nb::arg("num_threads") = 0)
+      .def(
           "encode_batch_flat",
           [](const Tokenizer& self, nb::handle texts, bool add_special_tokens, bool split_special_tokens,
              size_t num_threads) {

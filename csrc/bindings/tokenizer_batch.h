@@ -1,4 +1,5 @@
-// encode_batch, encode_batch_flat and offset conversion for barqtrain.data._native
+// encode_batch, encode_batch_flat, encode_batch_with_offsets and offset conversion for
+// barqtrain.data._native
 // (included by data_module.cpp).
 //
 // Under the GIL they only take the UTF-8 buffers Python already holds for the str objects
@@ -127,6 +128,23 @@ inline std::vector<std::pair<size_t, size_t>> character_offsets(std::string_view
   out.reserve(offsets.size());
   for (const tokenizer::Span& span : offsets) out.emplace_back(character_at[span.start], character_at[span.end]);
   return out;
+}
+
+using IdsAndOffsets = std::pair<std::vector<tokenizer::TokenId>, std::vector<std::pair<size_t, size_t>>>;
+
+// (ids, character offsets) of each text; the encoding and the offset conversion run without the GIL.
+inline std::vector<IdsAndOffsets> encode_batch_with_offsets(const tokenizer::Tokenizer& self, nb::handle texts,
+                                                            const tokenizer::EncodeOptions& options,
+                                                            size_t num_threads) {
+  std::vector<std::string_view> views;
+  const nb::object keep_alive = utf8_views(texts, views);
+  nb::gil_scoped_release release;
+  std::vector<tokenizer::Tokenizer::Encoding> encodings = self.encode_batch_with_offsets(views, options, num_threads);
+  std::vector<IdsAndOffsets> results(encodings.size());
+  for (size_t i = 0; i < encodings.size(); ++i) {
+    results[i] = {std::move(encodings[i].ids), character_offsets(views[i], encodings[i].offsets)};
+  }
+  return results;
 }
 
 }  // namespace barqtrain::bindings

@@ -601,6 +601,16 @@ std::vector<std::vector<TokenId>> Tokenizer::encode_batch(const std::vector<std:
   return results;
 }
 
+std::vector<Tokenizer::Encoding> Tokenizer::encode_batch_with_offsets(const std::vector<std::string_view>& texts,
+                                                                      const EncodeOptions& options,
+                                                                      size_t num_threads) const {
+  std::vector<Encoding> results(texts.size());
+  run_chunks(texts.size(), chunk_size(texts.size()), num_threads, [&](size_t first, size_t last) {
+    for (size_t i = first; i < last; ++i) results[i] = encode_with_offsets(texts[i], options);
+  });
+  return results;
+}
+
 Tokenizer::FlatIds Tokenizer::encode_batch_flat(const std::vector<std::string_view>& texts,
                                                 const EncodeOptions& options, size_t num_threads) const {
   // Each chunk of texts is encoded into its own buffer, then the buffers are joined.

@@ -65,6 +65,10 @@ class Tokenizer {
     std::vector<TokenId> ids;
     std::vector<int64_t> offsets;  // texts.size() + 1 entries
   };
+  // encode_with_offsets() of each text, on num_threads threads as encode_batch.
+  std::vector<Encoding> encode_batch_with_offsets(const std::vector<std::string_view>& texts,
+                                                  const EncodeOptions& options = {}, size_t num_threads = 0) const;
+
   FlatIds encode_batch_flat(const std::vector<std::string_view>& texts, const EncodeOptions& options = {},
                             size_t num_threads = 0) const;
 

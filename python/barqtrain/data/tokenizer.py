@@ -67,15 +67,23 @@ class Tokenizer:
             return self._native.encode_with_offsets(text, add_special_tokens, split_special_tokens)
         return self._native.encode(text, add_special_tokens, split_special_tokens)
 
+    @overload
     def encode_batch(
-        self,
-        texts: Sequence[str],
-        add_special_tokens: bool = True,
-        split_special_tokens: bool = False,
-        num_threads: int = 0,
-    ) -> list[list[int]]:
+        self, texts: Sequence[str], add_special_tokens: bool = True, split_special_tokens: bool = False,
+        num_threads: int = 0, offsets: Literal[False] = False,
+    ) -> list[list[int]]: ...
+
+    @overload
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True, split_special_tokens: bool = False,
+        num_threads: int = 0, *, offsets: Literal[True],
+    ) -> list[tuple[list[int], list[tuple[int, int]]]]: ...
+
+    def encode_batch(self, texts, add_special_tokens=True, split_special_tokens=False, num_threads=0, offsets=False):
         """encode() of each text, on num_threads threads (0: every core) of a persistent pool,
-        without the GIL."""
+        without the GIL; with offsets, (ids, offsets) for each text as encode(offsets=True)."""
+        if offsets:
+            return self._native.encode_batch_with_offsets(texts, add_special_tokens, split_special_tokens, num_threads)
         return self._native.encode_batch(texts, add_special_tokens, split_special_tokens, num_threads)
 
     def encode_batch_flat(

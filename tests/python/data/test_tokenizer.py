@@ -93,6 +93,15 @@ def test_offsets_match_hugging_face(pair):
             assert (ids, offsets) == (expected.ids, [tuple(o) for o in expected.offsets]), repr(text[:200])
 
 
+
+def test_batch_offsets_match_hugging_face(pair):
+    ours, theirs = pair
+    texts = SCRIPTS + ADVERSARIAL + [CODE] + shakespeare_lines()[:300]
+    expected = [(e.ids, [tuple(o) for o in e.offsets]) for e in theirs.encode_batch(texts)]
+    for threads in (1, 2):
+        assert ours.encode_batch(texts, num_threads=threads, offsets=True) == expected
+    assert ours.encode_batch([], offsets=True) == []
+
 def test_matches_hugging_face_on_shakespeare_and_chinese(pair):
     ours, theirs = pair
     texts = shakespeare_lines() + chinese_instructions()
