@@ -100,7 +100,10 @@ class FileData:
             self.kind = f"{dataset.num_tokens:,} tokens"
         if len(dataset) == 0:
             raise ConfigError(f"data.path: {data.path} has no records")
-        self.dataset = dataset
+        # The shards stay memory-mapped, so keeping them costs nothing; a file's arrays are
+        # dropped once the loaders hold their copy, and only their largest id is kept.
+        self.shards = dataset if data.format == "pretokenized" else None
+        self._max_token_id = None if self.shards is not None else dataset.max_token_id()
         train_set, eval_set = split_held_out(dataset, data.eval_split, config.seed, data.path)
         # Without packing, a shuffle window of one puts each sequence in a row of its own.
         options = {} if data.packing else {"shuffle_window": 1}
@@ -118,10 +121,12 @@ class FileData:
     def token_id_outside(self, vocab_size: int) -> int | None:
         """The largest token id when it has no embedding in a vocabulary of vocab_size, else
         None. Shards whose tokenizer has at most vocab_size ids are not scanned."""
-        id_bound = getattr(self.dataset, "metadata", {}).get("id_bound")
-        if id_bound is not None and id_bound <= vocab_size:
+        if self.shards is None:
+            largest = self._max_token_id
+        elif self.shards.metadata.get("id_bound", vocab_size + 1) <= vocab_size:
             return None
-        largest = self.dataset.max_token_id()
+        else:
+            largest = self.shards.max_token_id()
         return largest if largest >= vocab_size else None
 
     def next(self) -> dict[str, torch.Tensor]:

@@ -41,17 +41,17 @@ def test_shards_train_exactly_like_the_file_they_came_from(model_dir, alpaca_jso
 
 def test_the_held_out_split_reads_the_shards_in_place(model_dir, shard_dir, tmp_path):
     data = FileData(shard_config(model_dir, shard_dir, tmp_path / "run"), pin_memory=False)
-    assert data.dataset.num_shards > 1
+    assert data.shards.num_shards > 1
     train_source, eval_source = data.loader.source, data.eval_loader.source
     assert type(train_source).__name__ == "SubsetSequences" and type(eval_source).__name__ == "SubsetSequences"
-    assert len(train_source) + len(eval_source) == len(data.dataset)
-    assert train_source.num_tokens + eval_source.num_tokens == data.dataset.num_tokens
+    assert len(train_source) + len(eval_source) == len(data.shards)
+    assert train_source.num_tokens + eval_source.num_tokens == data.shards.num_tokens
     # Every held-out sequence is one of the dataset's, unchanged.
-    all_sequences = {tuple(data.dataset.source.sequence(i)[0]) for i in range(len(data.dataset))}
+    all_sequences = {tuple(data.shards.source.sequence(i)[0]) for i in range(len(data.shards))}
     assert all(tuple(eval_source.sequence(i)[0]) in all_sequences for i in range(len(eval_source)))
     # GPT-2's 50257 ids fit the model's vocabulary: the shards are not scanned for the check.
     assert data.token_id_outside(50257) is None
-    assert data.token_id_outside(1000) == data.dataset.max_token_id() >= 1000
+    assert data.token_id_outside(1000) == data.shards.max_token_id() >= 1000
 
 
 def test_resume_on_shards_gives_the_same_losses(model_dir, shard_dir, tmp_path):
