@@ -32,7 +32,7 @@ _MAX_HEAD_DIM_FORWARD = 256
 _MAX_HEAD_DIM_BACKWARD = 128
 # Looked up once: torch.compile traces `attention` and must not see the dispatcher query.
 _HAS_CUDA_KERNELS = _native.has_cuda_kernels("attention_forward")
-_warned_reasons: set[str] = set()
+_warned_reasons: set[str] = set()  # warning messages already given
 
 
 def attention_rope_tables(
@@ -256,10 +256,12 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, rope_cos, rope_sin, posit
             )
 
 
-def _unsupported_reason(q, rope_cos, needs_grad: bool) -> str | None:
-    """Why the CUDA kernels cannot run this call, or None."""
+def kernel_unsupported_reason(q: torch.Tensor, rotary_dim: int | None, needs_grad: bool) -> str | None:
+    """Why the CUDA kernels cannot compute attention of q (with fused RoPE over rotary_dim
+    dimensions, None for no RoPE), or None when they can or when q is on the CPU, where the
+    op runs its reference."""
     if not q.is_cuda:
-        return None  # the CPU op runs the reference
+        return None
     if not _HAS_CUDA_KERNELS:
         return "barqtrain was built without CUDA kernels"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -269,15 +271,17 @@ def _unsupported_reason(q, rope_cos, needs_grad: bool) -> str | None:
     if head_dim % 8 or head_dim > limit:
         return (f"head_dim {head_dim} (the {'backward' if needs_grad else 'forward'} kernels take multiples of 8 "
                 f"up to {limit})")
-    if rope_cos is not None and (2 * rope_cos.shape[-1]) % 16:
-        return f"rotary_dim {2 * rope_cos.shape[-1]} (fused RoPE takes multiples of 16)"
+    if rotary_dim is not None and rotary_dim % 16:
+        return f"rotary_dim {rotary_dim} (fused RoPE takes multiples of 16)"
     return None
 
 
-def _warn_fallback(reason: str) -> None:
-    if reason not in _warned_reasons:
-        _warned_reasons.add(reason)
-        warnings.warn(f"barqtrain attention: falling back to PyTorch for {reason}", stacklevel=3)
+def warn_fallback(reason: str, fallback: str = "PyTorch") -> None:
+    """One warning per process for each reason attention calls fall back to `fallback`."""
+    message = f"barqtrain attention: falling back to {fallback} for {reason}"
+    if message not in _warned_reasons:
+        _warned_reasons.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, softcap, causal, window_left, window_right, cos, sin,
@@ -341,9 +345,9 @@ def attention(
     if rope_cos is not None:
         rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    reason = _unsupported_reason(q, rope_cos, needs_grad)
+    reason = kernel_unsupported_reason(q, None if rope_cos is None else 2 * rope_cos.shape[-1], needs_grad)
     if reason is not None:
-        _warn_fallback(reason)
+        warn_fallback(reason)
         return _fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, softcap, causal, window_left, window_right,
                          rope_cos, rope_sin, positions)
     o, _ = torch.ops.barqtrain.attention_forward(

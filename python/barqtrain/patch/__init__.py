@@ -11,12 +11,14 @@ Per family (the Hugging Face classes change, so models created afterwards are pa
     barqtrain.apply_to_llama()              # or apply_to_family("llama")
     barqtrain.revert_class_patches()
 
-Both take ops=(...) to patch in only some of OPS: rms_norm, glu (SwiGLU/GeGLU), rope,
-add_rms_norm (the residual add before a decoder layer's second norm),
+Both take ops=(...) to patch in only some of OPS, the default ops: rms_norm, glu
+(SwiGLU/GeGLU), rope, add_rms_norm (the residual add before a decoder layer's second norm),
 linear_cross_entropy (the training loss of <Family>ForCausalLM without the logits: in
 training with labels, its output's logits are None), and lora (PEFT's LoRA Linear layers,
 and with them the MLP and the q/k/v projections as single functions; instance patching
-only, see lora.py).
+only, see lora.py). ALL_OPS adds the opt-in ones (OPT_IN_OPS says why each is): attention,
+BarqTrain's attention kernels with RoPE fused in, e.g. ops=(*OPS, "attention") (see
+docs/attention.md).
 """
 
 from barqtrain.patch.classes import (
@@ -31,13 +33,22 @@ from barqtrain.patch.classes import (
     apply_to_qwen3,
     revert_class_patches,
 )
-from barqtrain.patch.families import FAMILIES, OPS, SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from barqtrain.patch.families import (
+    ALL_OPS,
+    FAMILIES,
+    OPS,
+    OPT_IN_OPS,
+    SUPPORTED_MODEL_TYPES,
+    UnsupportedModelError,
+)
 from barqtrain.patch.instance import patch_model, unpatch_model
 from barqtrain.patch.report import ClassNotPatched, ClassPatchReport, NotPatched, PatchedOp, PatchReport
 
 __all__ = [
+    "ALL_OPS",
     "FAMILIES",
     "OPS",
+    "OPT_IN_OPS",
     "SUPPORTED_MODEL_TYPES",
     "ClassNotPatched",
     "ClassPatchReport",

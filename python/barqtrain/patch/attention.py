@@ -1,17 +1,27 @@
-"""Attention-module replacements: Hugging Face's attention forward with RoPE computed by
-barqtrain.ops.apply_rope instead of apply_rotary_pos_emb.
+"""Attention-module replacements. Each family's attention class has two, one per op:
 
-Everything else is what Hugging Face does: the projections (called, so PEFT LoRA keeps
-working; q, k and v are one barqtrain.lora.lora_projections where they are LoRA layers
-patched by BarqTrain and plain nn.Linear), Qwen3's and Gemma 3's q/k norms, the KV-cache
-update, and the attention itself through the function Hugging Face selects from config._attn_implementation, with each
-family's sliding window, softcap and scaling. The families' forwards differ only in the
-few ways an AttentionVariant names; one function computes them all.
+- rope (a default op): Hugging Face's attention forward with RoPE computed by
+  barqtrain.ops.apply_rope instead of apply_rotary_pos_emb. Everything else is what Hugging
+  Face does: the projections (called, so PEFT LoRA keeps working; q, k and v are one
+  barqtrain.lora.lora_projections where they are LoRA layers patched by BarqTrain and plain
+  nn.Linear), Qwen3's and Gemma 3's q/k norms, the KV-cache update, and the attention itself
+  through the function Hugging Face selects from config._attn_implementation, with each
+  family's sliding window, softcap and scaling.
+- attention (opt-in, see FUSED_OP_OPT_IN): the same projections, then barqtrain.ops.attention
+  with RoPE fused into its q/k loads (Hugging Face's own cos/sin of this call as the tables),
+  the family's window, softcap and scaling, GQA, and no token attending across a sequence
+  boundary of a packed batch (see sequence_layout). Calls it does not cover go the rope way,
+  with one warning per reason.
+
+The families' forwards differ only in the few ways an AttentionVariant names; one function
+computes them all.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,6 +31,7 @@ from torch import nn
 
 from barqtrain import ops
 from barqtrain.lora import lora_projections
+from barqtrain.ops.attention import kernel_unsupported_reason, warn_fallback
 from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, simple_name
 
@@ -28,6 +39,18 @@ if TYPE_CHECKING:
     from transformers.modeling_utils import AttentionInterface
 
 OP = "rope"
+FUSED_OP = "attention"
+
+# Why FUSED_OP is not a default op, as the patch report says it (csrc/kernels/attention/NOTES.md
+# has the measurements, barqtrain.bench.attention the benchmark).
+FUSED_OP_OPT_IN = (
+    "opt-in (ops=(*barqtrain.patch.OPS, 'attention')): BarqTrain's attention kernels are still slower than "
+    "PyTorch SDPA's flash backend (H200, bf16, causal B4 H32 S4096 D128: forward 205 vs 327 TFLOP/s, "
+    "forward+backward 169 vs 297)"
+)
+
+# What the fallback of FUSED_OP runs, as its warnings name it.
+_HUGGING_FACE_ATTENTION = "Hugging Face's attention (with BarqTrain's RoPE)"
 
 # (module, query, key, value, attention_mask, **kwargs) -> (attn_output, attn_weights)
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -81,7 +104,7 @@ def _hf_attention_dispatch(modeling_module: str) -> tuple[AttentionInterface, At
 def _project_qkv(
     attention: nn.Module, hidden_states: torch.Tensor, variant: AttentionVariant
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query, key and value as [batch, heads, seq, head_dim]."""
+    """Query, key and value as [batch, seq, heads, head_dim] (views of the projections)."""
     hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
     if variant.fused_qkv:
         qkv = attention.qkv_proj(hidden_states)
@@ -100,7 +123,7 @@ def _project_qkv(
         # Over head_dim, so before the transpose (Qwen3) or after it (Gemma 3) computes the
         # same; before, the rows are contiguous.
         query, key = attention.q_norm(query), attention.k_norm(key)
-    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    return query, key, value
 
 
 def _rotate(
@@ -146,8 +169,32 @@ def attend(
     )
 
 
+def _hugging_face_attention(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any,
+    variant: AttentionVariant,
+    modeling_module: str,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rest of Hugging Face's forward after the projections ([batch, seq, heads, head_dim]),
+    with BarqTrain's RoPE: the rope op's forward, and FUSED_OP's fallback."""
+    cos, sin = position_embeddings
+    query, key = _rotate(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    value = value.transpose(1, 2)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, attention.layer_idx)
+    attn_output, attn_weights = attend(attention, query, key, value, attention_mask, variant, modeling_module, **kwargs)
+    attn_output = attn_output.reshape(*attn_output.shape[:2], -1).contiguous()
+    return attention.o_proj(attn_output), attn_weights
+
+
 def attention_with_rope(module_class: str, variant: AttentionVariant) -> ModuleReplacement:
-    """The replacement of one family's attention class."""
+    """The rope op's replacement of one family's attention class."""
     # Where the class is defined, with the attention functions its forward dispatches to.
     modeling_module = module_class.rsplit(".", 1)[0]
 
@@ -160,13 +207,293 @@ def attention_with_rope(module_class: str, variant: AttentionVariant) -> ModuleR
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query, key, value = _project_qkv(self, hidden_states, variant)
-        cos, sin = position_embeddings
-        query, key = _rotate(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attn_output, attn_weights = attend(self, query, key, value, attention_mask, variant, modeling_module, **kwargs)
-        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return _hugging_face_attention(
+            self, query, key, value, position_embeddings, attention_mask, past_key_values, variant, modeling_module,
+            kwargs,
+        )
 
     forward.__qualname__ = f"attention_with_rope({simple_name(module_class)}).forward"
     return ModuleReplacement(OP, module_class, forward)
+
+
+# ------------------------------------------------------------------ the fused attention op
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which tokens of a [batch, seq] call attend to which, for barqtrain.ops.attention."""
+
+    # Flat indices (into batch * seq) of the tokens that are not padding; None: every token.
+    kept: torch.Tensor | None
+    # int32 [sequences + 1] prefix sums over the kept tokens; None: each row is one sequence.
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+
+# Masks are compared a block of query rows at a time, so that the comparison needs no more
+# than this many elements per temporary however long the sequence.
+_MASK_CHECK_ELEMENTS = 1 << 24
+
+
+def _mask_matches(
+    visible: torch.Tensor, valid: torch.Tensor, sequence_ids: torch.Tensor, window: int | None
+) -> bool:
+    """Whether the prepared 4D mask `visible` ([batch, seq, seq], True where query i sees key j)
+    is what Hugging Face makes of causal attention, the family's window and the padding, with or
+    without the packed sequences: then the layout computes the same (plus packing, the point of
+    it, where Hugging Face's mask leaves it out, as it does when a KV cache is passed). Rows of
+    padding queries are not compared: their outputs are zero, as in Transformers' flash path."""
+    seq = visible.shape[-1]
+    keys = torch.arange(seq, device=visible.device)
+    rows_per_block = max(1, _MASK_CHECK_ELEMENTS // (visible.shape[0] * seq))
+    for start in range(0, seq, rows_per_block):
+        queries = keys[start : start + rows_per_block, None]
+        implied = (keys[None, :] <= queries) & valid[:, None, :]
+        if window is not None:
+            implied &= keys[None, :] > queries - window
+        same_sequence = sequence_ids[:, start : start + rows_per_block, None] == sequence_ids[:, None, :]
+        given = visible[:, start : start + rows_per_block]
+        compared = valid[:, start : start + rows_per_block, None]
+        matches_plain = ((given == implied) | ~compared).all()
+        matches_packed = ((given == (implied & same_sequence)) | ~compared).all()
+        if not (matches_plain | matches_packed).item():
+            return False
+    return True
+
+
+def sequence_layout(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+    batch: int,
+    seq: int,
+    window: int | None,
+) -> SequenceLayout | str:
+    """The layout of one call, or why the fused op cannot compute it.
+
+    Padding comes from the attention mask as the layer receives it: None (no padding), the 2D
+    [batch, seq] mask of the flash implementations, or the prepared 4D mask of eager/SDPA
+    (a token is padding when it cannot see itself), which must then be causal + window +
+    padding (+ packing): anything else, e.g. a custom 4D mask, is refused rather than
+    reinterpreted. Sequences start at each row's start and, as in Transformers' packed-sequence
+    detection, wherever position_ids do not step by 1 (DataCollatorWithFlattening, PackedLoader),
+    or at the cu_seq_lens Transformers passes with return_flash_attn_kwargs=True.
+    """
+    device = attention_mask.device if attention_mask is not None else None
+    valid = None
+    visible = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 2:
+            if tuple(attention_mask.shape) != (batch, seq):
+                return f"a 2D attention mask of shape {list(attention_mask.shape)} for {batch} rows of {seq} tokens"
+            valid = attention_mask.bool()
+        elif attention_mask.dim() == 4:
+            if attention_mask.shape[1] != 1 or attention_mask.shape[0] not in (1, batch) or tuple(
+                attention_mask.shape[2:]
+            ) != (seq, seq):
+                return (
+                    f"a 4D attention mask of shape {list(attention_mask.shape)} (the fused op takes "
+                    f"[{batch}, 1, {seq}, {seq}]: no cached tokens)"
+                )
+            as_bool = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            visible = as_bool[:, 0].expand(batch, seq, seq)
+            valid = visible.diagonal(dim1=1, dim2=2)
+        else:
+            return f"an attention mask of {attention_mask.dim()} dimensions"
+
+    for t in (position_ids, cu_seq_lens):
+        if t is not None:
+            device = t.device
+    starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+    starts[:, 0] = True
+    if cu_seq_lens is not None:
+        if cu_seq_lens.dim() != 1 or cu_seq_lens[-1].item() != batch * seq:
+            return f"cu_seq_lens {list(cu_seq_lens.shape)} not ending at the {batch * seq} tokens of the batch"
+        starts.view(-1)[cu_seq_lens[:-1].long()] = True
+    elif position_ids is not None:
+        positions = position_ids.expand(batch, seq)
+        starts[:, 1:] |= positions[:, 1:] - positions[:, :-1] != 1
+    sequence_ids = starts.view(-1).cumsum(0).view(batch, seq)
+
+    if visible is not None and not _mask_matches(visible, valid, sequence_ids, window):
+        return "an attention mask that is not causal attention with padding (e.g. a custom 4D mask)"
+
+    flat_starts = starts.view(-1)
+    kept = None
+    if valid is not None and not bool(valid.all()):
+        kept = valid.reshape(-1).nonzero().view(-1)
+        if kept.numel() == 0:
+            return "a batch made of padding only"
+        # Among the kept tokens, a sequence starts where the sequence id changes (its first
+        # tokens may have been padding).
+        kept_ids = sequence_ids.view(-1)[kept]
+        flat_starts = torch.ones_like(kept, dtype=torch.bool)
+        flat_starts[1:] = kept_ids[1:] != kept_ids[:-1]
+    sequence_starts = flat_starts.nonzero().view(-1)
+    if kept is None and sequence_starts.numel() == batch:
+        return SequenceLayout(None, None, seq)
+    total = torch.tensor([flat_starts.numel()], device=sequence_starts.device)
+    cu_seqlens = torch.cat((sequence_starts, total)).to(torch.int32)
+    return SequenceLayout(kept, cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()))
+
+
+class _LayoutCache:
+    """The layouts of the last few distinct (mask, position_ids, cu_seq_lens) tensors: every
+    layer of one model call passes the same ones (one mask per layer type), so a model call
+    computes its layout (a device sync, and a pass over a 4D mask) once, not once per layer,
+    and the recomputation of gradient checkpointing finds it again."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple, tuple[tuple, SequenceLayout | str]] = OrderedDict()
+
+    @staticmethod
+    def _identity(t: torch.Tensor | None) -> tuple | None:
+        # The version counter: a buffer refilled in place (a data loader's) is a new input.
+        return None if t is None else (weakref.ref(t), t._version)
+
+    def layout(
+        self,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cu_seq_lens: torch.Tensor | None,
+        batch: int,
+        seq: int,
+        window: int | None,
+    ) -> SequenceLayout | str:
+        tensors = (attention_mask, position_ids, cu_seq_lens)
+        key = (*(id(t) for t in tensors), batch, seq, window)
+        identities = tuple(self._identity(t) for t in tensors)
+        cached = self._entries.get(key)
+        if cached is not None:
+            held, layout = cached
+            if all(
+                (h is None and t is None) or (h is not None and t is not None and h[0]() is t and h[1] == t._version)
+                for h, t in zip(held, tensors, strict=True)
+            ):
+                self._entries.move_to_end(key)
+                return layout
+        layout = sequence_layout(attention_mask, position_ids, cu_seq_lens, batch, seq, window)
+        self._entries[key] = (identities, layout)
+        if len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return layout
+
+
+_layouts = _LayoutCache(size=8)
+
+
+def _fallback_reason(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    attention_mask: Any,
+    past_key_values: Any,
+    kwargs: dict[str, Any],
+) -> str | None:
+    """Why barqtrain.ops.attention does not compute this call, or None."""
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (the kernels never form the attention weights)"
+    if kwargs.get("is_causal") is False:
+        return "is_causal=False (bidirectional attention)"
+    dropout = attention.attention_dropout if attention.training else 0.0
+    if dropout > 0:
+        return f"attention dropout {dropout} in training"
+    if past_key_values is not None and past_key_values.get_seq_length(attention.layer_idx) > 0:
+        return "a KV cache holding earlier tokens (generation)"
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"an attention mask of type {type(attention_mask).__name__} (e.g. flex_attention's BlockMask)"
+    if query.device.type not in ("cpu", "cuda"):
+        return f"device {query.device.type}"
+    if not (query.dtype == key.dtype == value.dtype):
+        return f"q, k and v of different dtypes ({query.dtype}, {key.dtype}, {value.dtype})"
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return kernel_unsupported_reason(query, cos.shape[-1], needs_grad)
+
+
+def _fused_attention(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    layout: SequenceLayout,
+    variant: AttentionVariant,
+) -> torch.Tensor:
+    """Attention of [batch, seq, heads, head_dim] projections through barqtrain.ops.attention;
+    returns [batch, seq, q_heads * head_dim]."""
+    batch, seq, heads, head_dim = query.shape
+    cos, sin = position_embeddings
+    # Hugging Face's tables repeat their first half (rotate_half); the op takes one half per
+    # token, indexed by the token's flat position in the batch.
+    half = cos.shape[-1] // 2
+    rope_cos = cos[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
+    rope_sin = sin[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
+    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
+    options = dict(
+        causal=True,
+        softmax_scale=attention.scaling,
+        softcap=(attention.attn_logit_softcapping or 0.0) if variant.softcap else 0.0,
+        window_left=window - 1 if window is not None else -1,
+        rope_cos=rope_cos,
+        rope_sin=rope_sin,
+    )
+    if layout.cu_seqlens is None:
+        positions = torch.arange(batch * seq, device=query.device).view(batch, seq)
+        output = ops.attention(query, key, value, position_ids=positions, **options)
+        return output.reshape(batch, seq, -1)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(batch * seq, *t.shape[2:])
+        return t if layout.kept is None else t[layout.kept]
+
+    positions = layout.kept if layout.kept is not None else torch.arange(batch * seq, device=query.device)
+    output = ops.attention(
+        rows(query), rows(key), rows(value), cu_seqlens_q=layout.cu_seqlens, cu_seqlens_k=layout.cu_seqlens,
+        max_seqlen_q=layout.max_seqlen, max_seqlen_k=layout.max_seqlen, position_ids=positions, **options,
+    )
+    if layout.kept is not None:
+        # Padding tokens' outputs are zero, as in Transformers' flash-attention path.
+        output = output.new_zeros(batch * seq, heads, head_dim).index_copy(0, layout.kept, output)
+    return output.reshape(batch, seq, -1)
+
+
+def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleReplacement:
+    """FUSED_OP's replacement of one family's attention class."""
+    modeling_module = module_class.rsplit(".", 1)[0]
+
+    def forward(
+        self: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query, key, value = _project_qkv(self, hidden_states, variant)
+        cos, _ = position_embeddings
+        reason = _fallback_reason(self, query, key, value, cos, attention_mask, past_key_values, kwargs)
+        if reason is None:
+            window = variant.sliding_window(self) if variant.sliding_window is not None else None
+            layout = _layouts.layout(
+                attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window
+            )
+            reason = layout if isinstance(layout, str) else None
+        if reason is not None:
+            warn_fallback(reason, _HUGGING_FACE_ATTENTION)
+            return _hugging_face_attention(
+                self, query, key, value, position_embeddings, attention_mask, past_key_values, variant,
+                modeling_module, kwargs,
+            )
+        if past_key_values is not None:
+            # An empty cache (a forward with use_cache=True) is filled as Hugging Face fills it:
+            # with the rotated keys, which the fused op never writes out.
+            _, rotated_key = _rotate(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
+            past_key_values.update(rotated_key, value.transpose(1, 2), self.layer_idx)
+        attn_output = _fused_attention(self, query, key, value, position_embeddings, layout, variant)
+        return self.o_proj(attn_output), None
+
+    forward.__qualname__ = f"fused_attention({simple_name(module_class)}).forward"
+    return ModuleReplacement(FUSED_OP, module_class, forward)

@@ -17,7 +17,17 @@ from collections import defaultdict
 from collections.abc import Callable, Collection
 
 from barqtrain.patch.fallback import saved_class_forwards
-from barqtrain.patch.families import FAMILIES, FAMILY_BY_NAME, OPS, REPLACEMENT_FORWARDS, ModelFamily, checked_ops
+from barqtrain.patch.families import (
+    FAMILIES,
+    FAMILY_BY_NAME,
+    OPS,
+    REPLACEMENT_FORWARDS,
+    ModelFamily,
+    checked_ops,
+    chosen_row,
+    reason_row_not_chosen,
+    rows_by_class,
+)
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name, resolve_class, simple_name
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
@@ -51,7 +61,7 @@ def _defines_own_forward(cls: type) -> bool:
 def _reason_not_to_patch(cls: type, replacement: ModuleReplacement, ops: Collection[str]) -> str | None:
     if qualified_name(cls) != replacement.module_class:
         return CLASS_REPLACED
-    if vars(cls).get("forward") is replacement.forward:
+    if vars(cls).get("forward") in REPLACEMENT_FORWARDS:
         return ALREADY_PATCHED
     if replacement.op not in ops:
         return NOT_REQUESTED
@@ -62,14 +72,18 @@ def _reason_not_to_patch(cls: type, replacement: ModuleReplacement, ops: Collect
 
 def apply_to_family(family: str, *, ops: Collection[str] = OPS) -> ClassPatchReport:
     """Patch the Hugging Face classes of `family` (a name of barqtrain.patch.FAMILIES) with
-    the requested ops (default: all of barqtrain.patch.OPS). Calling it again does nothing new."""
+    the requested ops (default: barqtrain.patch.OPS). Calling it again does nothing new."""
     requested = checked_ops(ops)
     model_family = _family_named(family)
     patched: dict[str, list[str]] = defaultdict(list)
     not_patched = []
-    for replacement in model_family.replacements:
+    for rows in rows_by_class(model_family.replacements).values():
+        replacement = chosen_row(rows, requested)
         cls = resolve_class(replacement.module_class)
         class_name = simple_name(replacement.module_class)
+        for other in rows:
+            if other is not replacement:
+                not_patched.append(ClassNotPatched(other.op, class_name, reason_row_not_chosen(other, replacement, requested)))
         reason = _reason_not_to_patch(cls, replacement, requested)
         if reason is None:
             saved_class_forwards[cls] = vars(cls)["forward"]

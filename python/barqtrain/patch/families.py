@@ -2,15 +2,16 @@
 which BarqTrain op. Instance patching (patch_model) and class-level patching
 (apply_to_<family>) both read it.
 
-A new op adds its replacement forwards in a module of its own, its name to OPS with a
+A new op adds its replacement forwards in a module of its own, its name to ALL_OPS with a
 detector in OP_DETECTORS, and its rows to _family (or to SHARED_REPLACEMENTS when its class
 is the same in every family, as PEFT's LoRA layers are); a new family adds one _family(...)
-line, whose arguments say how it differs from Llama.
+line, whose arguments say how it differs from Llama. A class may have rows of several ops
+(the attention classes: rope, or the fused attention op): the first requested one patches it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from barqtrain.patch import attention, causal_lm, decoder_layer, lora, mlp, rmsnorm
 from barqtrain.patch.attention import AttentionVariant, config_sliding_window, layer_sliding_window
 from barqtrain.patch.replacement import ModuleReplacement, hf_class_path
+from barqtrain.patch.report import NOT_REQUESTED
 from barqtrain.patch.rmsnorm import GEMMA_STYLE, LLAMA_STYLE, RMSNormClass, RMSNormStyle
 
 
@@ -26,7 +28,13 @@ class UnsupportedModelError(ValueError):
 
 
 # Every op that patching can route modules through, in report order.
-OPS: tuple[str, ...] = (rmsnorm.OP, mlp.OP, attention.OP, decoder_layer.OP, causal_lm.OP, lora.OP)
+ALL_OPS: tuple[str, ...] = (
+    rmsnorm.OP, mlp.OP, attention.OP, attention.FUSED_OP, decoder_layer.OP, causal_lm.OP, lora.OP
+)
+
+# The ops patched in when a caller names none, and why each of the others is not one of them.
+OPT_IN_OPS: dict[str, str] = {attention.FUSED_OP: attention.FUSED_OP_OPT_IN}
+OPS: tuple[str, ...] = tuple(op for op in ALL_OPS if op not in OPT_IN_OPS)
 
 # Per op: how to recognize a module of that kind that no row covers, so that it is
 # reported as not patched instead of passing unnoticed.
@@ -83,6 +91,8 @@ def _family(
         (
             norm.replacement(),
             (mlp.fused_gate_up_mlp if fused_gate_up else mlp.gate_up_mlp)(path("MLP")),
+            # The fused op first: where both are requested, it computes RoPE too.
+            attention.fused_attention(path("Attention"), attention_variant),
             attention.attention_with_rope(path("Attention"), attention_variant),
             layer,
             causal_lm.causal_lm(path("ForCausalLM"), final_logit_softcapping=final_logit_softcapping),
@@ -146,10 +156,31 @@ def family_for(model_type: str, model_class: str) -> ModelFamily:
 
 
 def checked_ops(ops: Collection[str]) -> frozenset[str]:
-    """The ops a caller asked for, validated against OPS."""
+    """The ops a caller asked for, validated against ALL_OPS."""
     if isinstance(ops, str):
         raise TypeError(f"barqtrain: ops must be a collection of op names such as ({ops!r},), not a string")
-    unknown = sorted(set(ops) - set(OPS))
+    unknown = sorted(set(ops) - set(ALL_OPS))
     if unknown:
-        raise ValueError(f"barqtrain: unknown op(s) {', '.join(map(repr, unknown))}; the ops are {', '.join(OPS)}")
+        raise ValueError(f"barqtrain: unknown op(s) {', '.join(map(repr, unknown))}; the ops are {', '.join(ALL_OPS)}")
     return frozenset(ops)
+
+
+def rows_by_class(rows: Sequence[ModuleReplacement]) -> dict[str, tuple[ModuleReplacement, ...]]:
+    """The rows of each module class, in table order."""
+    by_class: dict[str, tuple[ModuleReplacement, ...]] = {}
+    for row in rows:
+        by_class[row.module_class] = (*by_class.get(row.module_class, ()), row)
+    return by_class
+
+
+def chosen_row(rows: Sequence[ModuleReplacement], requested: Collection[str]) -> ModuleReplacement:
+    """The row that patches a class: its first requested one, else its row of a default op
+    (which then reports that it was not requested, or already patched)."""
+    return next((row for row in rows if row.op in requested), None) or next(row for row in rows if row.op in OPS)
+
+
+def reason_row_not_chosen(row: ModuleReplacement, chosen: ModuleReplacement, requested: Collection[str]) -> str:
+    """Why another row of the chosen row's class does not patch it."""
+    if row.op in requested:
+        return f"computed by the {chosen.op} op, which patches this class"
+    return OPT_IN_OPS.get(row.op, NOT_REQUESTED)

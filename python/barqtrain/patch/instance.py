@@ -15,12 +15,16 @@ from types import MethodType
 from torch import nn
 
 from barqtrain.patch.families import (
+    ALL_OPS,
     OP_DETECTORS,
     OPS,
     REPLACEMENT_FORWARDS,
     SHARED_REPLACEMENTS,
     checked_ops,
+    chosen_row,
     family_for,
+    reason_row_not_chosen,
+    rows_by_class,
 )
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name
 from barqtrain.patch.report import (
@@ -76,8 +80,8 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
 
     `model` is a Hugging Face PreTrainedModel or a PEFT model wrapping one; it is changed in
     place and keeps its parameters, so optimizers and checkpoints made before still apply.
-    `ops` picks the ops to patch in, by name (default: all of barqtrain.patch.OPS), e.g.
-    `ops=("rms_norm", "glu")`. Calling it again does nothing new. Raises
+    `ops` picks the ops to patch in, by name (default: barqtrain.patch.OPS; ALL_OPS adds the
+    opt-in ones), e.g. `ops=("rms_norm", "glu")` or `ops=(*OPS, "attention")`. Calling it again does nothing new. Raises
     UnsupportedModelError (a ValueError) for a model family with no BarqTrain patches.
     """
     requested = checked_ops(ops)
@@ -87,18 +91,22 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
     if hf_model is not model:
         model_class = f"{type(model).__name__}({model_class})"
     family = family_for(model_type, model_class)
-    replacement_for_class = {row.module_class: row for row in (*family.replacements, *SHARED_REPLACEMENTS)}
+    rows_for_class = rows_by_class((*family.replacements, *SHARED_REPLACEMENTS))
 
     patched: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # op -> class -> names
     not_patched: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (op, class, reason) -> names
     for name, module in model.named_modules():
         class_name = type(module).__name__
-        replacement = replacement_for_class.get(qualified_name(type(module)))
-        if replacement is None:
+        rows = rows_for_class.get(qualified_name(type(module)))
+        if rows is None:
             op = _detected_op(module)
             if op is not None:
                 not_patched[op, class_name, UNRECOGNIZED_CLASS].append(name)
             continue
+        replacement = chosen_row(rows, requested)
+        for other in rows:
+            if other is not replacement:
+                not_patched[other.op, class_name, reason_row_not_chosen(other, replacement, requested)].append(name)
         reason = _reason_not_to_patch(module, replacement, requested)
         if reason is None:
             module.forward = MethodType(replacement.forward, module)
@@ -110,14 +118,16 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
         family=family.name,
         model_type=model_type,
         model_class=model_class,
-        ops=OPS,
+        ops=ALL_OPS,
         patched={
             op: PatchedOp(op, tuple(by_class), tuple(name for names in by_class.values() for name in names))
-            for op, by_class in sorted(patched.items(), key=lambda item: OPS.index(item[0]))
+            for op, by_class in sorted(patched.items(), key=lambda item: ALL_OPS.index(item[0]))
         },
         not_patched=tuple(
             NotPatched(op, class_name, reason, tuple(names))
-            for (op, class_name, reason), names in sorted(not_patched.items(), key=lambda item: OPS.index(item[0][0]))
+            for (op, class_name, reason), names in sorted(
+                not_patched.items(), key=lambda item: ALL_OPS.index(item[0][0])
+            )
         ),
     )
 

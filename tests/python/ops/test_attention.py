@@ -178,7 +178,7 @@ def test_opcheck_cpu(packed):
 
 
 def test_fallback_matches_reference_and_warns_once(monkeypatch):
-    monkeypatch.setattr(attention_impl, "_unsupported_reason", lambda *a: "a reason for the test")
+    monkeypatch.setattr(attention_impl, "kernel_unsupported_reason", lambda *a: "a reason for the test")
     monkeypatch.setattr(attention_impl, "_warned_reasons", set())
     q, k, v, cu = packed_qkv([3, 9, 4], 4, 2, 16, torch.float64, "cpu")
     expected, _ = attention_reference(q, k, v, cu, cu, softmax_scale=0.25, window_left=2)
