@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 
 from barqtrain.patch.fallback import saved_class_forwards
 from barqtrain.patch.families import (
+    ALL_OPS,
     FAMILIES,
     FAMILY_BY_NAME,
     OPS,
@@ -25,6 +26,7 @@ from barqtrain.patch.families import (
     ModelFamily,
     checked_ops,
     chosen_row,
+    is_opt_in_not_requested,
     reason_row_not_chosen,
     rows_by_class,
 )
@@ -77,13 +79,15 @@ def apply_to_family(family: str, *, ops: Collection[str] = OPS) -> ClassPatchRep
     model_family = _family_named(family)
     patched: dict[str, list[str]] = defaultdict(list)
     not_patched = []
+    opt_in = []
     for rows in rows_by_class(model_family.replacements).values():
         replacement = chosen_row(rows, requested)
         cls = resolve_class(replacement.module_class)
         class_name = simple_name(replacement.module_class)
         for other in rows:
             if other is not replacement:
-                not_patched.append(ClassNotPatched(other.op, class_name, reason_row_not_chosen(other, replacement, requested)))
+                entry = ClassNotPatched(other.op, class_name, reason_row_not_chosen(other, replacement, requested))
+                (opt_in if is_opt_in_not_requested(other, requested) else not_patched).append(entry)
         reason = _reason_not_to_patch(cls, replacement, requested)
         if reason is None:
             saved_class_forwards[cls] = vars(cls)["forward"]
@@ -94,7 +98,8 @@ def apply_to_family(family: str, *, ops: Collection[str] = OPS) -> ClassPatchRep
     return ClassPatchReport(
         family=family,
         patched={op: tuple(class_names) for op, class_names in patched.items()},
-        not_patched=tuple(not_patched),
+        not_patched=tuple(sorted(not_patched, key=lambda entry: ALL_OPS.index(entry.op))),
+        opt_in=tuple(opt_in),
     )
 
 

@@ -180,7 +180,12 @@ def chosen_row(rows: Sequence[ModuleReplacement], requested: Collection[str]) ->
 
 
 def reason_row_not_chosen(row: ModuleReplacement, chosen: ModuleReplacement, requested: Collection[str]) -> str:
-    """Why another row of the chosen row's class does not patch it."""
+    """Why another row of the chosen row's class does not patch it (for an opt-in op that was
+    not requested: why it is opt-in)."""
     if row.op in requested:
         return f"computed by the {chosen.op} op, which patches this class"
     return OPT_IN_OPS.get(row.op, NOT_REQUESTED)
+
+
+def is_opt_in_not_requested(row: ModuleReplacement, requested: Collection[str]) -> bool:
+    return row.op in OPT_IN_OPS and row.op not in requested

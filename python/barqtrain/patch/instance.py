@@ -23,6 +23,7 @@ from barqtrain.patch.families import (
     checked_ops,
     chosen_row,
     family_for,
+    is_opt_in_not_requested,
     reason_row_not_chosen,
     rows_by_class,
 )
@@ -75,6 +76,13 @@ def _reason_not_to_patch(module: nn.Module, replacement: ModuleReplacement, ops:
     return None
 
 
+def _entries(names_by_reason: dict[tuple[str, str, str], list[str]]) -> tuple[NotPatched, ...]:
+    return tuple(
+        NotPatched(op, class_name, reason, tuple(names))
+        for (op, class_name, reason), names in sorted(names_by_reason.items(), key=lambda item: ALL_OPS.index(item[0][0]))
+    )
+
+
 def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
     """Route the modules of `model` that BarqTrain implements through its fused ops.
 
@@ -95,6 +103,7 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
 
     patched: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # op -> class -> names
     not_patched: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # (op, class, reason) -> names
+    opt_in: dict[tuple[str, str, str], list[str]] = defaultdict(list)  # the same, of opt-in ops not requested
     for name, module in model.named_modules():
         class_name = type(module).__name__
         rows = rows_for_class.get(qualified_name(type(module)))
@@ -106,7 +115,8 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
         replacement = chosen_row(rows, requested)
         for other in rows:
             if other is not replacement:
-                not_patched[other.op, class_name, reason_row_not_chosen(other, replacement, requested)].append(name)
+                entries = opt_in if is_opt_in_not_requested(other, requested) else not_patched
+                entries[other.op, class_name, reason_row_not_chosen(other, replacement, requested)].append(name)
         reason = _reason_not_to_patch(module, replacement, requested)
         if reason is None:
             module.forward = MethodType(replacement.forward, module)
@@ -123,12 +133,8 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
             op: PatchedOp(op, tuple(by_class), tuple(name for names in by_class.values() for name in names))
             for op, by_class in sorted(patched.items(), key=lambda item: ALL_OPS.index(item[0]))
         },
-        not_patched=tuple(
-            NotPatched(op, class_name, reason, tuple(names))
-            for (op, class_name, reason), names in sorted(
-                not_patched.items(), key=lambda item: ALL_OPS.index(item[0][0])
-            )
-        ),
+        not_patched=_entries(not_patched),
+        opt_in=_entries(opt_in),
     )
 
 

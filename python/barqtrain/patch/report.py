@@ -66,6 +66,9 @@ class PatchReport:
     ops: tuple[str, ...]
     patched: dict[str, PatchedOp] = field(default_factory=dict)
     not_patched: tuple[NotPatched, ...] = ()
+    # Modules an opt-in op (barqtrain.patch.OPT_IN_OPS) would patch had it been asked for,
+    # with the reason it is opt-in.
+    opt_in: tuple[NotPatched, ...] = ()
 
     def patched_count(self, op: str) -> int:
         return self.patched[op].count if op in self.patched else 0
@@ -81,7 +84,7 @@ class PatchReport:
             if op in self.patched:
                 patched = self.patched[op]
                 rows.append((op, ", ".join(patched.class_names), str(patched.count), "patched"))
-            entries = [entry for entry in self.not_patched if entry.op == op]
+            entries = [entry for entry in (*self.not_patched, *self.opt_in) if entry.op == op]
             rows += [(op, entry.class_name, str(entry.count), f"not patched: {entry.reason}") for entry in entries]
             if op not in self.patched and not entries:
                 rows.append((op, "-", "0", NO_MODULE_OF_THIS_KIND))
@@ -103,6 +106,8 @@ class ClassPatchReport:
     family: str
     patched: dict[str, tuple[str, ...]] = field(default_factory=dict)  # op -> class names
     not_patched: tuple[ClassNotPatched, ...] = ()
+    # Classes an opt-in op would patch had it been asked for, with the reason it is opt-in.
+    opt_in: tuple[ClassNotPatched, ...] = ()
 
     @property
     def already_patched(self) -> bool:
@@ -110,6 +115,8 @@ class ClassPatchReport:
 
     def __str__(self) -> str:
         rows = [(op, class_name, "patched") for op, class_names in self.patched.items() for class_name in class_names]
-        rows += [(entry.op, entry.class_name, f"not patched: {entry.reason}") for entry in self.not_patched]
+        rows += [
+            (entry.op, entry.class_name, f"not patched: {entry.reason}") for entry in (*self.not_patched, *self.opt_in)
+        ]
         title = f"BarqTrain class patch report: family {self.family}"
         return _table(title, ("op", "class", "result"), rows)

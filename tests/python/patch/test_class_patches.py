@@ -10,7 +10,7 @@ import barqtrain
 import pytest
 import torch
 import transformers
-from barqtrain.patch import apply_to_family, fallback, patch_model, revert_class_patches
+from barqtrain.patch import OPT_IN_OPS, apply_to_family, fallback, patch_model, revert_class_patches
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
     ALREADY_PATCHED_CLASS,
@@ -177,8 +177,8 @@ def test_revert_of_one_family_leaves_the_others() -> None:
 def test_unknown_family_or_op_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"no model family 'gpt2'; the families are llama, mistral"):
         apply_to_family("gpt2")
-    with pytest.raises(ValueError, match=r"unknown op\(s\) 'attention'"):
-        barqtrain.apply_to_llama(ops=("attention",))
+    with pytest.raises(ValueError, match=r"unknown op\(s\) 'flash_attention'"):
+        barqtrain.apply_to_llama(ops=("flash_attention",))
     with pytest.raises(ValueError, match="no model family"):
         revert_class_patches("gpt2")
 
@@ -193,4 +193,5 @@ def test_report_is_a_readable_table() -> None:
         ["rope", "Phi3Attention", "patched"],
         ["add_rms_norm", "Phi3DecoderLayer", f"not patched: {NOT_REQUESTED}"],
         ["linear_cross_entropy", "Phi3ForCausalLM", f"not patched: {NOT_REQUESTED}"],
+        ["attention", "Phi3Attention", f"not patched: {OPT_IN_OPS['attention']}"],
     ]

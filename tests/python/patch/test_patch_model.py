@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import transformers
-from barqtrain.patch import OPS, UnsupportedModelError, fallback, patch_model, unpatch_model
+from barqtrain.patch import ALL_OPS, OPS, OPT_IN_OPS, UnsupportedModelError, fallback, patch_model, unpatch_model
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
     FORWARD_OVERRIDDEN,
@@ -52,7 +52,8 @@ def test_report_lists_every_op_with_its_modules() -> None:
     report = patch_model(model)
 
     assert (report.family, report.model_type, report.model_class) == ("qwen3", "qwen3", "Qwen3ForCausalLM")
-    assert report.ops == OPS == ("rms_norm", "glu", "rope", "add_rms_norm", "linear_cross_entropy", "lora")
+    assert OPS == ("rms_norm", "glu", "rope", "add_rms_norm", "linear_cross_entropy", "lora")
+    assert report.ops == ALL_OPS == ("rms_norm", "glu", "rope", "attention", "add_rms_norm", "linear_cross_entropy", "lora")
     assert {op: (entry.class_names, entry.count) for op, entry in report.patched.items()} == {
         "rms_norm": (("Qwen3RMSNorm",), 9),  # 2 per layer, q_norm and k_norm, and the final norm
         "glu": (("Qwen3MLP",), 2),
@@ -77,6 +78,7 @@ def test_report_is_a_readable_table() -> None:
         ["glu", "Qwen2MLP", "1", "patched"],
         ["glu", "Qwen2MLP", "1", "not patched: activation GELU is neither SiLU nor tanh-approximated GELU"],
         ["rope", "Qwen2Attention", "2", f"not patched: {NOT_REQUESTED}"],
+        ["attention", "Qwen2Attention", "2", f"not patched: {OPT_IN_OPS['attention']}"],
         ["add_rms_norm", "Qwen2DecoderLayer", "2", "patched"],
         ["linear_cross_entropy", "Qwen2ForCausalLM", "1", f"not patched: {NOT_REQUESTED}"],
         ["lora", "-", "0", NO_MODULE_OF_THIS_KIND],
@@ -90,7 +92,7 @@ def test_report_names_op_kinds_the_model_has_none_of() -> None:
     report = patch_model(model)
 
     assert report.patched_count("rms_norm") == report.patched_count("linear_cross_entropy") == 1
-    assert [line.split(maxsplit=3)[3] for line in str(report).splitlines()[3:6]] == [NO_MODULE_OF_THIS_KIND] * 3
+    assert [line.split(maxsplit=3)[3] for line in str(report).splitlines()[3:7]] == [NO_MODULE_OF_THIS_KIND] * 4
 
 
 def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None:
@@ -118,7 +120,9 @@ def test_ops_argument_patches_only_those_ops_and_a_later_call_the_rest() -> None
 
 def test_ops_argument_is_checked() -> None:
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"unknown op\(s\) 'swiglu'; the ops are rms_norm, glu, rope, add_rms_norm"):
+    with pytest.raises(
+        ValueError, match=r"unknown op\(s\) 'swiglu'; the ops are rms_norm, glu, rope, attention, add_rms_norm"
+    ):
         patch_model(model, ops=("rms_norm", "swiglu"))
     with pytest.raises(TypeError, match=r"not a string"):
         patch_model(model, ops="rope")

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 import transformers
-from barqtrain.patch import OPS, patch_model
+from barqtrain.patch import ALL_OPS, OPS, patch_model
 from barqtrain.patch.lora import LORA_LINEAR_CLASS
 from barqtrain.patch.replacement import qualified_name
 from torch import nn
@@ -67,12 +67,16 @@ OP_CLASS_SUFFIXES = {
     "rms_norm": "RMSNorm",
     "glu": "MLP",
     "rope": "Attention",
+    "attention": "Attention",
     "add_rms_norm": "DecoderLayer",
     "linear_cross_entropy": "ForCausalLM",
 }
 
-# The ops that patch the family's own classes (lora patches PEFT's, in PEFT models only).
+# The default ops that patch the family's own classes (lora patches PEFT's, in PEFT models only).
 FAMILY_CLASS_OPS = tuple(op for op in OPS if op in OP_CLASS_SUFFIXES)
+
+# op -> the op that patches its modules instead when both are requested.
+SUPERSEDED_BY = {"rope": "attention"}
 
 # The ops that keep the logits: in training with labels, linear_cross_entropy returns none.
 LOGIT_OPS = tuple(op for op in OPS if op != "linear_cross_entropy")
@@ -116,8 +120,9 @@ def patch_everything(model: nn.Module, ops: tuple[str, ...] = OPS) -> None:
     """patch_model(model, ops=ops), checked to have patched every module of each op (every
     model has modules of each family op; only PEFT models have LoRA layers)."""
     report = patch_model(model, ops=ops)
-    assert {entry.op for entry in report.not_patched} <= set(OPS) - set(ops)
-    for op in ops:
+    patched_ops = [op for op in ops if SUPERSEDED_BY.get(op) not in ops]
+    assert {entry.op for entry in report.not_patched} <= set(ALL_OPS) - set(patched_ops)
+    for op in patched_ops:
         modules = modules_of(model, report.family, op)
         assert report.patched_count(op) == len(modules), op
         assert modules or op not in FAMILY_CLASS_OPS, op
