@@ -268,8 +268,9 @@ def sequence_layout(
     batch: int,
     seq: int,
     window: int | None,
+    device: torch.device,
 ) -> SequenceLayout | str:
-    """The layout of one call, or why the fused op cannot compute it.
+    """The layout of one call (tensors on `device`), or why the fused op cannot compute it.
 
     Padding comes from the attention mask as the layer receives it: None (no padding), the 2D
     [batch, seq] mask of the flash implementations, or the prepared 4D mask of eager/SDPA
@@ -279,7 +280,6 @@ def sequence_layout(
     detection, wherever position_ids do not step by 1 (DataCollatorWithFlattening, PackedLoader),
     or at the cu_seq_lens Transformers passes with return_flash_attn_kwargs=True.
     """
-    device = attention_mask.device if attention_mask is not None else None
     valid = None
     visible = None
     if attention_mask is not None:
@@ -301,17 +301,14 @@ def sequence_layout(
         else:
             return f"an attention mask of {attention_mask.dim()} dimensions"
 
-    for t in (position_ids, cu_seq_lens):
-        if t is not None:
-            device = t.device
     starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
     starts[:, 0] = True
     if cu_seq_lens is not None:
         if cu_seq_lens.dim() != 1 or cu_seq_lens[-1].item() != batch * seq:
             return f"cu_seq_lens {list(cu_seq_lens.shape)} not ending at the {batch * seq} tokens of the batch"
-        starts.view(-1)[cu_seq_lens[:-1].long()] = True
+        starts.view(-1)[cu_seq_lens[:-1].to(device, torch.long)] = True
     elif position_ids is not None:
-        positions = position_ids.expand(batch, seq)
+        positions = position_ids.to(device).expand(batch, seq)
         starts[:, 1:] |= positions[:, 1:] - positions[:, :-1] != 1
     sequence_ids = starts.view(-1).cumsum(0).view(batch, seq)
 
@@ -360,9 +357,10 @@ class _LayoutCache:
         batch: int,
         seq: int,
         window: int | None,
+        device: torch.device,
     ) -> SequenceLayout | str:
         tensors = (attention_mask, position_ids, cu_seq_lens)
-        key = (*(id(t) for t in tensors), batch, seq, window)
+        key = (*(id(t) for t in tensors), batch, seq, window, device)
         identities = tuple(self._identity(t) for t in tensors)
         cached = self._entries.get(key)
         if cached is not None:
@@ -373,7 +371,7 @@ class _LayoutCache:
             ):
                 self._entries.move_to_end(key)
                 return layout
-        layout = sequence_layout(attention_mask, position_ids, cu_seq_lens, batch, seq, window)
+        layout = sequence_layout(attention_mask, position_ids, cu_seq_lens, batch, seq, window, device)
         self._entries[key] = (identities, layout)
         if len(self._entries) > self._size:
             self._entries.popitem(last=False)
@@ -432,14 +430,14 @@ def _fused_attention(
     rope_cos = cos[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
     rope_sin = sin[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
     window = variant.sliding_window(attention) if variant.sliding_window is not None else None
-    options = dict(
-        causal=True,
-        softmax_scale=attention.scaling,
-        softcap=(attention.attn_logit_softcapping or 0.0) if variant.softcap else 0.0,
-        window_left=window - 1 if window is not None else -1,
-        rope_cos=rope_cos,
-        rope_sin=rope_sin,
-    )
+    options = {
+        "causal": True,
+        "softmax_scale": attention.scaling,
+        "softcap": (attention.attn_logit_softcapping or 0.0) if variant.softcap else 0.0,
+        "window_left": window - 1 if window is not None else -1,
+        "rope_cos": rope_cos,
+        "rope_sin": rope_sin,
+    }
     if layout.cu_seqlens is None:
         positions = torch.arange(batch * seq, device=query.device).view(batch, seq)
         output = ops.attention(query, key, value, position_ids=positions, **options)
@@ -478,7 +476,8 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
         if reason is None:
             window = variant.sliding_window(self) if variant.sliding_window is not None else None
             layout = _layouts.layout(
-                attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window
+                attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window,
+                query.device,
             )
             reason = layout if isinstance(layout, str) else None
         if reason is not None:

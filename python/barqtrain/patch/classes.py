@@ -30,7 +30,12 @@ from barqtrain.patch.families import (
     reason_row_not_chosen,
     rows_by_class,
 )
-from barqtrain.patch.replacement import ModuleReplacement, qualified_name, resolve_class, simple_name
+from barqtrain.patch.replacement import (
+    ModuleReplacement,
+    qualified_name,
+    resolve_class,
+    simple_name,
+)
 from barqtrain.patch.report import (
     ALREADY_PATCHED,
     CLASS_FORWARD_OVERRIDDEN,

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from barqtrain.patch import attention, causal_lm, decoder_layer, lora, mlp, rmsnorm
-from barqtrain.patch.attention import AttentionVariant, config_sliding_window, layer_sliding_window
+from barqtrain.patch.attention import (
+    AttentionVariant,
+    config_sliding_window,
+    layer_sliding_window,
+)
 from barqtrain.patch.replacement import ModuleReplacement, hf_class_path
 from barqtrain.patch.report import NOT_REQUESTED
 from barqtrain.patch.rmsnorm import GEMMA_STYLE, LLAMA_STYLE, RMSNormClass, RMSNormStyle

@@ -8,6 +8,7 @@ On CPU the op runs its PyTorch reference; the `gpu` tests run the CUDA kernels i
 from __future__ import annotations
 
 import importlib
+import itertools
 import warnings
 
 import barqtrain
@@ -94,7 +95,7 @@ def test_eager_masks_with_sliding_windows_are_read_as_such() -> None:
 def sequences_of(batch: Batch) -> list[torch.Tensor]:
     ids, positions = batch["input_ids"][0], batch["position_ids"][0]
     starts = [*(positions == 0).nonzero().view(-1).tolist(), ids.numel()]
-    return [ids[a:b] for a, b in zip(starts, starts[1:])]
+    return [ids[a:b] for a, b in itertools.pairwise(starts)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -167,7 +168,7 @@ FALLBACK = "barqtrain attention: falling back to Hugging Face's attention (with 
 def test_generation_decodes_through_hugging_face_with_one_warning() -> None:
     model = tiny_model("gemma3").eval()
     prompt = plain_batch()["input_ids"][:, :5]
-    generate = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=True)
+    generate = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "use_cache": True}
     expected = model.generate(prompt, **generate)
     patch_everything(model, FUSED_OPS)
     with warnings.catch_warnings(record=True) as caught:
@@ -314,7 +315,7 @@ def train_losses(model: nn.Module, batch: Batch, steps: int) -> list[float]:
 def lora_model_with_checkpointing(family: str, ops: tuple[str, ...] | None, device: str = "cpu") -> nn.Module:
     model = tiny_model(family, device=device, attn_implementation=ATTENTION_IMPLEMENTATION[family])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = dict(r=4, target_modules="all-linear", init_lora_weights=False)
+    lora = {"r": 4, "target_modules": "all-linear", "init_lora_weights": False}
     if ops is None:
         import peft
 
@@ -341,7 +342,7 @@ def test_peft_lora_training_with_gradient_checkpointing_matches(family: str) -> 
 # ------------------------------------------------------------------ CUDA kernels
 
 # head_dim 32: Phi-3's half rotary is then 16 dimensions, which the fused RoPE takes.
-GPU_SHAPE = dict(head_dim=32)
+GPU_SHAPE = {"head_dim": 32}
 
 
 @pytest.mark.gpu
