@@ -7,6 +7,7 @@ On CPU the op runs its PyTorch reference; the `gpu` tests run the CUDA kernels i
 
 from __future__ import annotations
 
+import copy
 import importlib
 import itertools
 import warnings
@@ -25,6 +26,8 @@ from tiny_models import (
     Batch,
     assert_close,
     assert_grads_close,
+    assert_grads_no_worse_than_hf,
+    assert_no_worse_than_hf,
     logits_and_grads,
     modules_of,
     packed_batch,
@@ -65,18 +68,33 @@ def outputs_at_tokens(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
 
 
 def assert_fused_attention_keeps_outputs(model: nn.Module, dtype: torch.dtype, device: str) -> None:
+    """float32: patched and unpatched agree elementwise. 16-bit: each is compared with the
+    float64 model and the patched error must be no worse than Hugging Face's (on an H200 a
+    Qwen2 k_proj bias gradient differed 3.7% between the two bf16 runs)."""
     batches = {name: without_cache(make_batch(device)) for name, make_batch in BATCHES.items()}
     expected = {name: logits_and_grads(model, batch) for name, batch in batches.items()}
+    exact_model = copy.deepcopy(model).to(torch.float64) if dtype != torch.float32 else None
+    exact = {name: logits_and_grads(exact_model, batch) for name, batch in batches.items()} if exact_model else {}
     patch_everything(model, FUSED_OPS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         for name, batch in batches.items():
             logits, grads = logits_and_grads(model, batch)
             expected_logits, expected_grads = expected[name]
-            assert_close(
-                outputs_at_tokens(logits, batch), outputs_at_tokens(expected_logits, batch), f"{name}: logits", dtype
+            if dtype == torch.float32:
+                assert_close(
+                    outputs_at_tokens(logits, batch), outputs_at_tokens(expected_logits, batch), f"{name}: logits", dtype
+                )
+                assert_grads_close(grads, expected_grads, dtype)
+                continue
+            exact_logits, exact_grads = exact[name]
+            assert_no_worse_than_hf(
+                f"{name}: logits",
+                outputs_at_tokens(logits, batch),
+                outputs_at_tokens(expected_logits, batch),
+                outputs_at_tokens(exact_logits, batch),
             )
-            assert_grads_close(grads, expected_grads, dtype)
+            assert_grads_no_worse_than_hf(grads, expected_grads, exact_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

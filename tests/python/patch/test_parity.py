@@ -28,6 +28,7 @@ from tiny_models import (
     assert_close,
     assert_grads_close,
     assert_grads_no_worse_than_hf,
+    assert_no_worse_than_hf,
     assert_patching_keeps_outputs,
     logits_and_grads,
     modules_of,
@@ -209,13 +210,15 @@ def test_peft_training_with_gradient_checkpointing_on_cuda_bf16(family: str) -> 
         return get_peft_model(model, config).to(dtype).train()
 
     batch = BATCHES["packed"]("cuda")
-    _, exact_grads = logits_and_grads(lora_model(torch.float64), batch)
+    exact_logits, exact_grads = logits_and_grads(lora_model(torch.float64), batch)
     expected_logits, expected_grads = logits_and_grads(lora_model(torch.bfloat16), batch)
     model = lora_model(torch.bfloat16)
     patch_logit_ops(model)
     logits, grads = logits_and_grads(model, batch)
 
-    assert_close(logits, expected_logits, "logits", torch.bfloat16)
+    # Against float64: on an H200 (llama, mistral) patched and PEFT bf16 logits differed by
+    # 4.1%, more than either differs from float64's.
+    assert_no_worse_than_hf("logits", logits, expected_logits, exact_logits)
     assert_grads_no_worse_than_hf(grads, expected_grads, exact_grads)
 
 
