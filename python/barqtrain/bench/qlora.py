@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,10 +131,15 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
         return
     from barqtrain import quant
 
-    bnb = import_optional("bitsandbytes", "functional")
+    # The bitsandbytes package (its functional and nn modules are both used) and PEFT; where one
+    # is missing its columns stay empty and the reason is printed.
+    bnb_functional = import_optional("bitsandbytes", "functional")
     peft = import_optional("peft", "get_peft_model")
-    bnb = None if isinstance(bnb, Unavailable) else bnb
-    peft = None if isinstance(peft, Unavailable) else peft
+    for missing in (bnb_functional, peft):
+        if isinstance(missing, Unavailable):
+            print(f"{missing.reason}: its columns stay empty", flush=True)
+    bnb = None if isinstance(bnb_functional, Unavailable) else sys.modules["bitsandbytes"]
+    peft = None if isinstance(peft, Unavailable) else sys.modules["peft"]
     device = torch.device("cuda")
     print(f"{device_name()}: QLoRA (NF4, double-quantized absmax), bf16", flush=True)
     ceilings = measure_ceilings(device)
