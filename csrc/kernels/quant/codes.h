@@ -63,4 +63,29 @@ constexpr int fp4_pattern(int interval) {
 // The value of FP4 code q (including -0.0 for q = 0b1000, as bitsandbytes computes it).
 constexpr float fp4_value(int q) { return (q & 8) ? -fp4_magnitude(q & 7) : fp4_magnitude(q & 7); }
 
+// bitsandbytes' 8-bit blockwise code search (a 7-step bisection over the sorted code, then
+// the nearer of the last two candidates, ties to the lower half): the same decisions.
+// constexpr, so that device code calls the same function (--expt-relaxed-constexpr).
+constexpr int quantize_dynamic_value(const float* code, float x) {
+  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+  float lower = -1.0f, upper = 1.0f;
+  float value = code[pivot];
+  for (int step = 64; step > 0; step >>= 1) {
+    if (x > value) {
+      lower_pivot = pivot;
+      lower = value;
+      pivot += step;
+    } else {
+      upper_pivot = pivot;
+      upper = value;
+      pivot -= step;
+    }
+    value = code[pivot];
+  }
+  if (upper_pivot == 255) upper = code[upper_pivot];
+  if (lower_pivot == 0) lower = code[lower_pivot];
+  if (x > value) return x > (upper + value) * 0.5f ? upper_pivot : pivot;
+  return x < (lower + value) * 0.5f ? lower_pivot : pivot;
+}
+
 }  // namespace barqtrain::kernels::quant_codes

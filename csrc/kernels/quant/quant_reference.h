@@ -76,30 +76,6 @@ inline Quantized4bit quantize_4bit(const std::vector<float>& x, bool nf4) {
   return out;
 }
 
-// bitsandbytes' 8-bit blockwise code search (a 7-step bisection over the sorted code, then
-// the nearer of the last two candidates, ties to the lower half): the same decisions.
-inline int quantize_dynamic_value(const float* code, float x) {
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = -1.0f, upper = 1.0f;
-  float value = code[pivot];
-  for (int step = 64; step > 0; step >>= 1) {
-    if (x > value) {
-      lower_pivot = pivot;
-      lower = value;
-      pivot += step;
-    } else {
-      upper_pivot = pivot;
-      upper = value;
-      pivot -= step;
-    }
-    value = code[pivot];
-  }
-  if (upper_pivot == 255) upper = code[upper_pivot];
-  if (lower_pivot == 0) lower = code[lower_pivot];
-  if (x > value) return x > (upper + value) * 0.5f ? upper_pivot : pivot;
-  return x < (lower + value) * 0.5f ? lower_pivot : pivot;
-}
-
 struct QuantizedAbsmax {
   std::vector<uint8_t> quantized;
   std::vector<float> absmax2;
@@ -120,7 +96,7 @@ inline QuantizedAbsmax quantize_absmax(const std::vector<float>& values, float o
     const float inverse = 1.0f / absmax2;
     for (size_t i = b * 256; i < end; ++i) {
       const float normalized = flush_denormal((values[i] - offset) * inverse);
-      out.quantized[i] = static_cast<uint8_t>(quantize_dynamic_value(code.data(), normalized));
+      out.quantized[i] = static_cast<uint8_t>(quant_codes::quantize_dynamic_value(code.data(), normalized));
       for (size_t c = 0; c + 1 < code.size(); ++c) {
         const float mid = (code[c] + code[c + 1]) * 0.5f;
         if (std::fabs(normalized - mid) <= 4 * FLT_EPSILON * std::fabs(mid)) out.ambiguous[i] = true;

@@ -77,30 +77,6 @@ __global__ void __launch_bounds__(kThreads) quantize_4bit_kernel(Quantize4bitPar
   }
 }
 
-// bitsandbytes' 8-bit code search (quant_reference.h describes it) over a shared code.
-__device__ __forceinline__ int quantize_dynamic(const float* code, float x) {
-  int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-  float lower = -1.0f, upper = 1.0f;
-  float value = code[pivot];
-#pragma unroll
-  for (int step = 64; step > 0; step >>= 1) {
-    if (x > value) {
-      lower_pivot = pivot;
-      lower = value;
-      pivot += step;
-    } else {
-      upper_pivot = pivot;
-      upper = value;
-      pivot -= step;
-    }
-    value = code[pivot];
-  }
-  if (upper_pivot == 255) upper = code[upper_pivot];
-  if (lower_pivot == 0) lower = code[lower_pivot];
-  if (x > value) return x > (upper + value) * 0.5f ? upper_pivot : pivot;
-  return x < (lower + value) * 0.5f ? lower_pivot : pivot;
-}
-
 // One block of 256 threads per 256 absmax values.
 __global__ void __launch_bounds__(kQuantBlockAbsmax) quantize_absmax_kernel(QuantizeAbsmaxParams p) {
   __shared__ float code[kDynamicCodeSize];
@@ -119,7 +95,9 @@ __global__ void __launch_bounds__(kQuantBlockAbsmax) quantize_absmax_kernel(Quan
 #pragma unroll
   for (int w = 1; w < kQuantBlockAbsmax / 32; ++w) absmax = fmaxf(absmax, warp_max[w]);
   if (threadIdx.x == 0) p.absmax2[blockIdx.x] = absmax;
-  if (valid) p.quantized[i] = static_cast<uint8_t>(quantize_dynamic(code, mul_ftz(v, fast_reciprocal(absmax))));
+  if (valid) {
+    p.quantized[i] = static_cast<uint8_t>(quant_codes::quantize_dynamic_value(code, mul_ftz(v, fast_reciprocal(absmax))));
+  }
 }
 
 template <typename T>
