@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+from barqtrain.bench.models import LLAMA_1B, LLAMA_8B
+from barqtrain.train.task import SEQUENCE_LENGTH, TINY_LLAMA
+
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key path."""
@@ -27,9 +30,22 @@ def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclass
     return field(default=default, metadata={"doc": text})
 
 
+# The LlamaConfig keyword arguments of the models `model.name` initializes at random: the
+# task's tiny Llama, and the benchmark's real shapes (for throughput and memory runs).
+NAMED_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-llama": TINY_LLAMA,
+    "llama-1b-shape": LLAMA_1B.config,
+    "llama-8b-shape": LLAMA_8B.config,
+}
+
+
 @dataclass
 class ModelConfig:
-    name: str = _doc("a named tiny config for random init (tiny-llama); ignored when path is set", "tiny-llama")
+    name: str = _doc(
+        "a named config for random init: tiny-llama, llama-1b-shape (Llama-3.2-1B), llama-8b-shape (Llama-3.1-8B); "
+        "ignored when path is set",
+        "tiny-llama",
+    )
     path: str | None = _doc("a local Hugging Face model directory (config.json + weights)", None)
     patch: bool = _doc("swap in BarqTrain's fused ops with barqtrain.patch_model", True)
 
@@ -48,8 +64,10 @@ class DataConfig:
     )
     chat_template: Literal["chatml", "llama3"] = _doc("how format 'messages' renders a conversation", "chatml")
     tokenizer: str | None = _doc("tokenizer.json or its directory; default: the model directory", None)
-    seq_length: int = _doc("tokens per row (the task's sequences are 14 tokens)", 14)
-    packing: bool = _doc("pack several sequences per row (dataset files only)", True)
+    seq_length: int = _doc(
+        "tokens per row (the task's sequences are 14 tokens: a longer row packs seq_length // 14 of them)", 14
+    )
+    packing: bool = _doc("pack several sequences per row", True)
     eval_split: float = _doc("fraction of the dataset file's sequences held out for evaluation; 0: no evaluation", 0.05)
     eval_batches: int = _doc("at most this many held-out batches per evaluation", 2)
 
@@ -60,6 +78,12 @@ class LoraConfig:
     alpha: float = _doc("LoRA alpha (the update is scaled by alpha / r)", 16.0)
     dropout: float = _doc("dropout on the LoRA input", 0.0)
     target_modules: str | list[str] = _doc("'all-linear' or a list of module names", "all-linear")
+
+
+@dataclass
+class QloraConfig:
+    quant_type: Literal["nf4", "fp4"] = _doc("the 4-bit code of the base weights (blocks of 64, bitsandbytes' layout)", "nf4")
+    double_quant: bool = _doc("quantize the per-block absmax too (8 bits, blocks of 256): 0.37 fewer bits per weight", True)
 
 
 @dataclass
@@ -80,12 +104,18 @@ class OptimConfig:
 class TrainConfig:
     model: ModelConfig = _doc("what to train", factory=ModelConfig)
     data: DataConfig = _doc("what to train on", factory=DataConfig)
-    method: Literal["lora", "full"] = _doc("lora (PEFT adapter) or full fine-tuning", "lora")
-    lora: LoraConfig = _doc("LoRA settings (method: lora)", factory=LoraConfig)
+    method: Literal["lora", "qlora", "full"] = _doc(
+        "lora (PEFT adapter), qlora (PEFT adapter over the base quantized to 4 bits by barqtrain) or full fine-tuning",
+        "lora",
+    )
+    lora: LoraConfig = _doc("LoRA settings (method lora and qlora)", factory=LoraConfig)
+    qlora: QloraConfig = _doc("the 4-bit base (method: qlora)", factory=QloraConfig)
     optim: OptimConfig = _doc("optimizer and learning-rate schedule", factory=OptimConfig)
     batch_size: int = _doc("rows per micro-batch", 64)
     grad_accum: int = _doc("micro-batches per optimizer step", 1)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc("auto: bf16 on a GPU that has it, else fp32", "auto")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc(
+        "auto: bf16 on a GPU that has it (qlora on a GPU without: fp16), else fp32", "auto"
+    )
     gradient_checkpointing: bool = _doc("recompute activations in the backward pass", False)
     seed: int = _doc("seeds the model init, the data order and dropout", 0)
     steps: int | None = _doc("optimizer steps; null: run `epochs` over a dataset file", 60)
@@ -98,10 +128,10 @@ class TrainConfig:
     output_dir: str = _doc("where the run writes metrics, checkpoints and the adapter", "runs/default")
 
 
-TEMPLATES = ("default", "lora", "full", "long-context")
+ADAPTER_METHODS = ("lora", "qlora")  # train a PEFT adapter over a frozen base
+TEMPLATES = ("default", "lora", "qlora", "full", "long-context")
 # Methods the trainer cannot run yet: asking for their template is an error that says so.
 UNSUPPORTED_TEMPLATES = {
-    "qlora": "QLoRA (4-bit base weights) is not supported by barqtrain train yet: the NF4 kernels (SPEC K7) have not landed",
     "fsdp": "FSDP (several GPUs under torchrun) is not supported by barqtrain train yet: it trains on one device",
 }
 PLACEHOLDER_MODEL = "path/to/hf-model-dir"
@@ -228,8 +258,18 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:
         raise ConfigError("steps: the built-in task has no epochs; set steps")
-    if config.model.path is None and config.model.name != "tiny-llama":
-        raise ConfigError(f"model.name: unknown named config {config.model.name!r}; choose from tiny-llama")
+    if config.model.path is None and config.model.name not in NAMED_MODELS:
+        raise ConfigError(f"model.name: unknown named config {config.model.name!r}; choose from {', '.join(NAMED_MODELS)}")
+    if config.data.path is None:
+        if config.data.seq_length < SEQUENCE_LENGTH:
+            raise ConfigError(
+                f"data.seq_length: the built-in task's sequences are {SEQUENCE_LENGTH} tokens; got {config.data.seq_length}"
+            )
+        if not config.data.packing and config.data.seq_length != SEQUENCE_LENGTH:
+            raise ConfigError(
+                f"data.seq_length: without packing, the built-in task's rows are its {SEQUENCE_LENGTH}-token "
+                f"sequences; set {SEQUENCE_LENGTH} or packing: true, got {config.data.seq_length}"
+            )
     if not 0 <= config.data.eval_split < 1:
         raise ConfigError(f"data.eval_split: must be at least 0 and below 1, got {config.data.eval_split}")
     if (
@@ -316,6 +356,9 @@ def template(name: str) -> TrainConfig:
         config.method = "full"
         config.optim.lr, config.optim.weight_decay = 2e-5, 0.01
         config.gradient_checkpointing = True
+    elif name == "qlora":
+        config.method = "qlora"
+        config.gradient_checkpointing = True  # QLoRA is for when memory is short
     elif name == "long-context":
         config.data.seq_length = 32768
         config.batch_size, config.grad_accum = 1, 16

@@ -23,11 +23,15 @@ from barqtrain.train.config import (
         ({"bogus": 1}, "bogus: unknown key"),
         ({"batch_size": 2.5}, "batch_size: expected an integer, got 2.5"),
         ({"gradient_checkpointing": "yes"}, "gradient_checkpointing: expected true or false"),
-        ({"method": "qlora"}, "method: expected one of 'lora', 'full'"),
+        ({"method": "dora"}, "method: expected one of 'lora', 'qlora', 'full'"),
+        ({"qlora": {"quant_type": "int4"}}, "qlora.quant_type: expected one of 'nf4', 'fp4', got 'int4'"),
+        ({"qlora": {"blocksize": 128}}, "qlora.blocksize: unknown key; expected one of double_quant, quant_type"),
         ({"lora": {"target_modules": [1]}}, "lora.target_modules"),
         ({"lora": 3}, "lora: expected a mapping"),
         ({"batch_size": 0}, "batch_size: must be at least 1"),
-        ({"model": {"name": "huge"}}, "model.name: unknown named config"),
+        ({"model": {"name": "huge"}}, "model.name: unknown named config 'huge'; choose from tiny-llama, llama-1b-shape, llama-8b-shape"),
+        ({"data": {"seq_length": 10}}, "data.seq_length: the built-in task's sequences are 14 tokens; got 10"),
+        ({"data": {"seq_length": 28, "packing": False}}, "data.seq_length: without packing, the built-in task's rows are its 14-token"),
         ({"data": {"eval_split": 1.0}}, "data.eval_split: must be at least 0 and below 1, got 1.0"),
         ({"data": {"format": "csv"}}, "data.format: expected one of 'text', 'alpaca', 'messages'"),
         ({"data": {"path": "x.jsonl"}}, "data.tokenizer: a dataset file needs a tokenizer"),
@@ -61,25 +65,26 @@ def test_templates_load_back(name, documented):
 
 def test_templates_say_what_they_are_for():
     assert template("default") == TrainConfig()  # the embedded default, as YAML
-    lora, full, long = template("lora"), template("full"), template("long-context")
+    lora, qlora, full, long = template("lora"), template("qlora"), template("full"), template("long-context")
     assert lora.method == "lora" and full.method == "full" and long.method == "lora"
+    assert qlora.method == "qlora" and qlora.gradient_checkpointing and qlora.lora == lora.lora
+    assert (qlora.qlora.quant_type, qlora.qlora.double_quant) == ("nf4", True)  # QLoRA's NF4 with double quantization
     assert long.data.seq_length >= 32768 and long.gradient_checkpointing and long.data.packing
-    for config in (lora, full, long):
+    for config in (lora, qlora, full, long):
         assert config.model.path and config.data.path and config.steps is None and config.data.eval_split > 0
     assert "Set model.path to your Hugging Face model directory" in template_yaml("lora")
 
 
-@pytest.mark.parametrize("name, reason", [("qlora", "QLoRA"), ("fsdp", "FSDP")])
-def test_templates_the_trainer_cannot_run_are_a_clear_error(name, reason, capsys):
-    assert cli.main(["config", "--template", name]) == 2
+def test_a_template_the_trainer_cannot_run_is_a_clear_error(capsys):
+    assert cli.main(["config", "--template", "fsdp"]) == 2
     err = capsys.readouterr().err
-    assert f"template {name!r}: {reason}" in err and "not supported by barqtrain train yet" in err
-    assert "templates: default, lora, full, long-context" in err
+    assert "template 'fsdp': FSDP" in err and "not supported by barqtrain train yet" in err
+    assert "templates: default, lora, qlora, full, long-context" in err
 
 
 def test_unknown_template(capsys):
     assert cli.main(["config", "--template", "huge"]) == 2
-    assert "unknown template 'huge'; choose from default, lora, full, long-context" in capsys.readouterr().err
+    assert "unknown template 'huge'; choose from default, lora, qlora, full, long-context" in capsys.readouterr().err
 
 
 def test_config_command_writes_a_template(tmp_path, capsys):
