@@ -3,11 +3,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,9 +51,62 @@ nb::dict stats_dict(const PackStats& s) {
   return d;
 }
 
+// A JSON value as the Python object json.loads gives (a whole number as an int).
+nb::object to_python(const barqtrain::json::Value& v) {
+  if (v.is_null()) return nb::none();
+  if (v.is_bool()) return nb::bool_(v.as_bool());
+  if (v.is_number()) {
+    const double d = v.as_number();
+    if (std::floor(d) == d && std::fabs(d) < 9.007199254740992e15) return nb::int_(static_cast<int64_t>(d));
+    return nb::float_(d);
+  }
+  if (v.is_string()) return nb::str(v.as_string().data(), v.as_string().size());
+  if (v.is_array()) {
+    nb::list list;
+    for (const auto& item : v.as_array()) list.append(to_python(item));
+    return std::move(list);
+  }
+  nb::dict dict;
+  for (const auto& [key, item] : v.as_object()) dict[nb::str(key.data(), key.size())] = to_python(item);
+  return std::move(dict);
+}
+
+// A Python callable as the reader's ChatRenderer: called with a list of records (dicts), it
+// returns for each either (text, [(begin, end), ...] in characters) or an error message.
+// The reader calls it without the GIL, from the thread that reads, so it takes the GIL.
+ChatRenderer python_chat_renderer(nb::object callable) {
+  if (callable.is_none()) return {};
+  // Copies of the ChatRenderer share one reference, dropped under the GIL.
+  std::shared_ptr<nb::object> held(new nb::object(std::move(callable)), [](nb::object* p) {
+    nb::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [held](const std::vector<const barqtrain::json::Value*>& records) {
+    nb::gil_scoped_acquire gil;
+    nb::list batch;
+    for (const auto* record : records) batch.append(to_python(*record));
+    const nb::object results = (*held)(batch);
+    std::vector<RenderedChat> out;
+    out.reserve(records.size());
+    for (nb::handle item : results) {
+      RenderedChat chat;
+      if (nb::isinstance<nb::str>(item)) {
+        chat.error = nb::cast<std::string>(item);
+      } else {
+        auto [text, trained] = nb::cast<std::pair<std::string, std::vector<std::pair<size_t, size_t>>>>(item);
+        chat.text = std::move(text);
+        chat.trained = std::move(trained);
+      }
+      out.push_back(std::move(chat));
+    }
+    return out;
+  };
+}
+
 ReadOptions read_options(const std::string& format, const std::string& kind, const std::string& on_error,
                          const std::string& text_unit, const std::string& text_field, const std::string& chat_template,
-                         int64_t eos_id, bool add_special_tokens, size_t max_reported_errors, size_t num_threads) {
+                         nb::object chat_renderer, int64_t eos_id, bool add_special_tokens, size_t max_reported_errors,
+                         size_t num_threads) {
   ReadOptions o;
   o.format = parse_record_format(format);
   o.kind = parse_file_kind(kind);
@@ -65,6 +120,7 @@ ReadOptions read_options(const std::string& format, const std::string& kind, con
   }
   o.text_field = text_field;
   o.chat_template = chat_template;
+  o.chat_renderer = python_chat_renderer(std::move(chat_renderer));
   o.eos_id = eos_id;
   o.add_special_tokens = add_special_tokens;
   o.max_reported_errors = max_reported_errors;
@@ -90,7 +146,8 @@ nb::tuple data_arrays(TokenizedData&& data) {
 #define BARQTRAIN_READ_OPTION_ARGS                                                                          \
   nb::arg("format") = "text", nb::arg("kind") = "auto", nb::arg("on_error") = "raise",                      \
   nb::arg("text_unit") = "line", nb::arg("text_field") = "text", nb::arg("chat_template") = "chatml",       \
-  nb::arg("eos_id") = -1, nb::arg("add_special_tokens") = true, nb::arg("max_reported_errors") = 20,        \
+  nb::arg("chat_renderer").none() = nb::none(), nb::arg("eos_id") = -1,                                     \
+  nb::arg("add_special_tokens") = true, nb::arg("max_reported_errors") = 20,                                 \
   nb::arg("num_threads") = 0
 
 }  // namespace
@@ -211,10 +268,12 @@ void register_pipeline(nb::module_& m) {
       "read_dataset",
       [](const std::string& path, const Tokenizer& tokenizer, const std::string& format, const std::string& kind,
          const std::string& on_error, const std::string& text_unit, const std::string& text_field,
-         const std::string& chat_template, int64_t eos_id, bool add_special_tokens, size_t max_reported_errors,
+         const std::string& chat_template, nb::object chat_renderer, int64_t eos_id, bool add_special_tokens,
+         size_t max_reported_errors,
          size_t num_threads) {
-        const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template, eos_id,
-                                           add_special_tokens, max_reported_errors, num_threads);
+        const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template,
+                                           std::move(chat_renderer), eos_id, add_special_tokens, max_reported_errors,
+                                           num_threads);
         TokenizedData data;
         ReadReport report;
         {
@@ -232,10 +291,12 @@ void register_pipeline(nb::module_& m) {
           "__init__",
           [](RecordStream* self, const std::string& path, const Tokenizer& tokenizer, const std::string& format,
              const std::string& kind, const std::string& on_error, const std::string& text_unit,
-             const std::string& text_field, const std::string& chat_template, int64_t eos_id, bool add_special_tokens,
+             const std::string& text_field, const std::string& chat_template, nb::object chat_renderer, int64_t eos_id,
+             bool add_special_tokens,
              size_t max_reported_errors, size_t num_threads) {
-            const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template, eos_id,
-                                               add_special_tokens, max_reported_errors, num_threads);
+            const ReadOptions o = read_options(format, kind, on_error, text_unit, text_field, chat_template,
+                                               std::move(chat_renderer), eos_id, add_special_tokens,
+                                               max_reported_errors, num_threads);
             nb::gil_scoped_release release;
             new (self) RecordStream(path, o, tokenizer);
           },
@@ -244,16 +305,18 @@ void register_pipeline(nb::module_& m) {
           "jsonl_rows",
           [](std::string name, nb::bytes records, uint64_t first_row, const Tokenizer& tokenizer,
              const std::string& format, const std::string& on_error, const std::string& text_field,
-             const std::string& chat_template, int64_t eos_id, bool add_special_tokens, size_t max_reported_errors,
+             const std::string& chat_template, nb::object chat_renderer, int64_t eos_id, bool add_special_tokens,
+         size_t max_reported_errors,
              size_t num_threads) {
-            const ReadOptions o = read_options(format, "jsonl", on_error, "line", text_field, chat_template, eos_id,
-                                               add_special_tokens, max_reported_errors, num_threads);
+            const ReadOptions o = read_options(format, "jsonl", on_error, "line", text_field, chat_template,
+                                               std::move(chat_renderer), eos_id, add_special_tokens,
+                                               max_reported_errors, num_threads);
             return RecordStream::jsonl_rows(std::move(name), std::string(records.c_str(), records.size()), first_row, o,
                                             tokenizer);
           },
           nb::arg("name"), nb::arg("records"), nb::arg("first_row"), nb::arg("tokenizer"), nb::arg("format") = "text",
           nb::arg("on_error") = "raise", nb::arg("text_field") = "text", nb::arg("chat_template") = "chatml",
-          nb::arg("eos_id") = -1,
+          nb::arg("chat_renderer").none() = nb::none(), nb::arg("eos_id") = -1,
           nb::arg("add_special_tokens") = true, nb::arg("max_reported_errors") = 20, nb::arg("num_threads") = 0,
           nb::keep_alive<0, 4>(), "A stream over JSONL records in memory; errors name 'name: row N'.")
       .def(

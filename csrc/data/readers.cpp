@@ -112,8 +112,9 @@ OnError parse_on_error(const std::string& name) {
 void check_chat_template(const std::string& name) {
   if (name == "chatml" || name == "llama3") return;
   throw ReaderError("chat template '" + (name.size() > 60 ? name.substr(0, 60) + "..." : name) +
-                    "' is not built in: BarqTrain renders only 'chatml' (Qwen, no default system prompt) and "
-                    "'llama3' so far; Jinja chat templates from tokenizer_config.json are not supported yet");
+                    "' is not built in: the C++ reader renders only 'chatml' (Qwen, no default system prompt) and "
+                    "'llama3'; a model's Jinja template is rendered through a ChatRenderer (barqtrain.data.read_dataset "
+                    "with chat_template='model')");
 }
 
 Example render_record(const json::Value& record, const ReadOptions& options) {
@@ -139,6 +140,9 @@ Example render_record(const json::Value& record, const ReadOptions& options) {
       break;
     }
     case RecordFormat::kMessages:
+      if (options.chat_renderer) {
+        throw ReaderError("render_record renders the built-in chat templates; a chat_renderer renders a chunk of records");
+      }
       check_chat_template(options.chat_template);
       return render_messages(record, options.chat_template);
   }
@@ -149,17 +153,17 @@ namespace {
 
 // Tokenizes examples and appends them to out: each segment separately (so the mask falls
 // exactly on segment boundaries), the first with the post-processor's tokens, then EOS.
-void tokenize_chunk(std::vector<Example>& chunk, const ReadOptions& options, const tokenizer::Tokenizer& tok,
-                    TokenizedData& out) {
-  if (chunk.empty()) return;
+void tokenize_examples(const std::vector<Example>& examples, const ReadOptions& options,
+                       const tokenizer::Tokenizer& tok, TokenizedData& out) {
+  if (examples.empty()) return;
   std::vector<std::string_view> first, rest;
-  for (const Example& ex : chunk) {
+  for (const Example& ex : examples) {
     for (size_t s = 0; s < ex.segments.size(); ++s) (s == 0 ? first : rest).push_back(ex.segments[s].first);
   }
   const auto first_ids = tok.encode_batch(first, {options.add_special_tokens, false}, options.num_threads);
   const auto rest_ids = tok.encode_batch(rest, {false, false}, options.num_threads);
   size_t f = 0, r = 0;
-  for (const Example& ex : chunk) {
+  for (const Example& ex : examples) {
     for (size_t s = 0; s < ex.segments.size(); ++s) {
       const auto& ids = s == 0 ? first_ids[f++] : rest_ids[r++];
       const bool trained = ex.segments[s].second;
@@ -174,7 +178,37 @@ void tokenize_chunk(std::vector<Example>& chunk, const ReadOptions& options, con
     }
     out.offsets.push_back(static_cast<int64_t>(out.tokens.size()));
   }
-  chunk.clear();
+}
+
+using ByteRanges = std::vector<std::pair<size_t, size_t>>;
+
+// A RenderedChat's character ranges as byte ranges of its UTF-8 text; ranges out of order or
+// past the end are a ReaderError (the renderer's fault, named as such).
+ByteRanges trained_bytes(const RenderedChat& chat) {
+  ByteRanges bytes;
+  size_t character = 0, byte = 0, previous_end = 0;
+  auto byte_at = [&](size_t target) {
+    while (character < target && byte < chat.text.size()) {
+      ++byte;
+      while (byte < chat.text.size() && (static_cast<unsigned char>(chat.text[byte]) & 0xC0) == 0x80) ++byte;
+      ++character;
+    }
+    if (character < target) {
+      throw ReaderError("the chat renderer's trained range ends at character " + std::to_string(target) +
+                        ", past the end of its text (" + std::to_string(character) + " characters)");
+    }
+    return byte;
+  };
+  for (const auto& [begin, end] : chat.trained) {
+    if (begin < previous_end || end < begin) {
+      throw ReaderError("the chat renderer's trained ranges are not ascending and disjoint: [" + std::to_string(begin) +
+                        ", " + std::to_string(end) + ") after one ending at " + std::to_string(previous_end));
+    }
+    const size_t first = byte_at(begin);
+    bytes.emplace_back(first, byte_at(end));
+    previous_end = end;
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -193,16 +227,24 @@ struct RecordStream::Impl {
   StreamPosition position;
   ReadReport report;
 
+  // A record of the messages format waiting for options.chat_renderer, and where it came from.
+  struct PendingChat {
+    json::Value record;
+    std::string location;
+  };
+
   Impl(const ReadOptions& o, const tokenizer::Tokenizer& t, std::string n, bool r, uint64_t first)
       : options(o), tokenizer(t), name(std::move(n)), rows(r), first_row(first) {
-    if (options.format == RecordFormat::kMessages) check_chat_template(options.chat_template);
+    if (options.format == RecordFormat::kMessages && !options.chat_renderer) check_chat_template(options.chat_template);
     report.path = name;
   }
 
-  std::string located(uint64_t line, const std::string& what) const {
-    return rows ? name + ": row " + std::to_string(first_row + line) + ": " + what
-                : name + ":" + std::to_string(line) + ": " + what;
+  bool renders_chats() const { return options.format == RecordFormat::kMessages && bool(options.chat_renderer); }
+
+  std::string line_location(uint64_t line) const {
+    return rows ? name + ": row " + std::to_string(first_row + line) : name + ":" + std::to_string(line);
   }
+  std::string record_location(uint64_t index) const { return name + ": record " + std::to_string(index); }
 
   void open_json_document() {
     try {
@@ -223,34 +265,51 @@ struct RecordStream::Impl {
     return text.size();
   }
 
+  void fail(const std::string& message) {
+    if (options.on_error == OnError::kRaise) throw ReaderError(message);
+    ++report.skipped;
+    ++position.skipped;
+    if (report.errors.size() < options.max_reported_errors) report.errors.push_back(message);
+  }
+
+  void count_records(size_t n) {
+    report.records += n;
+    position.records += n;
+  }
+
   size_t read(size_t max_records, TokenizedData& out) {
-    std::vector<Example> chunk;
     const size_t chunk_records = std::max<size_t>(options.chunk_records, 1);
     size_t added = 0;
-    auto fail = [&](const std::string& message) {
-      if (options.on_error == OnError::kRaise) throw ReaderError(message);
-      ++report.skipped;
-      ++position.skipped;
-      if (report.errors.size() < options.max_reported_errors) report.errors.push_back(message);
-    };
-    auto add = [&](Example&& ex) {
-      chunk.push_back(std::move(ex));
-      ++added;
-      ++report.records;
-      ++position.records;
-      if (chunk.size() >= chunk_records) tokenize_chunk(chunk, options, tokenizer, out);
+    while (added < max_records && position.offset < end()) {
+      added += read_chunk(std::min(max_records - added, chunk_records), out);
+    }
+    return added;
+  }
+
+  // Reads records until `wanted` are rendered (or pending for the chat renderer) or the input
+  // ends, then tokenizes them into out; returns how many were appended, fewer than wanted when
+  // the input ended or the chat renderer refused some (skipped: OnError::kSkip).
+  size_t read_chunk(size_t wanted, TokenizedData& out) {
+    std::vector<Example> examples;
+    std::vector<PendingChat> chats;
+    const bool rendering = renders_chats();
+    auto take = [&](const json::Value& record, const auto& location) {
+      if (rendering) {  // a copy: rendering in Python costs far more
+        chats.push_back({record, location()});
+        return;
+      }
+      try {
+        examples.push_back(render_record(record, options));
+      } catch (const ReaderError& e) {
+        fail(location() + ": " + e.what());
+      }
     };
     const uint64_t stop = end();
-    while (added < max_records && position.offset < stop) {
+    while (examples.size() + chats.size() < wanted && position.offset < stop) {
       if (kind == FileKind::kJson) {
-        const json::Value& record = document.as_array()[position.offset];
         const uint64_t index = position.offset++;
         ++position.line;
-        try {
-          add(render_record(record, options));
-        } catch (const ReaderError& e) {
-          fail(name + ": record " + std::to_string(index) + ": " + e.what());
-        }
+        take(document.as_array()[index], [&] { return record_location(index); });
         continue;
       }
       if (!lines()) {  // a text file as one document
@@ -259,7 +318,7 @@ struct RecordStream::Impl {
         if (strip(text).empty()) continue;
         Example ex;
         ex.segments.emplace_back(std::string(text), true);
-        add(std::move(ex));
+        examples.push_back(std::move(ex));
         continue;
       }
       size_t line_end = text.find('\n', position.offset);
@@ -272,19 +331,65 @@ struct RecordStream::Impl {
       if (kind == FileKind::kText) {
         Example ex;
         ex.segments.emplace_back(std::string(line), true);
-        add(std::move(ex));
+        examples.push_back(std::move(ex));
         continue;
       }
+      json::Value record;
       try {
-        add(render_record(json::parse(line), options));
+        record = json::parse(line);
       } catch (const json::JsonError& e) {
-        fail(located(line_no, e.what()));
-      } catch (const ReaderError& e) {
-        fail(located(line_no, e.what()));
+        fail(line_location(line_no) + ": " + e.what());
+        continue;
       }
+      take(record, [&] { return line_location(line_no); });
     }
-    tokenize_chunk(chunk, options, tokenizer, out);
-    return added;
+    tokenize_examples(examples, options, tokenizer, out);
+    count_records(examples.size());
+    return examples.size() + tokenize_chats(chats, out);
+  }
+
+  // Renders chats through options.chat_renderer and tokenizes each rendering whole; a token is
+  // learned where it overlaps a trained range. A chat the renderer refuses is a failure at its
+  // location. Returns how many were appended.
+  size_t tokenize_chats(const std::vector<PendingChat>& chats, TokenizedData& out) {
+    if (chats.empty()) return 0;
+    std::vector<const json::Value*> records;
+    records.reserve(chats.size());
+    for (const PendingChat& chat : chats) records.push_back(&chat.record);
+    const std::vector<RenderedChat> rendered = options.chat_renderer(records);
+    if (rendered.size() != chats.size()) {
+      throw ReaderError(name + ": the chat renderer returned " + std::to_string(rendered.size()) + " results for " +
+                        std::to_string(chats.size()) + " records");
+    }
+    std::vector<std::string_view> texts;
+    std::vector<ByteRanges> trained;
+    for (size_t i = 0; i < chats.size(); ++i) {
+      if (!rendered[i].error.empty()) {
+        fail(chats[i].location + ": " + rendered[i].error);
+        continue;
+      }
+      trained.push_back(trained_bytes(rendered[i]));
+      texts.push_back(rendered[i].text);
+    }
+    const auto encodings = tokenizer.encode_batch_with_offsets(texts, {false, false}, options.num_threads);
+    for (size_t i = 0; i < encodings.size(); ++i) {
+      const auto& [ids, spans] = encodings[i];
+      const ByteRanges& ranges = trained[i];
+      size_t r = 0;  // the first range not wholly before the current token (offsets ascend)
+      for (size_t t = 0; t < ids.size(); ++t) {
+        while (r < ranges.size() && ranges[r].second <= spans[t].start) ++r;
+        const bool learned = r < ranges.size() && spans[t].end > ranges[r].first && spans[t].start < ranges[r].second;
+        out.tokens.push_back(static_cast<int32_t>(ids[t]));
+        out.labels.push_back(learned ? static_cast<int32_t>(ids[t]) : -100);
+      }
+      if (options.eos_id >= 0) {
+        out.tokens.push_back(static_cast<int32_t>(options.eos_id));
+        out.labels.push_back(static_cast<int32_t>(options.eos_id));
+      }
+      out.offsets.push_back(static_cast<int64_t>(out.tokens.size()));
+    }
+    count_records(encodings.size());
+    return encodings.size();
   }
 
   void seek(const StreamPosition& to) {

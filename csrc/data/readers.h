@@ -1,6 +1,8 @@
 // Dataset readers: JSONL (memory-mapped, a line at a time), JSON arrays and plain text, in
 // the formats raw text, alpaca (instruction/input/output) and chat messages; each record is
-// tokenized with the prompt masked out of the loss (-100) and EOS appended.
+// tokenized with the prompt masked out of the loss (-100) and EOS appended. Chat messages are
+// rendered by a built-in template (chatml, llama3) or by a ChatRenderer: the model's own
+// Jinja template, rendered in Python a chunk of records at a time, then tokenized here.
 //
 //   ReadOptions options;  options.format = RecordFormat::kAlpaca;  options.eos_id = 128001;
 //   TokenizedData data;
@@ -17,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -45,13 +48,26 @@ FileKind parse_file_kind(const std::string& name);  // "auto", "jsonl", "json", 
 RecordFormat parse_record_format(const std::string& name);  // "text", "alpaca", "messages"
 OnError parse_on_error(const std::string& name);  // "raise", "skip"
 
+// A conversation rendered outside C++: the text, tokenized whole (as transformers tokenizes
+// apply_chat_template's rendering: no post-processor tokens, the template writes its own), and
+// the character ranges of it the model learns; a token overlapping one is learned.
+struct RenderedChat {
+  std::string text;  // UTF-8
+  std::vector<std::pair<size_t, size_t>> trained;  // [begin, end) in characters (code points), ascending
+  std::string error;  // not empty: the record cannot be rendered; says why
+};
+
+// Renders records (JSON objects) of the messages format, one RenderedChat each, in order.
+using ChatRenderer = std::function<std::vector<RenderedChat>(const std::vector<const json::Value*>& records)>;
+
 struct ReadOptions {
   FileKind kind = FileKind::kAuto;  // kAuto: by extension (.jsonl/.ndjson, .json, else text)
   RecordFormat format = RecordFormat::kText;
   OnError on_error = OnError::kRaise;
   TextUnit text_unit = TextUnit::kLine;
   std::string text_field = "text";         // the field of a JSON record in the text format
-  std::string chat_template = "chatml";    // built in: "chatml", "llama3"
+  std::string chat_template = "chatml";    // built in: "chatml", "llama3"; ignored with a chat_renderer
+  ChatRenderer chat_renderer;              // set: renders the messages format (add_special_tokens unused)
   int64_t eos_id = -1;                     // appended to every example (trained); -1: none
   bool add_special_tokens = true;          // the post-processor's tokens (BOS) on the first segment
   size_t max_reported_errors = 20;

@@ -127,6 +127,87 @@ TEST(Readers, JsonArraysTextAndChat) {
   EXPECT_THROW(read_dataset(::testing::TempDir() + "missing.jsonl", ReadOptions{}, tok, data), ReaderError);
 }
 
+// A renderer as barqtrain.data.chat_template is one: "[role]content|" per message, the
+// assistant's content and its "|" trained; a record whose first message says "refuse" is refused.
+std::vector<RenderedChat> bracket_renderer(const std::vector<const json::Value*>& records) {
+  std::vector<RenderedChat> out;
+  for (const json::Value* record : records) {
+    RenderedChat chat;
+    size_t characters = 0;
+    for (const json::Value& m : record->find("messages")->as_array()) {
+      const std::string& role = m.find("role")->as_string();
+      const std::string& content = m.find("content")->as_string();
+      if (content == "refuse") chat.error = "the template raised: refused";
+      chat.text += "[" + role + "]";
+      characters += role.size() + 2;
+      const size_t begin = characters;
+      chat.text += content + "|";
+      for (const char c : content) characters += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+      ++characters;
+      if (role == "assistant") chat.trained.emplace_back(begin, characters);
+    }
+    out.push_back(std::move(chat));
+  }
+  return out;
+}
+
+TEST(Readers, AChatRendererRendersChunksAndItsCharacterRangesMaskByteTokens) {
+  const auto tok = bytes_tokenizer();
+  ReadOptions options;
+  options.format = RecordFormat::kMessages;
+  options.chat_template = "not used with a renderer";
+  options.on_error = OnError::kSkip;
+  options.chunk_records = 2;  // the refused record leaves a chunk short: read() goes on to the next
+  options.eos_id = 255;
+  size_t calls = 0;
+  options.chat_renderer = [&](const std::vector<const json::Value*>& records) {
+    ++calls;
+    return bracket_renderer(records);
+  };
+  const std::string path = write_file("chat.jsonl",
+      R"({"messages": [{"role": "user", "content": "refuse"}, {"role": "assistant", "content": "no"}]})" "\n"
+      R"({"messages": [{"role": "user", "content": "é?"}, {"role": "assistant", "content": "ça"}]})" "\n\n"
+      R"({"messages": [{"role": "assistant", "content": "x"}]})" "\n");
+  RecordStream stream(path, options, tok);
+  TokenizedData data;
+  ASSERT_EQ(stream.read(2, data), 2u);
+  EXPECT_EQ(calls, 2u);
+  EXPECT_EQ(stream.report().skipped, 1u);
+  ASSERT_EQ(stream.report().errors.size(), 1u);
+  EXPECT_EQ(stream.report().errors[0], path + ":1: the template raised: refused");
+  EXPECT_EQ(stream.position().records, 2u);
+  const std::string first = "[user]é?|[assistant]ça|";
+  const int64_t second = std::string("[assistant]x|").size() + 1;
+  ASSERT_EQ(data.offsets, (std::vector<int64_t>{0, static_cast<int64_t>(first.size()) + 1,
+                                                 static_cast<int64_t>(first.size()) + 1 + second}));
+  std::string learned;
+  for (size_t i = 0; i < first.size(); ++i) {
+    ASSERT_EQ(data.tokens[i], static_cast<unsigned char>(first[i]));
+    if (data.labels[i] != -100) learned += static_cast<char>(data.labels[i]);
+  }
+  EXPECT_EQ(learned, "ça|");  // the two bytes of ç, both learned
+  EXPECT_EQ(data.labels[first.size()], 255);
+
+  options.on_error = OnError::kRaise;
+  TokenizedData d;
+  try {
+    read_dataset(path, options, tok, d);
+    FAIL() << "expected a ReaderError";
+  } catch (const ReaderError& e) {
+    EXPECT_EQ(std::string(e.what()), path + ":1: the template raised: refused");
+  }
+  options.chat_renderer = [](const std::vector<const json::Value*>& records) {
+    std::vector<RenderedChat> out(records.size());
+    for (RenderedChat& chat : out) {
+      chat.text = "ab";
+      chat.trained = {{1, 3}};
+    }
+    return out;
+  };
+  EXPECT_THROW(read_dataset(write_file("one.jsonl", "{}\n"), options, tok, d), ReaderError);  // past the end
+  EXPECT_THROW(render_record(json::parse(R"({"messages": []})"), options), ReaderError);
+}
+
 TEST(Readers, AStreamResumedAtASavedPositionYieldsTheRecordsThatCameNext) {
   const auto tok = bytes_tokenizer();
   std::string jsonl;
