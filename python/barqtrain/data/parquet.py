@@ -64,6 +64,7 @@ class ParquetStream:
         on_error: str = "raise",
         text_field: str = "text",
         chat_template: str = "chatml",
+        chat_renderer: Any = None,
         eos_id: int = -1,
         add_special_tokens: bool = True,
         num_threads: int = 0,
@@ -78,8 +79,8 @@ class ParquetStream:
         self._columns = _columns(self._file.schema_arrow, self.path, format, text_field)
         self._tokenizer = tokenizer
         self._options = dict(
-            format=format, on_error=on_error, text_field=text_field, chat_template=chat_template, eos_id=eos_id,
-            add_special_tokens=add_special_tokens, num_threads=num_threads,
+            format=format, on_error=on_error, text_field=text_field, chat_template=chat_template,
+            chat_renderer=chat_renderer, eos_id=eos_id, add_special_tokens=add_special_tokens, num_threads=num_threads,
         )
         self._batch_rows = int(batch_rows)
         metadata = self._file.metadata

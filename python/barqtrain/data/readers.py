@@ -12,9 +12,15 @@
 Files: JSONL (memory-mapped, a line at a time), JSON arrays, plain text (a record per line,
 or per file with text_unit="document"), Parquet (with pyarrow: barqtrain.data.parquet).
 Formats: text (the "text" field), alpaca (Stanford
-prompt masked with -100, output learned), messages (chat rendered with a built-in template:
-"chatml" or "llama3"; other templates are an error). EOS is appended (and learned) when the
-tokenizer directory's tokenizer_config.json names one, or eos_token/eos_id is given.
+prompt masked with -100, output learned), messages (chat, only the assistant turns learned).
+chat_template says how messages render: "model" (the default) is the model's own Jinja template
+from the tokenizer directory's tokenizer_config.json, rendered as transformers'
+apply_chat_template renders it (barqtrain.data.chat_template says what is learned); a path to a
+tokenizer_config.json or .jinja file, or a template string, likewise; "chatml" and "llama3" are
+built into the C++ reader (faster: no Jinja). EOS is appended (and learned) when the tokenizer
+directory's tokenizer_config.json names one, or eos_token/eos_id is given; with a Jinja template
+only when eos_token/eos_id is given, since the template's end-of-turn tokens end the example
+(as transformers and TRL tokenize conversations).
 A malformed line is a ReaderError "path:line: problem"; with on_error="skip" it is counted
 (data.report["skipped"], the first messages in data.report["errors"]) and a warning sums up.
 """
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from barqtrain.data import _native
+from barqtrain.data.chat_template import chat_renderer
 from barqtrain.data.loader import SequenceDataset
 from barqtrain.data.tokenizer import Tokenizer
 
@@ -72,6 +79,28 @@ def _eos_from_config(tokenizer_dir: str | None) -> str | None:
     if isinstance(eos, dict):
         eos = eos.get("content")
     return eos
+
+
+def _tokenizer_dir(tokenizer: Tokenizer | str | os.PathLike[str] | None) -> str | None:
+    """The directory of a tokenizer given as a path (None for a Tokenizer object)."""
+    if tokenizer is None or isinstance(tokenizer, Tokenizer):
+        return None
+    path = os.fspath(tokenizer)
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def _chat_options(
+    format: str, chat_template: str, tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    eos_token: str | None, eos_id: int | None, add_eos: bool,
+) -> tuple[Any, bool]:
+    """(the C++ reader's chat_renderer or None, add_eos): a Jinja template appends no EOS
+    unless one is given explicitly."""
+    if format != "messages":
+        return None, add_eos
+    renderer = chat_renderer(chat_template, _tokenizer_dir(tokenizer))
+    if renderer is None:
+        return None, add_eos
+    return renderer, add_eos and (eos_token is not None or eos_id is not None)
 
 
 def _resolve(
@@ -121,7 +150,7 @@ def read_dataset(
     on_error: str = "raise",
     text_unit: str = "line",
     text_field: str = "text",
-    chat_template: str = "chatml",
+    chat_template: str = "model",
     eos_token: str | None = None,
     eos_id: int | None = None,
     add_eos: bool = True,
@@ -135,18 +164,19 @@ def read_dataset(
         from barqtrain.data.shards import open_shards
 
         return open_shards(path, tokenizer=tokenizer)
+    renderer, add_eos = _chat_options(format, chat_template, tokenizer, eos_token, eos_id, add_eos)
     tokenizer, eos = _resolve(tokenizer, eos_token, eos_id, add_eos)
     if os.fspath(path).endswith(".parquet"):
         from barqtrain.data.parquet import read_parquet
 
         return read_parquet(
             path, format, tokenizer, on_error=on_error, text_field=text_field, chat_template=chat_template,
-            eos_id=eos, add_special_tokens=add_special_tokens, num_threads=num_threads,
+            chat_renderer=renderer, eos_id=eos, add_special_tokens=add_special_tokens, num_threads=num_threads,
         )
     tokens, labels, offsets, report = _native.read_dataset(
         os.fspath(path), tokenizer._native, format=format, kind=kind, on_error=on_error, text_unit=text_unit,
-        text_field=text_field, chat_template=chat_template, eos_id=eos, add_special_tokens=add_special_tokens,
-        num_threads=num_threads,
+        text_field=text_field, chat_template=chat_template, chat_renderer=renderer, eos_id=eos,
+        add_special_tokens=add_special_tokens, num_threads=num_threads,
     )
     report["eos_id"] = eos
     _warn_skipped(report)
@@ -169,7 +199,7 @@ class DatasetStream:
         on_error: str = "raise",
         text_unit: str = "line",
         text_field: str = "text",
-        chat_template: str = "chatml",
+        chat_template: str = "model",
         eos_token: str | None = None,
         eos_id: int | None = None,
         add_eos: bool = True,
@@ -177,9 +207,11 @@ class DatasetStream:
         num_threads: int = 0,
     ) -> None:
         self.path = os.fspath(path)
+        renderer, add_eos = _chat_options(format, chat_template, tokenizer, eos_token, eos_id, add_eos)
         self.tokenizer, self.eos_id = _resolve(tokenizer, eos_token, eos_id, add_eos)
         options = dict(format=format, on_error=on_error, text_field=text_field, chat_template=chat_template,
-                       eos_id=self.eos_id, add_special_tokens=add_special_tokens, num_threads=num_threads)
+                       chat_renderer=renderer, eos_id=self.eos_id, add_special_tokens=add_special_tokens,
+                       num_threads=num_threads)
         if self.path.endswith(".parquet"):
             from barqtrain.data.parquet import ParquetStream
 
