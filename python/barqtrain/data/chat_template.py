@@ -47,7 +47,7 @@ class _GenerationSpans(jinja2.ext.Extension):
     The rendering is consumed chunk by chunk (Template.generate), so the text rendered before
     a block is the length of the chunks already seen."""
 
-    tags = {"generation"}
+    tags = frozenset(("generation",))
 
     def __init__(self, environment: jinja2.Environment) -> None:
         super().__init__(environment)

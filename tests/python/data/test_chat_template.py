@@ -92,7 +92,7 @@ def test_generation_blocks_mark_what_is_learned_as_transformers_assistant_mask(m
 
 
 def test_template_sources_and_a_stream_that_resumes(model, tmp_path):
-    name, path, hf, _ = model
+    _, path, _, _ = model
     config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
     template_file = tmp_path / "template.jinja"
     template_file.write_text(config["chat_template"], encoding="utf-8")
