@@ -48,7 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kind", default="auto", choices=("auto", "jsonl", "json", "text"), help="file kind (default: by extension)")
     parser.add_argument("--text-unit", default="line", choices=("line", "document"), help="plain text: a record per line or per file")
     parser.add_argument("--text-field", default="text", help="the JSON field of the text format (default: text)")
-    parser.add_argument("--chat-template", default="chatml", help="messages format: chatml or llama3")
+    parser.add_argument(
+        "--chat-template", default="model",
+        help="messages format: model (the tokenizer directory's own Jinja template, the default), chatml or llama3 "
+        "(built in, faster), or a tokenizer_config.json / .jinja path or a template string",
+    )
     parser.add_argument("--on-error", default="raise", choices=("raise", "skip"), help="a malformed record: stop, or skip and count it")
     eos = parser.add_mutually_exclusive_group()
     eos.add_argument("--eos-token", help="appended to every record (default: tokenizer_config.json's eos_token, if any)")
@@ -143,10 +147,13 @@ def tokenize(args: argparse.Namespace, log=print) -> dict:
     interrupted earlier (its shards but no shards.json in args.out) is resumed: the
     complete shards are kept and the rest is written as the uninterrupted run would have."""
     from barqtrain.data.parquet import ParquetStream
-    from barqtrain.data.readers import _resolve
+    from barqtrain.data.readers import _chat_options, _resolve
 
     files = _input_files(args.inputs)
-    tokenizer, eos_id = _resolve(args.tokenizer, args.eos_token, None, not args.no_eos)
+    # A Jinja chat template ends each turn itself: it appends no EOS unless one is named.
+    renderer, add_eos = _chat_options(args.format, args.chat_template, args.tokenizer, args.eos_token, None,
+                                      not args.no_eos)
+    tokenizer, eos_id = _resolve(args.tokenizer, args.eos_token, None, add_eos)
     out = Path(args.out)
     fingerprint = _fingerprint(args, files, tokenizer.id_bound, eos_id)
     resume = _resume_point(out, fingerprint, getattr(args, "overwrite", False), log)
@@ -158,7 +165,7 @@ def tokenize(args: argparse.Namespace, log=print) -> dict:
                                 f"{resume['sequences_in_shards']}: they changed since; pass --overwrite to start again")
         log(f"{out}: resuming an interrupted run after its {writer.shards} complete shards ({writer.sequences} sequences)")
     options = dict(format=args.format, on_error=args.on_error, text_field=args.text_field,
-                   chat_template=args.chat_template, eos_id=eos_id, num_threads=args.threads)
+                   chat_template=args.chat_template, chat_renderer=renderer, eos_id=eos_id, num_threads=args.threads)
     first_file = resume["file"] if resume else 0
     skipped = resume["skipped_in_earlier_files"] if resume else 0
     total_bytes = 0

@@ -152,3 +152,15 @@ def test_errors_name_the_problem(tmp_path):
         read_dataset(chat, "messages", path, chat_template="{% for m in messages %}")
     with pytest.raises(ReaderError, match="neither built in .* nor a Jinja template"):
         read_dataset(chat, "messages", path, chat_template="gemma")
+
+
+def test_tokenize_renders_with_the_model_template(model, tmp_path):
+    from barqtrain.cli import main
+
+    name, path, _hf, _tok = model
+    data = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    out = tmp_path / "shards"
+    assert main(["tokenize", str(data), "--tokenizer", str(path), "--format", "messages", "--out", str(out)]) == 0
+    expected = read_dataset(data, "messages", path)
+    shards = read_dataset(out, "pretokenized", path)
+    assert [shards[i] for i in range(len(shards))] == [expected[i] for i in range(len(expected))], name
