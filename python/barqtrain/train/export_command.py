@@ -1,6 +1,8 @@
 """`barqtrain export RUN_DIR --merge [--out DIR]`: a run's adapter merged into its base
 model, written as a Hugging Face model directory (config.json + model.safetensors) that
-`AutoModelForCausalLM.from_pretrained` loads. A full fine-tuning run's model/ is copied."""
+`AutoModelForCausalLM.from_pretrained` loads. A full fine-tuning run's model/ is copied.
+A QLoRA run's adapter is merged into the 16-bit base (the model directory, or base/ of a
+random init), as QLoRA adapters are deployed: never into the 4-bit weights it trained on."""
 
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ def _base_path(run_dir: Path) -> str:
     if model_path is None:
         raise ExportError(f"{run_dir}: a random-init run without {BASE}/ (trained before export existed); the base weights are lost")
     return str(model_path)
+
+
+def _method(run_dir: Path) -> str | None:
+    config_path = run_dir / "config.yaml"
+    return yaml.safe_load(config_path.read_text()).get("method") if config_path.exists() else None
 
 
 def _adapter_path(run_dir: Path) -> Path | None:
@@ -86,6 +93,11 @@ def export(run_dir: str | Path, out: str | Path | None = None, log=print) -> Pat
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out), safe_serialization=True)
     log(f"Merged {adapter} into {base_path}: wrote {out}.")
+    if _method(run_dir) == "qlora":
+        log(
+            "QLoRA run: the adapter trained over the 4-bit quantization of these weights and is merged into "
+            "the 16-bit ones, so the merged model differs from the trained one by the quantization error."
+        )
     return out
 
 

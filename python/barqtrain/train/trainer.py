@@ -6,7 +6,8 @@ A run directory holds config.yaml, metrics.jsonl, tensorboard/, checkpoints/step
 (adapter or model weights, optimizer, scheduler, RNG states, data position, step; each
 written to a temporary directory and renamed into place, so a killed run leaves only
 whole checkpoints), base/ for a random-init model (its initial weights, which the adapter
-applies to), and at the end adapter/ (PEFT format) or model/, and training.png.
+applies to: 16-bit, also for QLoRA, whose adapter loads on the 16-bit model), and at the
+end adapter/ (PEFT format) or model/, and training.png.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ import yaml
 
 from barqtrain.train import task
 from barqtrain.train.batches import make_data, scored_tokens
-from barqtrain.train.config import ConfigError, TrainConfig, check_paths, config_from_dict, to_dict
+from barqtrain.train.config import (
+    ADAPTER_METHODS,
+    NAMED_MODELS,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+    config_from_dict,
+    to_dict,
+)
 from barqtrain.train.metrics import Metrics, write_plot
 from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
 from barqtrain.train.progress import Progress, duration, is_terminal
@@ -57,17 +66,28 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compute_precision(config: TrainConfig, device: torch.device) -> str:
-    """fp32, bf16 or fp16: config.precision with auto resolved (bf16 on a GPU that has it)."""
+    """fp32, bf16 or fp16: config.precision with auto resolved (bf16 on a GPU that has it;
+    QLoRA on a GPU without bf16: fp16, since the fused 4-bit GEMM computes in 16 bits)."""
+    is_gpu = device.type == "cuda"
+    if config.method == "qlora" and is_gpu and config.precision == "fp32":
+        raise ConfigError(
+            "precision: method qlora on a GPU computes its 4-bit base with the fused 4-bit GEMM, which takes "
+            "bf16 or fp16 inputs; set precision: bf16 (or fp16, or auto)"
+        )
     if config.precision != "auto":
         return config.precision
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if is_gpu and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp16" if is_gpu and config.method == "qlora" else "fp32"
 
 
 def base_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
-    """The dtype the model's weights are loaded in. LoRA never updates the base, so it is
-    held in the run's precision (half the memory of fp32 under bf16); full fine-tuning keeps
-    fp32 master weights, which the optimizer updates, and computes in bf16/fp16 through autocast."""
-    return _DTYPES[compute_precision(config, device)] if config.method == "lora" else torch.float32
+    """The dtype the model's weights are loaded in. LoRA and QLoRA never update the base, so
+    it is held in the run's precision (half the memory of fp32 under bf16; QLoRA then
+    quantizes its linear layers to 4 bits, dequantized to this dtype inside the GEMM); full
+    fine-tuning keeps fp32 master weights, which the optimizer updates, and computes in
+    bf16/fp16 through autocast."""
+    return _DTYPES[compute_precision(config, device)] if config.method in ADAPTER_METHODS else torch.float32
 
 
 def build_model(
@@ -84,15 +104,17 @@ def build_model(
         model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype).to(device)
         log(f"Model {config.model.path}: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
     else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**task.TINY_LLAMA), dtype=dtype)
-        log(f"A random tiny Llama: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
+        with torch.device(device):  # created where it trains: a CPU init of 8B parameters takes minutes
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**NAMED_MODELS[config.model.name]), dtype=dtype)
+        log(f"A random {config.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
         if run_dir is not None and not (run_dir / BASE / "config.json").exists():
             save_base(model, run_dir / BASE)  # in the dtype trained on, so a merge adds to those weights
     model.config.use_cache = False
+    if config.method == "qlora":
+        quantize_base(model, config, log)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.method == "lora":
+    if config.method in ADAPTER_METHODS:
         import peft
 
         lora = config.lora
@@ -110,6 +132,33 @@ def build_model(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model
+
+
+def quantize_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
+    """QLoRA: every linear layer but the output head to 4 bits (barqtrain.quant, no
+    bitsandbytes), in place; a layer whose in_features is not a multiple of the block of 64
+    stays 16-bit, and the log names it."""
+    from barqtrain.ops.quant import BLOCK
+    from barqtrain.quant import quantize_model
+
+    qlora = config.qlora
+    model_name = config.model.path or config.model.name
+    kept = [
+        name for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head") and module.in_features % BLOCK
+    ]
+    try:
+        quantized = quantize_model(model, qlora.quant_type, qlora.double_quant)
+    except ValueError:
+        raise ConfigError(
+            f"method: qlora: no linear layer of model {model_name} can be quantized to 4 bits "
+            f"(their in_features are not multiples of {BLOCK}); use method: lora"
+        ) from None
+    absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
+    line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {BLOCK}, {absmax})"
+    if kept:
+        line += f"; {len(kept)} kept in 16 bits (in_features not a multiple of {BLOCK}): {', '.join(kept)}"
+    log(line + ".")
 
 
 def save_base(model: torch.nn.Module, directory: Path) -> None:
@@ -141,8 +190,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path) -> None:
-    """adapter/ in PEFT format (method lora) or model/ in HF format (method full)."""
-    model.save_pretrained(directory / ("adapter" if config.method == "lora" else "model"))
+    """adapter/ in PEFT format (method lora, qlora) or model/ in HF format (method full)."""
+    model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"))
 
 
 def save_checkpoint(run_dir: Path, step: int, model, config, optimizer, scheduler, scaler, data) -> Path:
@@ -178,7 +227,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, data) -> int:
-    if config.method == "lora":
+    if config.method in ADAPTER_METHODS:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -198,15 +247,19 @@ def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, dat
 
 
 def _autocast(config: TrainConfig, device: torch.device, log: Callable[..., None]):
-    """The autocast context of the forward passes and whether fp16 loss scaling is on."""
+    """The autocast context of the forward passes and whether fp16 loss scaling is on.
+
+    Only full fine-tuning autocasts (its fp32 master weights): a LoRA or QLoRA base is
+    already held in the run's precision, and barqtrain's fused LoRA computes the fp32
+    adapters over it (PEFT computes instead, with a warning, when autocast is on)."""
     precision = compute_precision(config, device)
-    if precision == "fp32":
-        return contextlib.nullcontext(), False
+    loss_scaling = precision == "fp16" and device.type == "cuda"
+    if precision == "fp32" or config.method in ADAPTER_METHODS:
+        return contextlib.nullcontext(), loss_scaling
     if device.type != "cuda":
-        computes = f"LoRA's {precision} base in {precision}" if config.method == "lora" else "fp32"
-        log(f"precision {precision}: autocast is for CUDA GPUs; this {device} run computes {computes}.")
+        log(f"precision {precision}: autocast is for CUDA GPUs; this {device} run computes in fp32.")
         return contextlib.nullcontext(), False
-    return torch.autocast("cuda", dtype=_DTYPES[precision]), precision == "fp16"
+    return torch.autocast("cuda", dtype=_DTYPES[precision]), loss_scaling
 
 
 @torch.no_grad()
@@ -237,7 +290,7 @@ def _check_vocabulary(data, config: TrainConfig) -> None:
     from transformers import AutoConfig
 
     if config.model.path is None:
-        vocab = task.TINY_LLAMA["vocab_size"]
+        vocab = NAMED_MODELS[config.model.name]["vocab_size"]
     else:
         vocab = AutoConfig.from_pretrained(config.model.path).get_text_config().vocab_size
     outside = data.token_id_outside(vocab)
@@ -267,6 +320,7 @@ def train(
         progress_bar = log is print and is_terminal(sys.stdout)
     check_paths(config)
     check_optimizer(config, device)
+    compute_precision(config, device)  # fails before the model is built where the precision cannot run
     run_dir = Path(config.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if resume else None
@@ -373,7 +427,7 @@ def train(
     save_weights(model, config, run_dir)
     metrics.close()
     plotted = config.plot and write_plot(metrics.records(), run_dir / "training.png", log)
-    where = run_dir / ("adapter" if config.method == "lora" else "model")
+    where = run_dir / ("adapter" if config.method in ADAPTER_METHODS else "model")
     summary = f"Done: {steps} steps in {duration(time.perf_counter() - start)}."
     if result.accuracy_before is not None and result.accuracy_after is not None:
         summary += f" Accuracy {100 * result.accuracy_before:.0f}% -> {100 * result.accuracy_after:.0f}%."
