@@ -15,17 +15,22 @@ from barqtrain.train.config import ConfigError, TrainConfig
 
 class TaskData:
     """The built-in task: micro-batch i is a pure function of (seed, i), so the data
-    position is one integer. The eval batches come from a seed no training batch uses."""
+    position is one integer. Training rows of data.seq_length tokens beyond one sequence
+    pack several; the eval batches are single sequences (the digit accuracy is scored
+    without position_ids), from a seed no training batch uses."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.seed = config.seed
         self.batch_size = config.batch_size
+        self.row_length = config.data.seq_length
         self.eval_batch_count = config.data.eval_batches
         self.position = 0
 
     def next(self) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
         self.position += 1
+        if self.row_length > task.SEQUENCE_LENGTH:
+            return task.make_packed_rows(self.batch_size, self.row_length, generator)
         input_ids, labels = task.make_batch(self.batch_size, generator)
         return {"input_ids": input_ids, "labels": labels}
 
@@ -45,7 +50,14 @@ class TaskData:
         return largest if largest >= vocab_size else None
 
     def describe(self) -> str:
-        return f"the built-in task, {self.eval_batch_count} held-out batches of {self.batch_size} for evaluation"
+        rows = f"batches of {self.batch_size} sequences"
+        if self.row_length > task.SEQUENCE_LENGTH:
+            per_row = self.row_length // task.SEQUENCE_LENGTH
+            rows = f"batches of {self.batch_size} rows of {self.row_length} tokens ({per_row} sequences packed per row)"
+        return (
+            f"the built-in task in {rows}, {self.eval_batch_count} held-out batches of {self.batch_size} "
+            "sequences for evaluation"
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}

@@ -7,6 +7,7 @@ a tiny Llama teach it. Shared by `barqtrain train`'s embedded default and `barqt
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 PAD, BOS, SEPARATOR = 0, 1, 2
 FIRST_DIGIT = 10  # token ids FIRST_DIGIT .. FIRST_DIGIT + 9 are the digits 0 .. 9
@@ -39,6 +40,22 @@ def make_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tenso
     labels = input_ids.clone()
     labels[:, : DIGITS_PER_SEQUENCE + 2] = IGNORE_INDEX  # the prompt is given, not learned
     return input_ids, labels
+
+
+def make_packed_rows(rows: int, row_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Rows of row_length tokens, each packing row_length // SEQUENCE_LENGTH sequences of
+    make_batch end to end and padding the rest (not scored). position_ids restart at every
+    sequence (and the padding), so no token attends across a boundary: the format of
+    DataCollatorWithFlattening and of barqtrain's packed dataset rows."""
+    per_row = row_length // SEQUENCE_LENGTH
+    padding = row_length - per_row * SEQUENCE_LENGTH
+    input_ids, labels = make_batch(rows * per_row, generator)
+    positions = torch.cat([torch.arange(SEQUENCE_LENGTH).repeat(per_row), torch.arange(padding)])
+    return {
+        "input_ids": F.pad(input_ids.reshape(rows, -1), (0, padding), value=PAD),
+        "labels": F.pad(labels.reshape(rows, -1), (0, padding), value=IGNORE_INDEX),
+        "position_ids": positions.repeat(rows, 1),
+    }
 
 
 @torch.no_grad()
