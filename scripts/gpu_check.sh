@@ -12,7 +12,7 @@
 set -uo pipefail
 
 OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
-PHASES=${PHASES:-"build cpp python sanitize bench-ops bench-xent bench-attn bench-lora bench-e2e"}
+PHASES=${PHASES:-"build cpp python train sanitize bench-ops bench-xent bench-attn bench-lora bench-e2e"}
 PYTHON=${PYTHON:-python3}
 CUDA_ARCHS=${CUDA_ARCHS:-"80;90a"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -70,6 +70,50 @@ run_python_tests() {
   (cd /tmp && $PYTHON -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "$REPO/tests/python" --junitxml="$OUTDIR/pytest.xml")
 }
 
+# barqtrain train on the GPU: `barqtrain train` with no arguments (the embedded default, which
+# must learn the task), then LoRA and QLoRA on the Llama-3.2-1B shape, 30 steps of 4 rows of
+# 2048 tokens (the task packed). Each run's config.yaml, metrics.jsonl and training.png land
+# in OUTDIR/train/RUN/, and a summary of all (tokens/s, peak memory, losses, accuracy) in
+# OUTDIR/train/summary.json. The weights and checkpoints stay in /tmp.
+run_trainer() {
+  local scratch=/tmp/barqtrain-train-check
+  rm -rf "$scratch" "$OUTDIR/train" && mkdir -p "$scratch" "$OUTDIR/train" || return 1
+  # tests/python/train/test_named_models.py loads this config.
+  cat >"$scratch/llama-1b-shape.yaml" <<'LLAMA_1B_SHAPE_RUN'
+model: {name: llama-1b-shape}
+data: {seq_length: 2048}
+lora: {r: 16, alpha: 32.0, target_modules: all-linear}
+optim: {lr: 0.0002, warmup_steps: 5}
+batch_size: 4
+steps: 30
+eval_interval: 0
+save_interval: 0
+log_interval: 5
+LLAMA_1B_SHAPE_RUN
+  { cat "$scratch/llama-1b-shape.yaml"; echo "method: qlora"; } >"$scratch/llama-1b-shape-qlora.yaml"
+  (cd "$scratch" && $PYTHON -m barqtrain.cli train) &&
+    (cd "$scratch" && $PYTHON -m barqtrain.cli train llama-1b-shape.yaml --output-dir runs/llama-1b-shape-lora) &&
+    (cd "$scratch" && $PYTHON -m barqtrain.cli train llama-1b-shape-qlora.yaml --output-dir runs/llama-1b-shape-qlora) &&
+    $PYTHON - "$scratch/runs" "$OUTDIR/train" <<'SUMMARY'
+import json, shutil, sys
+from pathlib import Path
+
+from barqtrain.train.metrics import read_records, summarize
+
+runs, out = map(Path, sys.argv[1:])
+summary = {run.name: summarize(read_records(run)) for run in sorted(runs.iterdir())}
+for run in summary:
+    (out / run).mkdir()
+    for name in ("config.yaml", "metrics.jsonl", "training.png"):
+        shutil.copy(runs / run / name, out / run / name)
+(out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(json.dumps(summary, indent=1))
+default = summary["default"]
+if not default["accuracy_first"] < 0.3 < 0.6 < default["accuracy_last"]:
+    sys.exit(f"the embedded default did not learn: accuracy {default['accuracy_first']} -> {default['accuracy_last']}")
+SUMMARY
+}
+
 # memcheck and racecheck over a representative subset (every tiling path of every kernel).
 run_sanitizers() {
   local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*'
@@ -80,6 +124,7 @@ run_sanitizers() {
 phase build build_package
 phase cpp build_and_run_cpp_tests
 phase python run_python_tests
+phase train run_trainer
 phase sanitize run_sanitizers
 phase bench-ops bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench ops --out '$OUTDIR/bench'"
 phase bench-xent bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench xent --out '$OUTDIR/bench'"

@@ -49,7 +49,7 @@ class Metrics:
             self.writer.close()
 
     def records(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_records(self.path.parent)
 
 
 def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], None]) -> bool:
@@ -76,3 +76,30 @@ def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], N
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return True
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run directory's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run in a few numbers: steps, first and last training loss, the median tokens/s of
+    the steps after the first (which pays for warm-up and autotuning), peak GPU memory, and
+    the first and last held-out loss and task accuracy (None where the run has none)."""
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    accuracies = [r["accuracy"] for r in evals if r.get("accuracy") is not None]
+    throughput = sorted(r["tokens_per_s"] for r in train[1:]) or [r["tokens_per_s"] for r in train]
+    memory = [r["gpu_mem_gib"] for r in train if "gpu_mem_gib" in r]
+    return {
+        "steps": len(train),
+        "loss_first": train[0]["loss"] if train else None,
+        "loss_last": train[-1]["loss"] if train else None,
+        "tokens_per_s_median": throughput[len(throughput) // 2] if throughput else None,
+        "gpu_mem_gib_peak": max(memory) if memory else None,
+        "eval_loss_first": evals[0]["eval_loss"] if evals else None,
+        "eval_loss_last": evals[-1]["eval_loss"] if evals else None,
+        "accuracy_first": accuracies[0] if accuracies else None,
+        "accuracy_last": accuracies[-1] if accuracies else None,
+    }

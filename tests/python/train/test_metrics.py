@@ -58,3 +58,18 @@ def test_plot_and_missing_matplotlib(tmp_path, monkeypatch):
     said: list[str] = []
     assert not write_plot(RECORDS, tmp_path / "again.png", said.append)
     assert not (tmp_path / "again.png").exists() and "matplotlib is not installed" in said[0]
+
+
+def test_summary_of_a_run():
+    from barqtrain.train.metrics import summarize
+
+    records = [*RECORDS, {"step": 3, "loss": 1.5, "lr": 1e-3, "tokens_per_s": 140.0, "gpu_mem_gib": 1.5},
+               {"step": 3, "eval_loss": 1.8, "accuracy": 0.7}]
+    records[0] = {**records[0], "accuracy": 0.1}
+    assert summarize(records) == {
+        "steps": 3, "loss_first": 2.5, "loss_last": 1.5,
+        "tokens_per_s_median": 140.0,  # of steps 2 and 3: the first step's warm-up is left out
+        "gpu_mem_gib_peak": 1.5, "eval_loss_first": 3.0, "eval_loss_last": 1.8,
+        "accuracy_first": 0.1, "accuracy_last": 0.7,
+    }
+    assert summarize([])["steps"] == 0 and summarize([])["tokens_per_s_median"] is None
