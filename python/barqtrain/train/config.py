@@ -62,7 +62,11 @@ class DataConfig:
         "pretokenized (path is a `barqtrain tokenize` directory: memory-mapped, not tokenized again)",
         "text",
     )
-    chat_template: Literal["chatml", "llama3"] = _doc("how format 'messages' renders a conversation", "chatml")
+    chat_template: str = _doc(
+        "how format 'messages' renders a conversation: model (the tokenizer directory's own Jinja template), "
+        "chatml or llama3 (built in, faster), or a tokenizer_config.json / .jinja path or a template string",
+        "model",
+    )
     tokenizer: str | None = _doc("tokenizer.json or its directory; default: the model directory", None)
     seq_length: int = _doc(
         "tokens per row (the task's sequences are 14 tokens: a longer row packs seq_length // 14 of them)", 14
