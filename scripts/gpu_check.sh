@@ -12,7 +12,7 @@
 set -uo pipefail
 
 OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
-PHASES=${PHASES:-"build cpp python train sanitize bench-ops bench-xent bench-attn bench-lora bench-e2e"}
+PHASES=${PHASES:-"build cpp python train sanitize bench-ops bench-xent bench-attn bench-lora bench-qlora bench-data bench-e2e"}
 PYTHON=${PYTHON:-python3}
 CUDA_ARCHS=${CUDA_ARCHS:-"80;90a"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -130,6 +130,8 @@ phase bench-ops bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench ops --out '$O
 phase bench-xent bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench xent --out '$OUTDIR/bench'"
 phase bench-attn bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench attn --out '$OUTDIR/bench'"
 phase bench-lora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench lora --out '$OUTDIR/bench'"
+phase bench-qlora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench qlora --out '$OUTDIR/bench'"
+phase bench-data bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench data --out '$OUTDIR/bench'"
 phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e --out '$OUTDIR/bench'"
 
 echo "=== summary" | tee -a "$LOG"
