@@ -17,11 +17,15 @@ class TaskData:
     """The built-in task: micro-batch i is a pure function of (seed, i), so the data
     position is one integer. Training rows of data.seq_length tokens beyond one sequence
     pack several; the eval batches are single sequences (the digit accuracy is scored
-    without position_ids), from a seed no training batch uses."""
+    without position_ids), from a seed no training batch uses. Under FSDP, rank r takes
+    rows r*batch_size.. of the world_size*batch_size rows of the global micro-batch, so N
+    ranks see what one process with N times the batch size sees."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, rank: int = 0, world_size: int = 1) -> None:
         self.seed = config.seed
         self.batch_size = config.batch_size
+        self.rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+        self.world_size = world_size
         self.row_length = config.data.seq_length
         self.eval_batch_count = config.data.eval_batches
         self.position = 0
@@ -29,10 +33,13 @@ class TaskData:
     def next(self) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
         self.position += 1
+        global_rows = self.batch_size * self.world_size
         if self.row_length > task.SEQUENCE_LENGTH:
-            return task.make_packed_rows(self.batch_size, self.row_length, generator)
-        input_ids, labels = task.make_batch(self.batch_size, generator)
-        return {"input_ids": input_ids, "labels": labels}
+            batch = task.make_packed_rows(global_rows, self.row_length, generator)
+        else:
+            input_ids, labels = task.make_batch(global_rows, generator)
+            batch = {"input_ids": input_ids, "labels": labels}
+        return {key: value[self.rows] for key, value in batch.items()}
 
     def eval_batches(self) -> list[dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(10_000_019 + self.seed)
@@ -95,9 +102,10 @@ def _tokenizer_to_check(config: TrainConfig) -> str | None:
 class FileData:
     """A dataset file (read and tokenized with read_dataset) or a `barqtrain tokenize`
     directory (memory-mapped shards), the held-out split, then packed rows from a
-    PackedLoader (its state_dict is the data position)."""
+    PackedLoader (its state_dict is the data position; under FSDP each rank has its own
+    shard of the training sequences, and every rank evaluates on the same held-out rows)."""
 
-    def __init__(self, config: TrainConfig, pin_memory: bool) -> None:
+    def __init__(self, config: TrainConfig, pin_memory: bool, rank: int = 0, world_size: int = 1) -> None:
         from barqtrain.data import read_dataset
 
         data = config.data
@@ -120,7 +128,10 @@ class FileData:
         # Without packing, a shuffle window of one puts each sequence in a row of its own.
         options = {} if data.packing else {"shuffle_window": 1}
         # Batches are collated ahead by C++ threads, into pinned memory for a GPU run.
-        self.loader = train_set.loader(data.seq_length, config.batch_size, seed=config.seed, pin_memory=pin_memory, **options)
+        self.loader = train_set.loader(
+            data.seq_length, config.batch_size, seed=config.seed, pin_memory=pin_memory, rank=rank,
+            world_size=world_size, **options,
+        )
         self.eval_loader = (
             eval_set.loader(data.seq_length, config.batch_size, seed=config.seed, shuffle=False, **options)
             if len(eval_set)
@@ -187,5 +198,7 @@ def scored_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != task.IGNORE_INDEX).sum())
 
 
-def make_data(config: TrainConfig, device: torch.device) -> TaskData | FileData:
-    return TaskData(config) if config.data.path is None else FileData(config, pin_memory=device.type == "cuda")
+def make_data(config: TrainConfig, device: torch.device, rank: int = 0, world_size: int = 1) -> TaskData | FileData:
+    if config.data.path is None:
+        return TaskData(config, rank, world_size)
+    return FileData(config, pin_memory=device.type == "cuda", rank=rank, world_size=world_size)

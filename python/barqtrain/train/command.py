@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from barqtrain.data import ReaderError, TokenizerError
+    from barqtrain.train.distributed import ranks_from_env
     from barqtrain.train.trainer import resume_run, train
 
     if args.resume and args.config:
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             if args.steps < 1:
                 raise ConfigError(f"--steps: must be at least 1, got {args.steps}")
             config.steps = args.steps
-        if args.config is None:
+        if args.config is None and ranks_from_env().is_main:
             print("No config given: the embedded default (`barqtrain config --template default` writes it as YAML).")
         train(config)
     except (ConfigError, ReaderError, TokenizerError) as error:

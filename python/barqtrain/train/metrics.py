@@ -11,10 +11,17 @@ from typing import Any
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, resume_step: int | None, tensorboard: bool, log: Callable[[str], None]) -> None:
+    def __init__(
+        self, run_dir: Path, resume_step: int | None, tensorboard: bool, log: Callable[[str], None], active: bool = True
+    ) -> None:
         """resume_step: keep the records up to that step (a resumed run rewrites the rest);
-        None: start a new file."""
+        None: start a new file. active: False on the FSDP ranks other than 0, which neither
+        read nor write the run's metrics (rank 0 writes the losses reduced across ranks)."""
         self.path = run_dir / "metrics.jsonl"
+        self.active = active
+        self.writer = None
+        if not active:
+            return
         kept = []
         if resume_step is not None and self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -25,7 +32,6 @@ class Metrics:
                 if record.get("step", 0) <= resume_step:
                     kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
-        self.writer = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -37,6 +43,8 @@ class Metrics:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
         with self.path.open("a") as file:
             file.write(json.dumps(record) + "\n")
         if self.writer is not None:
@@ -49,7 +57,7 @@ class Metrics:
             self.writer.close()
 
     def records(self) -> list[dict[str, Any]]:
-        return read_records(self.path.parent)
+        return read_records(self.path.parent) if self.active else []
 
 
 def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], None]) -> bool:

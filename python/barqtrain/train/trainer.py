@@ -8,6 +8,10 @@ written to a temporary directory and renamed into place, so a killed run leaves 
 whole checkpoints), base/ for a random-init model (its initial weights, which the adapter
 applies to: 16-bit, also for QLoRA, whose adapter loads on the 16-bit model), and at the
 end adapter/ (PEFT format) or model/, and training.png.
+
+Under torchrun (WORLD_SIZE > 1) the model is sharded with FSDP2 (see distributed.py); rank
+0 writes everything, a checkpoint's model_state.pt and optimizer.pt then hold the full
+gathered state keyed by parameter name, and trainer_state.pt every rank's data position and RNG.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 import yaml
 
-from barqtrain.train import task
+from barqtrain.train import distributed, task
 from barqtrain.train.batches import make_data, scored_tokens
 from barqtrain.train.config import (
     ADAPTER_METHODS,
@@ -189,31 +193,49 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path) -> None:
-    """adapter/ in PEFT format (method lora, qlora) or model/ in HF format (method full)."""
-    model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"))
+def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path, full_model_state: dict | None = None) -> None:
+    """adapter/ in PEFT format (method lora, qlora) or model/ in HF format (method full).
+    full_model_state: the gathered state of a sharded model (its own state_dict is shards)."""
+    # A copy: transformers' save_pretrained empties the state dict it is given.
+    state_dict = None if full_model_state is None else dict(full_model_state)
+    model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"), state_dict=state_dict)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, config, optimizer, scheduler, scaler, data) -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, model, config, optimizer, scheduler, scaler, data, ranks=distributed.SINGLE
+) -> Path | None:
+    """Writes the checkpoint of step (rank 0 only, under FSDP; every rank must call it, since
+    gathering the state is collective). Returns its directory on rank 0."""
+    if ranks.is_distributed:
+        model_state, optimizer_state = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
+        data_states, rng_states = distributed.gather_objects(data.state_dict()), distributed.gather_objects(_rng_state())
+        if not ranks.is_main:
+            distributed.barrier()  # the checkpoint is whole on disk when every rank goes on
+            return None
+    else:
+        model_state, optimizer_state = None, optimizer.state_dict()
+        data_states, rng_states = [data.state_dict()], [_rng_state()]
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     temporary = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
-    save_weights(model, config, temporary)
-    if config.method == "full":
-        torch.save(model.state_dict(), temporary / "model_state.pt")
-    torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
+    save_weights(model, config, temporary, model_state)
+    if ranks.is_distributed or config.method == "full":
+        torch.save(model_state if ranks.is_distributed else model.state_dict(), temporary / "model_state.pt")
+    torch.save(optimizer_state, temporary / "optimizer.pt")
     torch.save(scheduler.state_dict(), temporary / "scheduler.pt")
-    torch.save(
-        {"step": step, "rng": _rng_state(), "data": data.state_dict(), "scaler": scaler.state_dict()},
-        temporary / "trainer_state.pt",
+    trainer_state = {"step": step, "world_size": ranks.world_size, "rng": rng_states, "data": data_states}
+    torch.save({**trainer_state, "scaler": scaler.state_dict()}, temporary / "trainer_state.pt")
+    (temporary / "trainer_state.json").write_text(
+        json.dumps({"step": step, "world_size": ranks.world_size, "data": data_states}) + "\n"
     )
-    (temporary / "trainer_state.json").write_text(json.dumps({"step": step, "data": data.state_dict()}) + "\n")
     if final.exists():  # a checkpoint of the same step from an earlier, resumed-over attempt
         shutil.rmtree(final)
     os.replace(temporary, final)
+    if ranks.is_distributed:
+        distributed.barrier()
     return final
 
 
@@ -226,20 +248,32 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, data) -> int:
-    if config.method in ADAPTER_METHODS:
+def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, data, ranks=distributed.SINGLE) -> int:
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    saved_world_size = int(state.get("world_size", 1))
+    if saved_world_size != ranks.world_size:
+        raise ConfigError(
+            f"--resume: {path} was written by {saved_world_size} process(es) and this run has {ranks.world_size}; "
+            "resume with the same number of processes (each holds its own data position)"
+        )
+    if ranks.is_distributed:
+        distributed.load_full_state(
+            model, optimizer, torch.load(path / "model_state.pt", weights_only=True),
+            torch.load(path / "optimizer.pt", weights_only=False),
+        )
+    elif config.method in ADAPTER_METHODS:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
     else:
         model.load_state_dict(torch.load(path / "model_state.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    if not ranks.is_distributed:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
     scaler.load_state_dict(state["scaler"])
-    data.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
+    data.load_state_dict(state["data"][ranks.rank])
+    _set_rng_state(state["rng"][ranks.rank])
     return int(state["step"])
 
 
@@ -314,23 +348,47 @@ def train(
     stop_after: end after the checkpoint of that step, as if the run had been killed there
     (tests use it to compare a resumed run with an uninterrupted one).
     progress_bar: a tqdm bar instead of a line every log_interval steps; None: when log is
-    print and standard output is a terminal."""
+    print and standard output is a terminal.
+
+    Under torchrun (WORLD_SIZE > 1 in the environment) each process trains its shard of
+    the model on its share of the data; batch_size is per process, and device is the
+    process's own (cuda:LOCAL_RANK, else cpu)."""
+    ranks = distributed.ranks_from_env()
+    if not ranks.is_distributed:
+        return _train(config, resume, stop_after, log, device, progress_bar, ranks)
+    distributed.check_supported(config)
+    device, formed = distributed.start(ranks)
+    try:
+        return _train(config, resume, stop_after, distributed.main_only(log, ranks), device, progress_bar, ranks)
+    finally:
+        distributed.finish(formed)
+
+
+def _train(config, resume, stop_after, log, device, progress_bar, ranks: distributed.Ranks) -> TrainResult:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if progress_bar is None:
         progress_bar = log is print and is_terminal(sys.stdout)
+    progress_bar = progress_bar and ranks.is_main
     check_paths(config)
     check_optimizer(config, device)
     compute_precision(config, device)  # fails before the model is built where the precision cannot run
     run_dir = Path(config.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        log(f"No checkpoint in {run_dir}: starting from step 0.")
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    if ranks.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and checkpoint is None:
+            log(f"No checkpoint in {run_dir}: starting from step 0.")
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
-    data = make_data(config, device)
+    data = make_data(config, device, ranks.rank, ranks.world_size)
     _check_vocabulary(data, config)
-    model = build_model(config, device, log, run_dir)
+    model = build_model(config, device, log, run_dir if ranks.is_main else None)
+    if ranks.is_distributed:
+        distributed.shard_model(model)
+        log(
+            f"FSDP: {ranks.world_size} processes, {len(distributed.decoder_layers(model))} decoder layers and the root "
+            f"sharded; {config.batch_size} rows per process and micro-batch."
+        )
     log(f"Data: {data.describe()}.")
     steps = config.steps
     if steps is None:
@@ -348,9 +406,9 @@ def train(
     if checkpoint is not None:
         for stale in (run_dir / CHECKPOINTS).glob(".tmp-*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
-        step = load_checkpoint(checkpoint, model, config, optimizer, scheduler, scaler, data)
+        step = load_checkpoint(checkpoint, model, config, optimizer, scheduler, scaler, data, ranks)
         log(f"Resumed from {checkpoint} at step {step}.")
-    metrics = Metrics(run_dir, step if checkpoint is not None else None, config.tensorboard, log)
+    metrics = Metrics(run_dir, step if checkpoint is not None else None, config.tensorboard, log, active=ranks.is_main)
     for record in metrics.records():
         if "loss" in record:
             result.losses[record["step"]] = record["loss"]
@@ -383,6 +441,9 @@ def train(
                 scaler.scale(loss).backward()
                 total_loss += loss.item()
                 tokens += batch["input_ids"].numel()
+            if ranks.is_distributed:  # the logged loss and throughput are the whole world's
+                total_loss = distributed.mean_across_ranks(total_loss, device)
+                tokens = distributed.sum_across_ranks(tokens, device)
             if config.optim.max_grad_norm is not None:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(trainable, config.optim.max_grad_norm)
@@ -411,7 +472,7 @@ def train(
                 metrics.write({"step": step, "eval_loss": eval_loss, "accuracy": accuracy})
                 progress.evaluated(step, eval_loss, accuracy)
             if (config.save_interval and step % config.save_interval == 0) or step == steps:
-                save_checkpoint(run_dir, step, model, config, optimizer, scheduler, scaler, data)
+                save_checkpoint(run_dir, step, model, config, optimizer, scheduler, scaler, data, ranks)
             if stop_after is not None and step >= stop_after and step < steps:
                 result.stopped_at = step
                 metrics.close()
@@ -424,9 +485,14 @@ def train(
         result.accuracy_after = task_accuracy(model, eval_batches, device)
     if result.eval_loss_after is not None:
         metrics.write({"step": steps, "eval_loss": result.eval_loss_after, "accuracy": result.accuracy_after})
-    save_weights(model, config, run_dir)
+    if ranks.is_distributed:
+        model_state, _ = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
+        if ranks.is_main:
+            save_weights(model, config, run_dir, model_state)
+    else:
+        save_weights(model, config, run_dir)
     metrics.close()
-    plotted = config.plot and write_plot(metrics.records(), run_dir / "training.png", log)
+    plotted = config.plot and ranks.is_main and write_plot(metrics.records(), run_dir / "training.png", log)
     where = run_dir / ("adapter" if config.method in ADAPTER_METHODS else "model")
     summary = f"Done: {steps} steps in {duration(time.perf_counter() - start)}."
     if result.accuracy_before is not None and result.accuracy_after is not None:

@@ -1,0 +1,154 @@
+"""Data-parallel training with FSDP2 when `barqtrain train` runs under torchrun.
+
+torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; with WORLD_SIZE above 1 the trainer joins a
+process group (nccl on CUDA, gloo on CPU), shards every decoder layer and the root with
+`fully_shard` (frozen base weights and trainable LoRA weights may share a unit: FSDP2 keeps
+per-parameter requires_grad), gives each rank its own share of the data, and averages the
+loss across ranks. Only rank 0 prints and writes; checkpoints hold full (gathered) model
+and optimizer state, which every rank reads back on resume.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from barqtrain.train.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+SINGLE = Ranks()
+
+
+def ranks_from_env() -> Ranks:
+    """The torchrun environment (WORLD_SIZE, RANK, LOCAL_RANK); one process without it."""
+    if "WORLD_SIZE" not in os.environ:
+        return SINGLE
+    try:
+        ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    except (KeyError, ValueError):
+        raise ConfigError(
+            "WORLD_SIZE is set but RANK is missing or not an integer: launch several processes with "
+            "`torchrun --nproc-per-node N -m barqtrain.cli train CONFIG`"
+        ) from None
+    return ranks
+
+
+def check_supported(config: TrainConfig) -> None:
+    """What data-parallel training does not cover yet fails before the process group forms."""
+    if config.method == "qlora":
+        raise ConfigError("method: qlora trains on one device; FSDP (several processes) shards lora or full")
+    if config.optim.name == "adamw_8bit":
+        raise ConfigError("optim.name: adamw_8bit trains on one device; FSDP (several processes) takes adamw")
+    if config.precision == "fp16":
+        raise ConfigError("precision: fp16 loss scaling trains on one device; FSDP (several processes) takes bf16 or fp32")
+
+
+def start(ranks: Ranks) -> tuple[torch.device, bool]:
+    """The rank's device, after joining the process group; True when this call formed it
+    (and so finish() takes it down)."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return device, False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device, True
+
+
+def finish(formed: bool) -> None:
+    if formed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (HF's *DecoderLayer modules, also inside PEFT's wrapper)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """fully_shard each decoder layer (its weights gathered only while it computes), then the
+    root (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"FSDP: found no decoder layer (a module named *DecoderLayer) in {type(model).__name__} to shard"
+        )
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def mean_across_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def sum_across_ranks(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor)
+    return int(tensor.item())
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """value from every rank, in rank order, on every rank."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
+    """The whole (unsharded) model and optimizer state on CPU; collective: every rank calls it.
+    trainable_only: the adapter's weights, not the frozen base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Each rank takes its shards of a full_state() (strict=False: an adapter's state omits the frozen base)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in model_state]
+    if missing:
+        raise ConfigError(
+            f"--resume: the checkpoint has no weights for {len(missing)} trained parameter(s), e.g. {missing[0]}; "
+            "was it written for another method or model?"
+        )
+    set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )
+
+
+def main_only(log: Callable[..., None], ranks: Ranks) -> Callable[..., None]:
+    return log if ranks.is_main else (lambda *args, **kwargs: None)
+
+
+def barrier() -> None:
+    dist.barrier()
