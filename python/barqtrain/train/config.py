@@ -133,11 +133,7 @@ class TrainConfig:
 
 
 ADAPTER_METHODS = ("lora", "qlora")  # train a PEFT adapter over a frozen base
-TEMPLATES = ("default", "lora", "qlora", "full", "long-context")
-# Methods the trainer cannot run yet: asking for their template is an error that says so.
-UNSUPPORTED_TEMPLATES = {
-    "fsdp": "FSDP (several GPUs under torchrun) is not supported by barqtrain train yet: it trains on one device",
-}
+TEMPLATES = ("default", "lora", "qlora", "full", "long-context", "fsdp")
 PLACEHOLDER_MODEL = "path/to/hf-model-dir"
 PLACEHOLDER_DATA = "path/to/train.jsonl"
 
@@ -339,8 +335,6 @@ def to_dict(config: Any) -> dict:
 def template(name: str) -> TrainConfig:
     """The named template. 'default' is the embedded default; the others fine-tune a model
     directory on a dataset file, whose placeholder paths the user replaces."""
-    if name in UNSUPPORTED_TEMPLATES:
-        raise ConfigError(f"template {name!r}: {UNSUPPORTED_TEMPLATES[name]}; templates: {', '.join(TEMPLATES)}")
     if name not in TEMPLATES:
         raise ConfigError(f"unknown template {name!r}; choose from {', '.join(TEMPLATES)}")
     config = TrainConfig()
@@ -363,6 +357,9 @@ def template(name: str) -> TrainConfig:
     elif name == "qlora":
         config.method = "qlora"
         config.gradient_checkpointing = True  # QLoRA is for when memory is short
+    elif name == "fsdp":  # LoRA on several GPUs: batch_size rows per GPU, so the global batch is N times larger
+        config.batch_size, config.grad_accum = 4, 2
+        config.gradient_checkpointing = True
     elif name == "long-context":
         config.data.seq_length = 32768
         config.batch_size, config.grad_accum = 1, 16
@@ -378,6 +375,9 @@ def template_yaml(name: str, documented: bool = False) -> str:
     """The named template as YAML; documented: every key with a comment saying what it is."""
     config = template(name)
     lines = [f"# barqtrain train config ({name} template). Run: barqtrain train THIS_FILE.yaml"]
+    if name == "fsdp":
+        lines.append("# Several GPUs of one machine: torchrun --nproc-per-node N -m barqtrain.cli train THIS_FILE.yaml")
+        lines.append("# (batch_size is per GPU; each GPU holds 1/N of the model and trains on 1/N of the data).")
     if config.model.path == PLACEHOLDER_MODEL:
         lines.append("# Set model.path to your Hugging Face model directory and data.path to your dataset first.")
 

@@ -1,6 +1,7 @@
 """`barqtrain config --template NAME [--documented] [--out FILE]`: writes a train config.
 
-The templates: default (the embedded default), lora, qlora, full, long-context.
+The templates: default (the embedded default), lora, qlora, full, long-context, fsdp
+(several GPUs under torchrun).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from barqtrain.train.config import TEMPLATES, ConfigError, template_yaml
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("config", help="write a YAML config for `barqtrain train`", description=__doc__.splitlines()[0])
-    # Not argparse choices: asking for fsdp gets an error saying why it is missing.
     parser.add_argument("--template", default="lora", metavar="NAME", help=f"one of {', '.join(TEMPLATES)} (default: lora)")
     parser.add_argument("--documented", action="store_true", help="a comment on every key")
     parser.add_argument("--out", help="file to write (default: standard output)")

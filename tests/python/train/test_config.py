@@ -75,16 +75,17 @@ def test_templates_say_what_they_are_for():
     assert "Set model.path to your Hugging Face model directory" in template_yaml("lora")
 
 
-def test_a_template_the_trainer_cannot_run_is_a_clear_error(capsys):
-    assert cli.main(["config", "--template", "fsdp"]) == 2
-    err = capsys.readouterr().err
-    assert "template 'fsdp': FSDP" in err and "not supported by barqtrain train yet" in err
-    assert "templates: default, lora, qlora, full, long-context" in err
+def test_the_fsdp_template_says_how_to_launch_it(capsys):
+    assert cli.main(["config", "--template", "fsdp"]) == 0
+    text = capsys.readouterr().out
+    assert "torchrun --nproc-per-node N -m barqtrain.cli train THIS_FILE.yaml" in text and "batch_size is per GPU" in text
+    fsdp = config_from_dict(yaml.safe_load(text))
+    assert fsdp == template("fsdp") and fsdp.method == "lora" and fsdp.model.path and fsdp.data.path
 
 
 def test_unknown_template(capsys):
     assert cli.main(["config", "--template", "huge"]) == 2
-    assert "unknown template 'huge'; choose from default, lora, qlora, full, long-context" in capsys.readouterr().err
+    assert "unknown template 'huge'; choose from default, lora, qlora, full, long-context, fsdp" in capsys.readouterr().err
 
 
 def test_config_command_writes_a_template(tmp_path, capsys):
