@@ -24,8 +24,6 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def bnb():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     return pytest.importorskip("bitsandbytes")
 
 
@@ -107,8 +105,6 @@ def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
 
 
 def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     model = tiny_model("llama", torch.bfloat16).cuda()
     quant.quantize_model(model)
     model = barqtrain.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
