@@ -199,14 +199,16 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, softcap, causal, window_left, window_right, cos, sin,
      positions) = inputs
     o, lse = output
+    if any(table is not None and table.requires_grad for table in (cos, sin)):
+        # Caught at the forward, where the caller can still detach them, not in the backward.
+        raise ValueError("barqtrain: attention treats rope_cos and rope_sin as constants; pass them detached "
+                         "(they have no gradient here)")
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, cos, sin, positions)
     ctx.options = (max_q, max_k, scale, softcap, causal, window_left, window_right)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, d_o, _d_lse):
-    if ctx.needs_input_grad[12] or ctx.needs_input_grad[13]:
-        raise NotImplementedError("barqtrain: attention has no gradient with respect to the RoPE tables")
     q, k, v, o, lse, cu_q, cu_k, cos, sin, positions = ctx.saved_tensors
     max_q, max_k, scale, softcap, causal, window_left, window_right = ctx.options
     dq, dk, dv = torch.ops.barqtrain.attention_backward(

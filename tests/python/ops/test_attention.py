@@ -128,6 +128,17 @@ def test_packed_rope_positions_restart_per_sequence():
     assert torch.equal(implicit, explicit)
 
 
+def test_the_op_refuses_rope_tables_that_require_grad_at_the_forward():
+    # The op's backward has no table gradient (barqtrain.ops.attention's CPU reference has one).
+    q, k, v, cu = packed_qkv([5], 2, 1, 16, torch.float32, "cpu")
+    _, _, inv_freq = hf_tables(16, torch.arange(1), torch.float32)
+    cos, sin = attention_rope_tables(inv_freq, 8)
+    with pytest.raises(ValueError, match="pass them detached"):
+        torch.ops.barqtrain.attention_forward(
+            q.requires_grad_(), k, v, cu, cu, 5, 5, 0.25, 0.0, True, -1, -1, cos.requires_grad_(), sin, None
+        )
+
+
 def test_cu_seqlens_from_flattening_collator_position_ids():
     position_ids = torch.cat([torch.arange(n) for n in (4, 1, 7)])[None]
     cu_seqlens, longest = cu_seqlens_from_position_ids(position_ids)
