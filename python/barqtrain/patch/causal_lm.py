@@ -16,6 +16,7 @@ dtypes the op does not compute run Hugging Face's forward instead, with one warn
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,45 +151,41 @@ def _forward(
     return output if (self.config.return_dict if return_dict is None else return_dict) else output.to_tuple()
 
 
-def causal_lm_forward(
-    self: nn.Module,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    past_key_values: Any = None,
-    inputs_embeds: torch.FloatTensor | None = None,
-    labels: torch.LongTensor | None = None,
-    use_cache: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    **kwargs: Any,
-) -> Any:
+def _causal_lm_forward(softcapped: bool, doc: str) -> Callable[..., Any]:
+    """The replacement forward, with Hugging Face's ForCausalLM signature."""
+
+    def forward(
+        self: nn.Module,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        return _forward(
+            self, softcapped, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
+            use_cache, logits_to_keep, kwargs,
+        )
+
+    forward.__doc__ = doc
+    return forward
+
+
+causal_lm_forward = _causal_lm_forward(
+    False,
     """LlamaForCausalLM and its copies (Mistral, Qwen2, Qwen3, Phi-3, Gemma): logits = lm_head(h).
-    In training with labels the output's logits are None (see the module docstring)."""
-    return _forward(
-        self, False, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache,
-        logits_to_keep, kwargs,
-    )
-
-
-def softcapped_causal_lm_forward(
-    self: nn.Module,
-    input_ids: torch.LongTensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    past_key_values: Any = None,
-    inputs_embeds: torch.FloatTensor | None = None,
-    labels: torch.LongTensor | None = None,
-    use_cache: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    **kwargs: Any,
-) -> Any:
+    In training with labels the output's logits are None (see the module docstring).""",
+)
+softcapped_causal_lm_forward = _causal_lm_forward(
+    True,
     """Gemma2ForCausalLM, Gemma3ForCausalLM: logits = c * tanh(lm_head(h) / c), c the config's
     final_logit_softcapping (none when it is None). In training with labels the output's
-    logits are None (see the module docstring)."""
-    return _forward(
-        self, True, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache,
-        logits_to_keep, kwargs,
-    )
+    logits are None (see the module docstring).""",
+)
 
 
 def causal_lm(module_class: str, *, final_logit_softcapping: bool = False) -> ModuleReplacement:
