@@ -1,15 +1,19 @@
-// The fused dequant-GEMM of a 4-bit weight (quant.h): C = A · Wᵀ or A · W.
+// The fused dequant-GEMMs of a quantized weight (quant.h): C = A · Wᵀ or A · W, W in 4 bits
+// (NF4/FP4) or int8 with a scale per row.
+//
+// One kernel template; the weight format is a compile-time policy (Nf4Slices, Int8Slices)
+// that says how a thread's slice of the W tile travels to shared memory and becomes 16-bit
+// values, and whether a scale is left for the epilogue.
 //
 // One CTA computes a 128 x 128 tile of C with 8 warps (2 along M x 4 along N, 64 x 32
 // each) through mma.sync m16n8k16 with fp32 accumulators. The depth is walked 64 at a time:
-// a 3-stage cp.async pipeline brings the A tile (16-bit, 128 x 64) and the W tile's packed
-// bytes (4096 bytes) into shared memory; each step then dequantizes the W tile (one 16-byte
-// chunk, 32 values, per thread: code table x block absmax, rounded to the 16-bit type as
-// bitsandbytes' dequantize rounds) into a padded shared tile that ldmatrix reads. The W tile
-// is kept as W's own rows in both directions:
+// a 3-stage cp.async pipeline brings the A tile (16-bit, 128 x 64) and the W tile's stored
+// bytes (one slice of 32 consecutive values of one W row per thread: 16 bytes in 4 bits, 32
+// in int8) into shared memory; each step then dequantizes every slice into a padded shared
+// tile that ldmatrix reads. The W tile is kept as W's own rows in both directions:
 //   forward  (C = A · Wᵀ): 128 W rows (output columns) x 64 W columns (depth), ldmatrix
 //   backward (C = A · W) :  64 W rows (depth) x 128 W columns (output columns), ldmatrix.trans
-// so one loader and one dequantizer serve both; four instantiations (bf16/fp16 x direction).
+// so one loader and one dequantizer serve both.
 #include <algorithm>
 
 #include "kernels/attention/warp_mma.cuh"
@@ -33,29 +37,25 @@ constexpr int kStages = 3;
 constexpr int kWarpM = 64, kWarpN = 32;
 constexpr int kMTiles = kWarpM / 16, kNTiles = kWarpN / 8;
 constexpr int kAStride = kBK + 8;  // padded rows: the 8 addresses of an ldmatrix in distinct banks
-constexpr int kPackedTileBytes = kBN * kBK / 2;
+constexpr int kSliceValues = 32;   // W values per thread and step: 256 threads x 32 = the 128 x 64 tile
+static_assert(kThreads * kSliceValues == kBN * kBK, "one slice per thread covers the W tile");
 
 template <QuantGemmOp kOp>
 struct WTile {
   static constexpr int kRows = kOp == QuantGemmOp::kForward ? kBN : kBK;  // W rows in the tile
   static constexpr int kCols = kOp == QuantGemmOp::kForward ? kBK : kBN;  // W columns in the tile
   static constexpr int kStride = kCols + 8;
-  static constexpr int kChunksPerRow = kCols / 32;  // 32 values (16 packed bytes) per chunk
+  static constexpr int kSlicesPerRow = kCols / kSliceValues;
 };
 
+// This thread's slice of the W tile for depth step `step`: its W row and first column.
 template <QuantGemmOp kOp>
-constexpr size_t smem_bytes() {
-  return kStages * (kBM * kAStride * 2 + kPackedTileBytes) + WTile<kOp>::kRows * WTile<kOp>::kStride * 2 +
-         (16 + kDynamicCodeSize) * sizeof(float);
-}
-
-// This thread's 16-byte chunk of the W tile for depth step `step`: its W row and column.
-template <QuantGemmOp kOp>
-struct ChunkPosition {
+struct SlicePosition {
   int64_t row, col;
-  __device__ ChunkPosition(int step, int64_t tile_cols_base) {
+  __device__ SlicePosition(int step, int64_t tile_cols_base) {
     using Tile = WTile<kOp>;
-    const int local_row = threadIdx.x / Tile::kChunksPerRow, local_col = (threadIdx.x % Tile::kChunksPerRow) * 32;
+    const int local_row = threadIdx.x / Tile::kSlicesPerRow;
+    const int local_col = (threadIdx.x % Tile::kSlicesPerRow) * kSliceValues;
     if (kOp == QuantGemmOp::kForward) {
       row = tile_cols_base + local_row;  // output column block
       col = int64_t{step} * kBK + local_col;
@@ -66,15 +66,113 @@ struct ChunkPosition {
   }
 };
 
+// ---------------------------------------------------------------- weight policies
+// A policy gives: Params; kSliceBytes (stored bytes of a 32-value slice, a multiple of 16);
+// kTableFloats (shared lookup tables) and load_tables; slice_source (the stored bytes of a
+// slice); slice_scale (a per-slice value read one step ahead, 0 past W's edges); dequantize
+// (32 stored values -> 16-bit values in the tile); kScalesOutputColumns and
+// output_column_scale (a factor per output column applied to the fp32 sums).
+
+// 4-bit: code[q] * absmax of the slice's block of 64, rounded to T (dequantize_4bit's bits).
 template <typename T, QuantGemmOp kOp>
-__global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
+struct Nf4Slices {
+  using Params = Nf4GemmParams;
+  static constexpr int kSliceBytes = kSliceValues / 2;
+  static constexpr int kTableFloats = 16 + kDynamicCodeSize;
+  static constexpr bool kScalesOutputColumns = false;
+
+  static __device__ void load_tables(const Params& p, float* tables) {
+    quant::load_code4(tables, p.code);
+    quant::load_code8(tables + 16, p.absmax);
+  }
+  static __device__ const uint8_t* slice_source(const Params& p, int64_t row, int64_t col) {
+    return p.packed + (row * p.k + col) / 2;
+  }
+  static __device__ float slice_scale(const Params& p, const float* tables, int64_t row, int64_t col) {
+    return quant::block_absmax(p.absmax, tables + 16, (row * p.k + col) / kQuantBlock4bit);
+  }
+  static __device__ void dequantize(const uint8_t* bytes, float absmax, const float* tables, T* dst) {
+    const uint4 chunk = *reinterpret_cast<const uint4*>(bytes);
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t pairs[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t byte = (words[s] >> (8 * e)) & 0xFFu;  // the even element in the high nibble
+        pairs[e] = pack2<T>(tables[byte >> 4] * absmax, tables[byte & 0xFu] * absmax);
+      }
+      *reinterpret_cast<uint4*>(dst + s * 8) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    }
+  }
+  static __device__ float output_column_scale(const Params&, int64_t) { return 1.0f; }
+};
+
+// Int8 with absmax per W row. Forward: the slice's q enter the tile as they are (exact in
+// 16 bits) and absmax / 127 of the output column scales the fp32 sums in the epilogue.
+// Backward: W rows are the depth, so the tile holds (q * absmax) * (1 / 127) rounded to T,
+// dequantize_int8_rows' bits.
+template <typename T, QuantGemmOp kOp>
+struct Int8Slices {
+  using Params = Int8GemmParams;
+  static constexpr int kSliceBytes = kSliceValues;
+  static constexpr int kTableFloats = 0;
+  static constexpr bool kScalesOutputColumns = kOp == QuantGemmOp::kForward;
+
+  static __device__ void load_tables(const Params&, float*) {}
+  static __device__ const uint8_t* slice_source(const Params& p, int64_t row, int64_t col) {
+    return reinterpret_cast<const uint8_t*>(p.q) + row * p.k + col;
+  }
+  static __device__ float slice_scale(const Params& p, const float*, int64_t row, int64_t) {
+    return kScalesOutputColumns ? 1.0f : __ldg(p.row_absmax + row);
+  }
+  static __device__ void dequantize(const uint8_t* bytes, float absmax, const float*, T* dst) {
+    const float inverse127 = 1.0f / 127.0f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint4 chunk = *reinterpret_cast<const uint4*>(bytes + 16 * half);
+      const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t pairs[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t word = words[2 * s + e / 2];
+          float lo = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2))));
+          float hi = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2) + 8)));
+          if (!kScalesOutputColumns) {
+            lo = __fmul_rn(__fmul_rn(lo, absmax), inverse127);
+            hi = __fmul_rn(__fmul_rn(hi, absmax), inverse127);
+          }
+          pairs[e] = pack2<T>(lo, hi);
+        }
+        *reinterpret_cast<uint4*>(dst + 16 * half + 8 * s) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      }
+    }
+  }
+  static __device__ float output_column_scale(const Params& p, int64_t col) {
+    return __fdiv_rn(__ldg(p.row_absmax + col), 127.0f);
+  }
+};
+
+template <typename Slices, QuantGemmOp kOp>
+constexpr size_t smem_bytes() {
+  return kStages * (kBM * kAStride * 2 + kThreads * Slices::kSliceBytes) +
+         WTile<kOp>::kRows * WTile<kOp>::kStride * 2 + Slices::kTableFloats * sizeof(float);
+}
+
+// ---------------------------------------------------------------- the kernel
+
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
+__global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<T, kOp>::Params p) {
+  using Slices = Format<T, kOp>;
   using Tile = WTile<kOp>;
+  constexpr int kStageBytes = kThreads * Slices::kSliceBytes;
   extern __shared__ __align__(16) unsigned char smem[];
   T* a_stages = reinterpret_cast<T*>(smem);
-  uint8_t* packed_stages = smem + kStages * kBM * kAStride * 2;
-  T* w_tile = reinterpret_cast<T*>(packed_stages + kStages * kPackedTileBytes);
-  float* code4 = reinterpret_cast<float*>(w_tile + Tile::kRows * Tile::kStride);
-  float* code8 = code4 + 16;
+  uint8_t* w_stages = smem + kStages * kBM * kAStride * 2;
+  T* w_tile = reinterpret_cast<T*>(w_stages + kStages * kStageBytes);
+  float* tables = reinterpret_cast<float*>(w_tile + Tile::kRows * Tile::kStride);
 
   const int64_t out_cols = kOp == QuantGemmOp::kForward ? p.n : p.k;
   const int64_t depth = kOp == QuantGemmOp::kForward ? p.k : p.n;
@@ -83,11 +181,10 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
   const int steps = static_cast<int>((depth + kBK - 1) / kBK);
   const T* a = static_cast<const T*>(p.a);
 
-  quant::load_code4(code4, p.code);
-  quant::load_code8(code8, p.absmax);
+  Slices::load_tables(p, tables);
 
   // Stage `stage` <- depth step `step`: the A tile (rows past m, columns past depth are
-  // zeros) and this thread's packed chunk of W (zeros past W's edges).
+  // zeros) and this thread's slice of W, 16 bytes at a time (zeros past W's edges).
   auto load_step = [&](int step, int stage) {
     T* a_tile = a_stages + stage * kBM * kAStride;
     for (int idx = threadIdx.x; idx < kBM * (kBK / 8); idx += kThreads) {
@@ -96,16 +193,21 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
       const bool valid = row < p.m && col < depth;
       cp_async_16(a_tile + r * kAStride + c, valid ? a + row * p.a_row_stride + col : a, valid);
     }
-    const ChunkPosition<kOp> chunk(step, col_base);
-    const bool valid = chunk.row < p.n && chunk.col < p.k;
-    const uint8_t* src = valid ? p.packed + (chunk.row * p.k + chunk.col) / 2 : p.packed;
-    cp_async_16(packed_stages + stage * kPackedTileBytes + threadIdx.x * 16, src, valid);
+    const SlicePosition<kOp> slice(step, col_base);
+    uint8_t* dst = w_stages + stage * kStageBytes + threadIdx.x * Slices::kSliceBytes;
+    constexpr int kValuesPer16Bytes = kSliceValues * 16 / Slices::kSliceBytes;
+#pragma unroll
+    for (int piece = 0; piece < Slices::kSliceBytes / 16; ++piece) {
+      const int64_t col = slice.col + piece * kValuesPer16Bytes;
+      const bool valid = slice.row < p.n && col < p.k;
+      const uint8_t* src = Slices::slice_source(p, valid ? slice.row : 0, valid ? col : 0);
+      cp_async_16(dst + 16 * piece, src, valid);
+    }
   };
-  // The absmax of this thread's chunk at `step` (0 past W's edges: the chunk dequantizes to zeros).
-  auto chunk_absmax = [&](int step) {
-    const ChunkPosition<kOp> chunk(step, col_base);
-    if (chunk.row >= p.n || chunk.col >= p.k) return 0.0f;
-    return quant::block_absmax(p.absmax, code8, (chunk.row * p.k + chunk.col) / kQuantBlock4bit);
+  auto slice_scale = [&](int step) {
+    const SlicePosition<kOp> slice(step, col_base);
+    if (slice.row >= p.n || slice.col >= p.k) return 0.0f;
+    return Slices::slice_scale(p, tables, slice.row, slice.col);
   };
 
 #pragma unroll
@@ -113,8 +215,8 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
     if (s < steps) load_step(s, s);
     cp_async_commit();
   }
-  __syncthreads();  // code tables visible
-  float absmax = chunk_absmax(0);
+  __syncthreads();  // lookup tables visible
+  float scale = slice_scale(0);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = (warp / 4) * kWarpM, warp_col = (warp % 4) * kWarpN;
@@ -126,25 +228,13 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
     const int next = step + kStages - 1;
     if (next < steps) load_step(next, next % kStages);
     cp_async_commit();
-    const float next_absmax = step + 1 < steps ? chunk_absmax(step + 1) : 0.0f;
+    const float next_scale = step + 1 < steps ? slice_scale(step + 1) : 0.0f;
 
-    {  // dequantize this thread's chunk into the W tile
-      const uint4 bytes = *reinterpret_cast<const uint4*>(packed_stages + (step % kStages) * kPackedTileBytes +
-                                                          threadIdx.x * 16);
-      const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-      T* dst = w_tile + (threadIdx.x / Tile::kChunksPerRow) * Tile::kStride + (threadIdx.x % Tile::kChunksPerRow) * 32;
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t pairs[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t byte = (words[s] >> (8 * e)) & 0xFFu;
-          pairs[e] = pack2<T>(code4[byte >> 4] * absmax, code4[byte & 0xFu] * absmax);
-        }
-        *reinterpret_cast<uint4*>(dst + s * 8) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-      }
-    }
-    absmax = next_absmax;
+    T* dst = w_tile + (threadIdx.x / Tile::kSlicesPerRow) * Tile::kStride +
+             (threadIdx.x % Tile::kSlicesPerRow) * kSliceValues;
+    Slices::dequantize(w_stages + (step % kStages) * kStageBytes + threadIdx.x * Slices::kSliceBytes, scale, tables,
+                       dst);
+    scale = next_scale;
     __syncthreads();  // the W tile is complete
 
     const T* a_tile = a_stages + (step % kStages) * kBM * kAStride;
@@ -183,6 +273,15 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
 
   T* c = static_cast<T*>(p.c);
   const int group = lane / 4, quad = lane % 4;
+  float column_scale[kNTiles][2];
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t col = col_base + warp_col + nt * 8 + 2 * quad + e;
+      column_scale[nt][e] = Slices::kScalesOutputColumns && col < out_cols ? Slices::output_column_scale(p, col) : 1.0f;
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -192,7 +291,11 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
         const int64_t col = col_base + warp_col + nt * 8 + 2 * quad;
-        const float lo = acc[mt][nt][2 * half], hi = acc[mt][nt][2 * half + 1];
+        float lo = acc[mt][nt][2 * half], hi = acc[mt][nt][2 * half + 1];
+        if (Slices::kScalesOutputColumns) {
+          lo = __fmul_rn(lo, column_scale[nt][0]);
+          hi = __fmul_rn(hi, column_scale[nt][1]);
+        }
         T* dst = c + row * p.c_row_stride + col;
         if (col + 1 < out_cols) {
           *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
@@ -204,32 +307,50 @@ __global__ void __launch_bounds__(kThreads) nf4_gemm_kernel(Nf4GemmParams p) {
   }
 }
 
-template <typename T, QuantGemmOp kOp>
-void launch(const Nf4GemmParams& p, cudaStream_t stream) {
-  constexpr size_t bytes = smem_bytes<kOp>();
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
+void launch(const typename Format<T, kOp>::Params& p, cudaStream_t stream, const char* name) {
+  constexpr size_t bytes = smem_bytes<Format<T, kOp>, kOp>();
+  auto* kernel = dequant_gemm_kernel<T, kOp, Format>;
   // Set on every launch: the attribute belongs to the current device, and it is cheap.
-  check_cuda(cudaFuncSetAttribute(nf4_gemm_kernel<T, kOp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)),
-             "nf4_gemm shared memory");
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+             (std::string(name) + " shared memory").c_str());
   const int64_t out_cols = kOp == QuantGemmOp::kForward ? p.n : p.k;
   const dim3 grid(static_cast<unsigned>((out_cols + kBN - 1) / kBN), static_cast<unsigned>((p.m + kBM - 1) / kBM));
-  nf4_gemm_kernel<T, kOp><<<grid, kThreads, bytes, stream>>>(p);
-  check_cuda(cudaGetLastError(), "nf4_gemm launch");
+  kernel<<<grid, kThreads, bytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), (std::string(name) + " launch").c_str());
+}
+
+// The four instantiations of a format: bf16/fp16 x direction.
+template <template <typename, QuantGemmOp> class Format, typename Params>
+void dispatch(const Params& p, cudaStream_t stream, const char* name) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.op == QuantGemmOp::kForward) {
+    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kForward, Format>(p, stream, name)
+         : launch<__half, QuantGemmOp::kForward, Format>(p, stream, name);
+  } else {
+    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kBackward, Format>(p, stream, name)
+         : launch<__half, QuantGemmOp::kBackward, Format>(p, stream, name);
+  }
+}
+
+// The checks every format shares: A and C's dtype, alignment and strides, the grid's rows.
+void check_gemm(const QuantGemmParams& p, const std::string& what) {
+  require(p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16,
+          what + "'s input must be bfloat16 or float16, got " + dtype_name(p.dtype));
+  const int64_t a_cols = p.op == QuantGemmOp::kForward ? p.k : p.n;
+  require(a_cols % 8 == 0 && p.a_row_stride % 8 == 0 && p.a_row_stride >= a_cols && is_aligned(p.a, 16),
+          what + "'s input needs 16-byte aligned rows (its row length and stride a multiple of 8)");
+  require(p.c_row_stride % 2 == 0 && is_aligned(p.c, 4), what + "'s output needs an even row stride");
+  require(p.m <= 65535LL * kBM, what + " supports at most 8388480 rows");
 }
 
 }  // namespace
 
 void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
-  require(p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16,
-          std::string("the 4-bit GEMM's input must be bfloat16 or float16, got ") + dtype_name(p.dtype));
+  check_gemm(p, "the 4-bit GEMM");
   require(p.k % kQuantBlock4bit == 0, "the 4-bit GEMM needs in_features (k) a multiple of 64, got " +
                                           std::to_string(p.k));
-  const int64_t a_cols = p.op == QuantGemmOp::kForward ? p.k : p.n;
-  require(a_cols % 8 == 0 && p.a_row_stride % 8 == 0 && p.a_row_stride >= a_cols && is_aligned(p.a, 16),
-          "the 4-bit GEMM's input needs 16-byte aligned rows (its row length and stride a multiple of 8)");
-  require(p.c_row_stride % 2 == 0 && is_aligned(p.c, 4), "the 4-bit GEMM's output needs an even row stride");
   require(is_aligned(p.packed, 16), "the 4-bit weight must be 16-byte aligned");
-  require(p.m <= 65535LL * kBM, "the 4-bit GEMM supports at most 8388480 rows");
   if (p.absmax.double_quantized()) {
     require(p.absmax.code != nullptr && p.absmax.absmax2 != nullptr && p.absmax.offset != nullptr,
             "a double-quantized absmax needs its code, absmax2 and offset");
@@ -237,12 +358,16 @@ void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
     require(p.absmax.absmax != nullptr, "absmax is missing");
   }
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.op == QuantGemmOp::kForward) {
-    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kForward>(p, stream) : launch<__half, QuantGemmOp::kForward>(p, stream);
-  } else {
-    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kBackward>(p, stream) : launch<__half, QuantGemmOp::kBackward>(p, stream);
-  }
+  dispatch<Nf4Slices>(p, stream, "nf4_gemm");
+}
+
+void int8_gemm(const Int8GemmParams& p, cudaStream_t stream) {
+  check_gemm(p, "the int8 GEMM");
+  require(p.k % 16 == 0, "the int8 GEMM needs in_features (k) a multiple of 16, got " + std::to_string(p.k));
+  require(is_aligned(p.q, 16), "the int8 weight must be 16-byte aligned");
+  require(p.row_absmax != nullptr, "the int8 weight's row_absmax is missing");
+  if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  dispatch<Int8Slices>(p, stream, "int8_gemm");
 }
 
 }  // namespace barqtrain::kernels

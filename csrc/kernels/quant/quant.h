@@ -19,12 +19,23 @@
 // Int8 (absmax per row, as bitsandbytes' int8_vectorwise_quant): q = rint(x * 127 / absmax_row),
 // dequantized q * absmax_row / 127.
 //
-// The fused dequant-GEMM computes, with a 16-bit A and a 4-bit W [n, k] (row-major, k a
-// multiple of 64), fp32 accumulation and one rounding of C:
+// The fused dequant-GEMMs compute, with a 16-bit A and a quantized W [n, k] (row-major),
+// fp32 accumulation and one rounding of C:
 //   kForward : C[m, n] = A[m, k] · Wᵀ   (the frozen base of a linear layer: x Wᵀ)
 //   kBackward: C[m, k] = A[m, n] · W    (its input gradient: dy W)
 // W is dequantized tile by tile into shared memory inside the GEMM's main loop; its 16-bit
 // form is never written to global memory.
+//   4-bit (nf4_gemm, k a multiple of 64): each tile value is round_to_T(code[q] * absmax), the
+//     bits dequantize_4bit writes, in both directions.
+//   int8 (int8_gemm, k a multiple of 16): the row scale s = absmax_row / 127 belongs to an
+//     output column in the forward and to a depth row in the backward, so
+//       forward : C[i, j] = round_to_T(fp32(sum_d A[i, d] q[j, d]) * fp32(absmax[j] / 127)):
+//                 q enters the tile exactly (|q| <= 127 is exact in bf16 and fp16) and the
+//                 scale is applied once to the fp32 sum, so W is never rounded to 16 bits
+//                 (closer to the exact q * absmax / 127 than dequantize-then-matmul, whose
+//                 weights carry a 16-bit rounding each);
+//       backward: each tile value is round_to_T((q * absmax) * (1 / 127)) in fp32, the bits
+//                 dequantize_int8_rows writes.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -109,19 +120,28 @@ struct DequantizeInt8Params {
 
 enum class QuantGemmOp : int { kForward = 0, kBackward = 1 };
 
-struct Nf4GemmParams {
+// What every dequant-GEMM takes besides its weight.
+struct QuantGemmParams {
   QuantGemmOp op = QuantGemmOp::kForward;
   const void* a = nullptr;          // [m, a_cols] (k for kForward, n for kBackward), row stride a_row_stride
-  const uint8_t* packed = nullptr;  // W [n, k] as 4-bit, blocks of 64 along k
-  Absmax4bit absmax;
   void* c = nullptr;                // [m, n] (kForward) or [m, k] (kBackward), row stride c_row_stride
   int64_t m = 0;
   int64_t n = 0;
-  int64_t k = 0;                    // a multiple of 64
+  int64_t k = 0;
   int64_t a_row_stride = 0;         // elements, a multiple of 8 (16-byte rows)
   int64_t c_row_stride = 0;         // elements, even
-  Code4bit code = Code4bit::kNF4;
   DType dtype = DType::kBFloat16;   // of A and C: bfloat16 or float16
+};
+
+struct Nf4GemmParams : QuantGemmParams {
+  const uint8_t* packed = nullptr;  // W [n, k] as 4-bit, blocks of 64 along k (k a multiple of 64)
+  Absmax4bit absmax;
+  Code4bit code = Code4bit::kNF4;
+};
+
+struct Int8GemmParams : QuantGemmParams {
+  const int8_t* q = nullptr;            // W [n, k] as int8 (k a multiple of 16), 16-byte aligned
+  const float* row_absmax = nullptr;    // [n]
 };
 
 void quantize_4bit(const Quantize4bitParams& params, cudaStream_t stream);
@@ -131,5 +151,6 @@ void dequantize_absmax(const DequantizeAbsmaxParams& params, cudaStream_t stream
 void quantize_int8_rows(const QuantizeInt8Params& params, cudaStream_t stream);
 void dequantize_int8_rows(const DequantizeInt8Params& params, cudaStream_t stream);
 void nf4_gemm(const Nf4GemmParams& params, cudaStream_t stream);
+void int8_gemm(const Int8GemmParams& params, cudaStream_t stream);
 
 }  // namespace barqtrain::kernels

@@ -137,8 +137,27 @@ inline void quantize_int8_rows(const std::vector<float>& x, int64_t rows, int64_
   }
 }
 
+// The dequantized int8 weight as dequantize_int8_rows computes it in fp32 (before the
+// rounding to the output dtype): (q * absmax) * (1 / 127), two roundings.
+inline std::vector<float> dequantize_int8_rows(const std::vector<int8_t>& q, const std::vector<float>& row_absmax,
+                                               int64_t cols) {
+  std::vector<float> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) out[i] = (static_cast<float>(q[i]) * row_absmax[i / cols]) * (1.0f / 127.0f);
+  return out;
+}
+
+// The exact values the int8 weight stands for, q * absmax / 127 in double: the oracle of the
+// int8 GEMM's forward, which applies the scale to its fp32 sums instead of rounding W.
+inline std::vector<double> int8_rows_exact(const std::vector<int8_t>& q, const std::vector<float>& row_absmax,
+                                           int64_t cols) {
+  std::vector<double> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) out[i] = q[i] * static_cast<double>(row_absmax[i / cols]) / 127.0;
+  return out;
+}
+
 // C = A · Wᵀ (forward: A [m, k]) or A · W (backward: A [m, n]) in double, W [n, k] given
-// already dequantized and rounded to its 16-bit type.
+// as the values the GEMM multiplies by (dequantized, rounded to its 16-bit type where the
+// kernel rounds them).
 inline std::vector<double> quant_gemm(const std::vector<double>& a, const std::vector<double>& w, int64_t m,
                                       int64_t n, int64_t k, bool forward) {
   const int64_t out_cols = forward ? n : k, depth = forward ? k : n;

@@ -1,4 +1,4 @@
-// 4-bit (NF4/FP4) and int8 quantization kernels and the fused dequant-GEMM against the CPU
+// 4-bit (NF4/FP4) and int8 quantization kernels and the fused dequant-GEMMs against the CPU
 // reference (kernels/quant/quant_reference.h), with poisoned outputs and fresh random inputs.
 #include <gtest/gtest.h>
 
@@ -268,6 +268,44 @@ std::string gemm_name(const ::testing::TestParamInfo<GemmCase>& info) {
          (c.padded_rows ? "_padded" : "");
 }
 
+// A fresh random A (with padded rows when the case asks), C from `launch` (given the shared
+// GEMM parameters, C poisoned), and C against A · W(ᵀ) in double, W [n, k] given as the
+// values the kernel multiplies by.
+template <typename T, typename Launch>
+void check_gemm_against_double(const GemmCase& c, std::mt19937_64& rng, const std::vector<double>& w, Launch launch) {
+  const bool forward = c.op == k::QuantGemmOp::kForward;
+  const int64_t a_cols = forward ? c.k : c.n, out_cols = forward ? c.n : c.k;
+  const int64_t a_stride = a_cols + (c.padded_rows ? 24 : 0), c_stride = out_cols + (c.padded_rows ? 6 : 0);
+  std::vector<T> a;
+  std::vector<double> a_exact;
+  random_values<T>(c.m * a_stride, 0.0, 1.0, rng, a, a_exact);
+  std::vector<double> a_dense(c.m * a_cols);
+  for (int64_t r = 0; r < c.m; ++r) {
+    for (int64_t col = 0; col < a_cols; ++col) a_dense[r * a_cols + col] = a_exact[r * a_stride + col];
+  }
+  const std::vector<double> expected = ref::quant_gemm(a_dense, w, c.m, c.n, c.k, forward);
+
+  DeviceBuffer d_a = DeviceBuffer::from_host(a), d_c(c.m * c_stride * sizeof(T));
+  k::QuantGemmParams p;
+  p.op = c.op;
+  p.a = d_a.get();
+  p.c = d_c.get();
+  p.m = c.m;
+  p.n = c.n;
+  p.k = c.k;
+  p.a_row_stride = a_stride;
+  p.c_row_stride = c_stride;
+  p.dtype = c.dtype;
+  launch(p);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto out = d_c.to_host<T>(c.m * c_stride);
+  std::vector<T> dense(c.m * out_cols);
+  for (int64_t r = 0; r < c.m; ++r) {
+    for (int64_t col = 0; col < out_cols; ++col) dense[r * out_cols + col] = out[r * c_stride + col];
+  }
+  EXPECT_LT(relative_error(dense, expected), storage_tolerance(c.dtype));
+}
+
 class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
  protected:
   template <typename T>
@@ -275,7 +313,6 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
     BARQTRAIN_REQUIRE_GPU();
     const GemmCase c = GetParam();
     std::mt19937_64 rng = fresh_rng(c.m * 31 + c.n * 7 + c.k);
-    const bool forward = c.op == k::QuantGemmOp::kForward;
     // W from the quantizer: random bf16-scale weights, quantized on the device.
     std::vector<T> w;
     std::vector<double> w_exact;
@@ -292,53 +329,29 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
     const auto packed = d_packed.to_host<uint8_t>(c.n * c.k / 2);
     std::vector<float> scales = d_absmax.to_host<float>(c.n * c.k / 64);
     DoubleQuantized dq = double_quantize(scales);
-    k::Nf4GemmParams p;
+    k::Absmax4bit absmax;
     if (c.double_quantized) {
       const auto quantized = dq.quantized.to_host<uint8_t>(scales.size());
       for (size_t b = 0; b < scales.size(); ++b) {
         scales[b] = ref::dequantize_absmax_value(quantized, dq.expected.absmax2, dq.code_host, dq.offset_host, b);
       }
-      p.absmax.quantized_absmax = static_cast<const uint8_t*>(dq.quantized.get());
-      p.absmax.code = static_cast<const float*>(dq.code.get());
-      p.absmax.absmax2 = static_cast<const float*>(dq.absmax2.get());
-      p.absmax.offset = static_cast<const float*>(dq.offset.get());
+      absmax.quantized_absmax = static_cast<const uint8_t*>(dq.quantized.get());
+      absmax.code = static_cast<const float*>(dq.code.get());
+      absmax.absmax2 = static_cast<const float*>(dq.absmax2.get());
+      absmax.offset = static_cast<const float*>(dq.offset.get());
     } else {
-      p.absmax.absmax = static_cast<const float*>(d_absmax.get());
+      absmax.absmax = static_cast<const float*>(d_absmax.get());
     }
     const std::vector<float> w_fp32 = ref::dequantize_4bit(packed, scales, true);
     std::vector<double> w_rounded(w_fp32.size());
     for (size_t i = 0; i < w_fp32.size(); ++i) w_rounded[i] = Storage<T>::to_double(Storage<T>::from_double(w_fp32[i]));
-
-    const int64_t a_cols = forward ? c.k : c.n, out_cols = forward ? c.n : c.k;
-    const int64_t a_stride = a_cols + (c.padded_rows ? 24 : 0), c_stride = out_cols + (c.padded_rows ? 6 : 0);
-    std::vector<T> a;
-    std::vector<double> a_exact;
-    random_values<T>(c.m * a_stride, 0.0, 1.0, rng, a, a_exact);
-    std::vector<double> a_dense(c.m * a_cols);
-    for (int64_t r = 0; r < c.m; ++r) {
-      for (int64_t col = 0; col < a_cols; ++col) a_dense[r * a_cols + col] = a_exact[r * a_stride + col];
-    }
-    const std::vector<double> expected = ref::quant_gemm(a_dense, w_rounded, c.m, c.n, c.k, forward);
-
-    DeviceBuffer d_a = DeviceBuffer::from_host(a), d_c(c.m * c_stride * sizeof(T));
-    p.op = c.op;
-    p.a = d_a.get();
-    p.packed = static_cast<const uint8_t*>(d_packed.get());
-    p.c = d_c.get();
-    p.m = c.m;
-    p.n = c.n;
-    p.k = c.k;
-    p.a_row_stride = a_stride;
-    p.c_row_stride = c_stride;
-    p.dtype = c.dtype;
-    k::nf4_gemm(p, nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto out = d_c.to_host<T>(c.m * c_stride);
-    std::vector<T> dense(c.m * out_cols);
-    for (int64_t r = 0; r < c.m; ++r) {
-      for (int64_t col = 0; col < out_cols; ++col) dense[r * out_cols + col] = out[r * c_stride + col];
-    }
-    EXPECT_LT(relative_error(dense, expected), storage_tolerance(c.dtype));
+    check_gemm_against_double<T>(c, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
+      k::Nf4GemmParams p;
+      static_cast<k::QuantGemmParams&>(p) = shared;
+      p.packed = static_cast<const uint8_t*>(d_packed.get());
+      p.absmax = absmax;
+      k::nf4_gemm(p, nullptr);
+    });
   }
 };
 
@@ -361,6 +374,85 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true}),
     gemm_name);
+
+// The int8 GEMM with W from the int8 quantizer (a zero row included). The forward is checked
+// against the exact weight q * absmax / 127 (it scales its fp32 sums, never rounding W), the
+// backward against dequantize_int8_rows' 16-bit values (the ones it multiplies by).
+class Int8Gemm : public ::testing::TestWithParam<GemmCase> {
+ protected:
+  template <typename T>
+  void run_case() {
+    BARQTRAIN_REQUIRE_GPU();
+    const GemmCase c = GetParam();
+    std::mt19937_64 rng = fresh_rng(c.m * 37 + c.n * 5 + c.k);
+    std::vector<T> w;
+    std::vector<double> w_exact;
+    random_values<T>(c.n * c.k, 0.0, 0.05, rng, w, w_exact);
+    std::fill(w.begin(), w.begin() + c.k, Storage<T>::from_double(0.0));
+    DeviceBuffer d_w = DeviceBuffer::from_host(w), d_q(c.n * c.k), d_absmax(c.n * sizeof(float));
+    k::QuantizeInt8Params qp;
+    qp.x = d_w.get();
+    qp.q = static_cast<int8_t*>(d_q.get());
+    qp.row_absmax = static_cast<float*>(d_absmax.get());
+    qp.rows = c.n;
+    qp.cols = c.k;
+    qp.dtype = c.dtype;
+    k::quantize_int8_rows(qp, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto q = d_q.to_host<int8_t>(c.n * c.k);
+    const auto row_absmax = d_absmax.to_host<float>(c.n);
+    std::vector<double> w_reference;
+    if (c.op == k::QuantGemmOp::kForward) {
+      w_reference = ref::int8_rows_exact(q, row_absmax, c.k);
+    } else {
+      const std::vector<float> w_fp32 = ref::dequantize_int8_rows(q, row_absmax, c.k);
+      for (float v : w_fp32) w_reference.push_back(Storage<T>::to_double(Storage<T>::from_double(v)));
+    }
+    check_gemm_against_double<T>(c, rng, w_reference, [&](const k::QuantGemmParams& shared) {
+      k::Int8GemmParams p;
+      static_cast<k::QuantGemmParams&>(p) = shared;
+      p.q = static_cast<const int8_t*>(d_q.get());
+      p.row_absmax = static_cast<const float*>(d_absmax.get());
+      k::int8_gemm(p, nullptr);
+    });
+  }
+};
+
+TEST_P(Int8Gemm, MatchesDequantizedMatmulInDouble) {
+  if (GetParam().dtype == k::DType::kBFloat16) {
+    run_case<__nv_bfloat16>();
+  } else {
+    run_case<__half>();
+  }
+}
+
+// k a multiple of 16 but not of 32 or 64 (partial slices and depth steps), odd m and n.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Int8Gemm,
+    ::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 16, false, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 208, false, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, false},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 336, false, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 16, false, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 208, false, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 336, false, true}),
+    gemm_name);
+
+TEST(Int8GemmChecks, RejectsDepthNotMultipleOf16) {
+  k::Int8GemmParams p;
+  p.m = 4;
+  p.n = 64;
+  p.k = 40;
+  p.a_row_stride = 40;
+  p.c_row_stride = 64;
+  try {
+    k::int8_gemm(p, nullptr);
+    ADD_FAILURE() << "k = 40 was accepted";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("multiple of 16"), std::string::npos) << error.what();
+  }
+}
 
 TEST(Nf4GemmChecks, RejectsDepthNotMultipleOf64) {
   k::Nf4GemmParams p;
