@@ -98,6 +98,11 @@ TORCH_LIBRARY(barqtrain, m) {
   // Int8 per row (absmax per row): q = rint(x * 127 / absmax), x [rows, cols].
   m.def("quantize_int8_rows(Tensor x) -> (Tensor q, Tensor row_absmax)");
   m.def("dequantize_int8_rows(Tensor q, Tensor row_absmax, ScalarType dtype) -> Tensor");
+  // a Wᵀ (grad_input false: a [..., in_features]) or a W (grad_input true: a [..., out_features])
+  // for W = q * row_absmax / 127, q int8 [out_features, in_features], converted inside the GEMM
+  // (the forward scales its fp32 sums by row_absmax / 127; the backward multiplies by the
+  // dequantize_int8_rows values).
+  m.def("matmul_int8(Tensor a, Tensor q, Tensor row_absmax, bool grad_input) -> Tensor");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -831,6 +836,37 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, const at::Tensor& absm
   return out;
 }
 
+// A and C of a dequant-GEMM: A's rows (copied when they are not 16-byte aligned rows) and a
+// fresh C shaped like A with its last dimension the output's.
+struct QuantGemmOperands {
+  at::Tensor a, c;
+  bool grad_input;
+  int64_t out_features, in_features;
+
+  QuantGemmOperands(const at::Tensor& a_in, bool grad_input, int64_t out_features, int64_t in_features)
+      : grad_input(grad_input), out_features(out_features), in_features(in_features) {
+    a = as_rows(a_in, grad_input ? out_features : in_features);
+    if (row_stride(a) % 8 != 0 || reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 != 0) {
+      a = a.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned rows
+    }
+    std::vector<int64_t> out_shape(a_in.sizes().begin(), a_in.sizes().end());
+    out_shape.back() = grad_input ? in_features : out_features;
+    c = at::empty(out_shape, a.options());
+  }
+
+  void fill(k::QuantGemmParams& p) const {
+    p.op = grad_input ? k::QuantGemmOp::kBackward : k::QuantGemmOp::kForward;
+    p.a = a.data_ptr();
+    p.c = c.data_ptr();
+    p.m = a.size(0);
+    p.n = out_features;
+    p.k = in_features;
+    p.a_row_stride = row_stride(a);
+    p.c_row_stride = grad_input ? in_features : out_features;
+    p.dtype = kernel_dtype(a, "a");
+  }
+};
+
 at::Tensor matmul_4bit_cuda(const at::Tensor& a_in, const at::Tensor& packed, const at::Tensor& absmax,
                             const std::optional<at::Tensor>& code, const std::optional<at::Tensor>& absmax2,
                             const std::optional<at::Tensor>& offset, c10::string_view quant_type, int64_t out_features,
@@ -839,38 +875,24 @@ at::Tensor matmul_4bit_cuda(const at::Tensor& a_in, const at::Tensor& packed, co
               packed.device());
   TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 || a_in.scalar_type() == at::kHalf,
               "barqtrain: matmul_4bit input must be bfloat16 or float16, got ", a_in.scalar_type());
-  const int64_t a_cols = grad_input ? out_features : in_features, c_cols = grad_input ? in_features : out_features;
+  const int64_t a_cols = grad_input ? out_features : in_features;
   TORCH_CHECK(a_in.dim() >= 1 && a_in.size(-1) == a_cols, "barqtrain: matmul_4bit input must end in ", a_cols,
               grad_input ? " (out_features)" : " (in_features)", ", got ", a_in.sizes());
   TORCH_CHECK(in_features % k::kQuantBlock4bit == 0, "barqtrain: matmul_4bit needs in_features a multiple of 64, got ",
               in_features);
   check_packed(packed, out_features * in_features);
   const c10::cuda::CUDAGuard guard(packed.device());
-  at::Tensor a = as_rows(a_in, a_cols);
-  if (row_stride(a) % 8 != 0 || reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 != 0) {
-    a = a.clone(at::MemoryFormat::Contiguous);  // a fresh allocation: aligned, rows of a_cols
-  }
-  std::vector<int64_t> out_shape(a_in.sizes().begin(), a_in.sizes().end());
-  out_shape.back() = c_cols;
-  at::Tensor c = at::empty(out_shape, a.options());
-  if (c.numel() == 0) return c;
+  QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
+  if (operands.c.numel() == 0) return operands.c;
   const at::Tensor offset_1 = offset ? offset->reshape({1}) : at::Tensor();
   const std::optional<at::Tensor> offset_arg = offset ? std::optional<at::Tensor>(offset_1) : std::nullopt;
   k::Nf4GemmParams p;
-  p.op = grad_input ? k::QuantGemmOp::kBackward : k::QuantGemmOp::kForward;
-  p.a = a.data_ptr();
+  operands.fill(p);
   p.packed = static_cast<const uint8_t*>(packed.data_ptr());
   p.absmax = absmax_source(packed, absmax, code, absmax2, offset_arg, out_features * in_features);
-  p.c = c.data_ptr();
-  p.m = a.size(0);
-  p.n = out_features;
-  p.k = in_features;
-  p.a_row_stride = row_stride(a);
-  p.c_row_stride = c_cols;
   p.code = parse_quant_type(quant_type);
-  p.dtype = kernel_dtype(a, "a");
-  k::nf4_gemm(p, current_stream(a));
-  return c;
+  k::nf4_gemm(p, current_stream(operands.a));
+  return operands.c;
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_rows_cuda(const at::Tensor& x_in) {
@@ -911,6 +933,34 @@ at::Tensor dequantize_int8_rows_cuda(const at::Tensor& q_in, const at::Tensor& r
   return out;
 }
 
+at::Tensor matmul_int8_cuda(const at::Tensor& a_in, const at::Tensor& q, const at::Tensor& row_absmax, bool grad_input) {
+  TORCH_CHECK(q.is_cuda() && q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "barqtrain: matmul_int8 q must be a contiguous 2-D int8 CUDA tensor, got ", q.scalar_type(), " ",
+              q.sizes());
+  const int64_t out_features = q.size(0), in_features = q.size(1);
+  TORCH_CHECK(row_absmax.scalar_type() == at::kFloat && row_absmax.is_contiguous() &&
+                  row_absmax.numel() == out_features && row_absmax.device() == q.device(),
+              "barqtrain: matmul_int8 row_absmax must be contiguous float32 with one entry per row of q (",
+              out_features, ") on ", q.device(), ", got ", row_absmax.scalar_type(), " ", row_absmax.sizes());
+  TORCH_CHECK(a_in.is_cuda() && a_in.device() == q.device(), "barqtrain: matmul_int8 input must be a CUDA tensor on ",
+              q.device());
+  TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 || a_in.scalar_type() == at::kHalf,
+              "barqtrain: matmul_int8 input must be bfloat16 or float16, got ", a_in.scalar_type());
+  const int64_t a_cols = grad_input ? out_features : in_features;
+  TORCH_CHECK(a_in.dim() >= 1 && a_in.size(-1) == a_cols, "barqtrain: matmul_int8 input must end in ", a_cols,
+              grad_input ? " (out_features)" : " (in_features)", ", got ", a_in.sizes());
+  TORCH_CHECK(in_features % 16 == 0, "barqtrain: matmul_int8 needs in_features a multiple of 16, got ", in_features);
+  const c10::cuda::CUDAGuard guard(q.device());
+  QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
+  if (operands.c.numel() == 0) return operands.c;
+  k::Int8GemmParams p;
+  operands.fill(p);
+  p.q = q.data_ptr<int8_t>();
+  p.row_absmax = row_absmax.data_ptr<float>();
+  k::int8_gemm(p, current_stream(operands.a));
+  return operands.c;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
@@ -931,6 +981,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("matmul_4bit", &matmul_4bit_cuda);
   m.impl("quantize_int8_rows", &quantize_int8_rows_cuda);
   m.impl("dequantize_int8_rows", &dequantize_int8_rows_cuda);
+  m.impl("matmul_int8", &matmul_int8_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

@@ -119,3 +119,10 @@ def quantize_int8_rows(x):
 @torch.library.register_fake("barqtrain::dequantize_int8_rows")
 def dequantize_int8_rows(q, row_absmax, dtype):
     return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.register_fake("barqtrain::matmul_int8")
+def matmul_int8(a, q, row_absmax, grad_input):
+    out_features, in_features = q.shape
+    torch._check(a.shape[-1] == (out_features if grad_input else in_features), lambda: "input size mismatch")
+    return a.new_empty((*a.shape[:-1], in_features if grad_input else out_features))

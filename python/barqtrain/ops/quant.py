@@ -1,4 +1,4 @@
-"""4-bit (NF4/FP4) and int8 weights in the bitsandbytes layout (SPEC K7), and the 4-bit GEMM.
+"""4-bit (NF4/FP4) and int8 weights in the bitsandbytes layout (SPEC K7), and their GEMMs.
 
 Layout (csrc/kernels/quant/quant.h): the weight flattened in blocks of 64 with an fp32 absmax
 each, two 4-bit code indices per byte (the even element in the high nibble); optionally the
@@ -9,6 +9,12 @@ The CPU implementations below are the references (and bitsandbytes' CPU backend'
 x * (1 / absmax) with an exact reciprocal); the CUDA kernels follow bitsandbytes' CUDA
 kernels (an approximate reciprocal), so the bytes match bitsandbytes on each device.
 matmul_4bit is differentiable in its input: a Wᵀ's gradient is (grad) W, the same kernel.
+
+Int8 (absmax per row, bitsandbytes' int8_vectorwise_quant): q = rint(x * 127 / absmax_row),
+dequantized (q * absmax_row) * (1 / 127). matmul_int8's CPU reference multiplies by that
+dequantized weight; its CUDA kernel does in the backward and, in the forward, scales the fp32
+sums of x qᵀ by absmax / 127 instead (the weight is then never rounded to 16 bits; see
+csrc/kernels/quant/quant.h).
 """
 
 from __future__ import annotations
@@ -162,22 +168,43 @@ def dequantize_int8_rows_reference(q, row_absmax, dtype):
     return ((q.float() * row_absmax.float().unsqueeze(1)) * (1.0 / 127.0)).to(dtype)
 
 
+def matmul_int8_reference(a, q, row_absmax, grad_input):
+    if q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"barqtrain: matmul_int8 needs a 2-D int8 q, got {q.dtype} {list(q.shape)}")
+    out_features, in_features = q.shape
+    if row_absmax.numel() != out_features:
+        raise ValueError(f"barqtrain: matmul_int8 needs one row_absmax per row of q ({out_features}), "
+                         f"got {row_absmax.numel()}")  # fmt: skip
+    expected = out_features if grad_input else in_features
+    if a.shape[-1] != expected:
+        raise ValueError(f"barqtrain: matmul_int8 input must end in {expected}, got {list(a.shape)}")
+    weight = dequantize_int8_rows_reference(q, row_absmax, a.dtype)
+    return a @ weight if grad_input else F.linear(a, weight)
+
+
 for _op in ("quantize_4bit", "quantize_absmax", "dequantize_4bit", "matmul_4bit", "quantize_int8_rows",
-            "dequantize_int8_rows"):
+            "dequantize_int8_rows", "matmul_int8"):
     torch.library.impl(f"barqtrain::{_op}", "CPU", globals()[f"{_op}_reference"])
 
 
+# Both GEMMs are differentiable in a only: the gradient of a Wᵀ is (grad) W and that of a W is
+# (grad) Wᵀ, the same op with grad_input flipped (the last argument of both schemas).
 def _matmul_setup_context(ctx, inputs, output):
     ctx.weight_args = inputs[1:]
 
 
-def _matmul_backward(ctx, grad):
-    *weight, quant_type, out_features, in_features, grad_input = ctx.weight_args
-    grad_a = torch.ops.barqtrain.matmul_4bit(grad, *weight, quant_type, out_features, in_features, not grad_input)
-    return (grad_a, *([None] * 9))
+def _matmul_backward(op):
+    def backward(ctx, grad):
+        *weight, grad_input = ctx.weight_args
+        return (op(grad, *weight, not grad_input), *([None] * len(ctx.weight_args)))
+
+    return backward
 
 
-torch.library.register_autograd("barqtrain::matmul_4bit", _matmul_backward, setup_context=_matmul_setup_context)
+for _op in ("matmul_4bit", "matmul_int8"):
+    torch.library.register_autograd(
+        f"barqtrain::{_op}", _matmul_backward(getattr(torch.ops.barqtrain, _op)), setup_context=_matmul_setup_context
+    )
 
 
 @dataclass(frozen=True)
@@ -240,3 +267,44 @@ def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8_rows(q: torch.Tensor, row_absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ops.barqtrain.dequantize_int8_rows(q, row_absmax, dtype)
+
+
+@dataclass(frozen=True)
+class Packed8bit:
+    """An int8 weight [out_features, in_features] with one absmax per row (bitsandbytes'
+    int8_vectorwise_quant layout): W = q * row_absmax / 127."""
+
+    q: torch.Tensor  # int8 [out_features, in_features]
+    row_absmax: torch.Tensor  # float32 [out_features]
+    dtype: torch.dtype  # of the dequantized weight (the compute dtype)
+
+    def __post_init__(self) -> None:
+        if self.q.dim() != 2 or self.q.dtype != torch.int8:
+            raise ValueError(f"barqtrain: an int8 weight needs a 2-D int8 q, got {self.q.dtype} {list(self.q.shape)}")
+        if self.row_absmax.dtype != torch.float32 or self.row_absmax.shape != self.q.shape[:1]:
+            raise ValueError(
+                f"barqtrain: an int8 weight needs a float32 row_absmax of shape [{self.q.shape[0]}], got "
+                f"{self.row_absmax.dtype} {list(self.row_absmax.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+
+def quantize_int8(weight: torch.Tensor) -> Packed8bit:
+    """Quantize a 2-D weight [out, in] to int8 with an absmax per row."""
+    if weight.dim() != 2:
+        raise ValueError(f"barqtrain: quantize_int8 takes a 2-D weight, got shape {list(weight.shape)}")
+    q, row_absmax = quantize_int8_rows(weight)
+    return Packed8bit(q, row_absmax, weight.dtype)
+
+
+def dequantize_int8(weight: Packed8bit, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return dequantize_int8_rows(weight.q, weight.row_absmax, dtype or weight.dtype)
+
+
+def matmul_int8(a: torch.Tensor, weight: Packed8bit, grad_input: bool = False) -> torch.Tensor:
+    """a Wᵀ (a [..., in]) or, with grad_input, a W (a [..., out]); differentiable in a. The
+    int8 weight is converted inside the GEMM (CUDA) or dequantized by the reference (CPU)."""
+    return torch.ops.barqtrain.matmul_int8(a, weight.q, weight.row_absmax, grad_input)

@@ -6,13 +6,13 @@ gradient. The family's MLP and attention forwards (mlp.py, attention.py) go one 
 further when their projections are such layers (or plain, frozen nn.Linear): the gated MLP
 and the q, k, v projections are then one function each (block_projections).
 
-A 4-bit base (QLoRA) is computed the same way: barqtrain's Linear4bit, or bitsandbytes'
-Linear4bit (under PEFT's lora.bnb.Linear4bit, patched too) read through its quant_state,
-both as a barqtrain.quant.Weight4bit whose GEMMs are the fused dequant-GEMM.
+A quantized base (QLoRA) is computed the same way: barqtrain's Linear4bit or Linear8bit, or
+bitsandbytes' Linear4bit (under PEFT's lora.bnb.Linear4bit, patched too) read through its
+quant_state, as a barqtrain.quant.Weight4bit/Weight8bit whose GEMMs are the fused dequant-GEMMs.
 
 What these functions do not compute is left to PEFT's forward: at patch time, with its
 reason in the report (several active adapters, DoRA and the other variants, lora_bias,
-a base layer that is neither a plain nn.Linear nor a supported 4-bit linear, a bitsandbytes
+a base layer that is neither a plain nn.Linear nor a supported quantized linear, a bitsandbytes
 weight whose layout barqtrain does not read, ...); at call time,
 with one warning (autocast, dtype combinations PEFT computes otherwise, adapter_names).
 Merged and disabled adapters are honoured as PEFT does: the base layer alone computes.
@@ -36,12 +36,12 @@ from barqtrain.lora.functions import (
 )
 from barqtrain.patch.fallback import fall_back, original_forward
 from barqtrain.patch.replacement import ModuleReplacement
-from barqtrain.quant.linear import Linear4bit, is_bitsandbytes_4bit, quantized_weight
+from barqtrain.quant.linear import is_quantized_linear, quantized_weight
 
 OP = "lora"
 
 # The PEFT classes patched, by qualified name so that peft need not be installed or imported:
-# its LoRA Linear (over nn.Linear, and over barqtrain's Linear4bit, an nn.Linear subclass)
+# its LoRA Linear (over nn.Linear, and over barqtrain's Linear4bit/Linear8bit, nn.Linear subclasses)
 # and its LoRA layer over a bitsandbytes Linear4bit.
 LORA_LINEAR_CLASS = "peft.tuners.lora.layer.Linear"
 LORA_BNB_4BIT_CLASS = "peft.tuners.lora.bnb.Linear4bit"
@@ -73,18 +73,18 @@ def _is_plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and not _has_hooks(module)
 
 
-def _is_4bit_linear(module: nn.Module) -> bool:
-    return (type(module) is Linear4bit or is_bitsandbytes_4bit(module)) and not _has_hooks(module)
+def _is_quantized_linear(module: nn.Module) -> bool:
+    return is_quantized_linear(module) and not _has_hooks(module)
 
 
 def _base_weight(base: nn.Module) -> torch.Tensor | str:
-    """The weight barqtrain computes the base with (a Weight4bit for a 4-bit base), or why not."""
+    """The weight barqtrain computes the base with (a Weight4bit/Weight8bit for a quantized base), or why not."""
     if _is_plain_linear(base):
         return base.weight
-    if _is_4bit_linear(base):
+    if _is_quantized_linear(base):
         weight = quantized_weight(base)
-        return weight if isinstance(weight, torch.Tensor) else f"its 4-bit base layer is not supported: {weight}"
-    return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear or a 4-bit linear"
+        return weight if isinstance(weight, torch.Tensor) else f"its quantized base layer is not supported: {weight}"
+    return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear or a quantized linear"
 
 
 def unsupported_reason(layer: nn.Module) -> str | None:
@@ -190,7 +190,7 @@ def block_projections(modules: list[nn.Module], x: torch.Tensor) -> list[Project
         return None
     projections = []
     for module in modules:
-        if _is_plain_linear(module) or _is_4bit_linear(module):
+        if _is_plain_linear(module) or _is_quantized_linear(module):
             weight = _base_weight(module)
             if isinstance(weight, str):
                 return None

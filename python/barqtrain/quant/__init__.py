@@ -1,7 +1,7 @@
-"""QLoRA (SPEC K7): 4-bit base weights in the bitsandbytes layout, computed by the fused
-dequant-GEMM, under barqtrain's LoRA functions.
+"""QLoRA (SPEC K7): 4-bit base weights in the bitsandbytes layout, or int8 ones with an absmax
+per row, computed by the fused dequant-GEMMs, under barqtrain's LoRA functions.
 
-    model = barqtrain.quant.load_4bit("path/to/model")      # or quantize_model(model)
+    model = barqtrain.quant.load_4bit("path/to/model")      # or quantize_model(model, "nf4" | "int8")
     model = barqtrain.get_peft_model(model, LoraConfig(...))  # QLoRA, no bitsandbytes needed
 
 A model loaded by bitsandbytes (BitsAndBytesConfig(load_in_4bit=True, ...)) is read as it
@@ -10,31 +10,47 @@ is: patch_model computes its PEFT LoRA layers the same way (see docs/qlora.md).
 
 from barqtrain.ops.quant import (
     Packed4bit,
+    Packed8bit,
     dequantize_4bit,
+    dequantize_int8,
     dynamic_code,
     matmul_4bit,
+    matmul_int8,
     quantize_4bit,
+    quantize_int8,
 )
 from barqtrain.quant.functions import qlora_linear
 from barqtrain.quant.linear import (
+    QUANT_TYPES,
     Linear4bit,
+    Linear8bit,
+    is_quantized_linear,
     load_4bit,
     quantize_model,
     quantized_weight,
 )
-from barqtrain.quant.weight import Weight4bit, from_bitsandbytes
+from barqtrain.quant.weight import QuantizedWeight, Weight4bit, Weight8bit, from_bitsandbytes
 
 __all__ = [
+    "QUANT_TYPES",
     "Linear4bit",
+    "Linear8bit",
     "Packed4bit",
+    "Packed8bit",
+    "QuantizedWeight",
     "Weight4bit",
+    "Weight8bit",
     "dequantize_4bit",
+    "dequantize_int8",
     "dynamic_code",
     "from_bitsandbytes",
+    "is_quantized_linear",
     "load_4bit",
     "matmul_4bit",
+    "matmul_int8",
     "qlora_linear",
     "quantize_4bit",
+    "quantize_int8",
     "quantize_model",
     "quantized_weight",
 ]

@@ -1,5 +1,6 @@
-"""Linear4bit (a frozen 4-bit nn.Linear that needs no bitsandbytes), quantize_model, and the
-recognition of bitsandbytes' Linear4bit, so that both kinds of base are computed alike."""
+"""Linear4bit and Linear8bit (frozen quantized nn.Linear layers that need no bitsandbytes),
+quantize_model, and the recognition of bitsandbytes' Linear4bit, so that every kind of base is
+computed alike."""
 
 from __future__ import annotations
 
@@ -9,27 +10,46 @@ import torch
 from torch import nn
 
 from barqtrain.ops import quant as quant_ops
-from barqtrain.ops.quant import Packed4bit
-from barqtrain.quant.weight import Weight4bit, from_bitsandbytes
+from barqtrain.ops.quant import Packed4bit, Packed8bit
+from barqtrain.quant.weight import QuantizedWeight, Weight4bit, Weight8bit, from_bitsandbytes
 
 BNB_LINEAR_4BIT_CLASS = "bitsandbytes.nn.modules.Linear4bit"
+QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8")
+# in_features must be a multiple of this for the format (the 4-bit blocks of 64 run along a
+# row; the int8 GEMM reads a row 16 bytes at a time).
+IN_FEATURES_MULTIPLE = {"nf4": quant_ops.BLOCK, "fp4": quant_ops.BLOCK, "int8": 16}
 
 
-class Linear4bit(nn.Linear):
-    """y = x Wᵀ + b with W frozen in 4 bits (bitsandbytes' layout, stored as buffers so that
-    state_dict and .to() carry it). An nn.Linear subclass so that PEFT's LoRA wraps it; its
-    `weight` is a Weight4bit, rebuilt from the buffers at each access."""
+def check_quant_type(quant_type: str) -> None:
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"barqtrain: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+
+
+class _QuantizedLinear(nn.Linear):
+    """y = x Wᵀ + b with W frozen and quantized, kept as buffers so that state_dict and .to()
+    carry it. An nn.Linear subclass so that PEFT's LoRA wraps it; its `weight` is a
+    QuantizedWeight, rebuilt from the buffers at each access."""
+
+    def __init__(self, shape: tuple[int, int], compute_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a 16-bit weight
+        self.out_features, self.in_features = shape
+        self.compute_dtype = compute_dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class Linear4bit(_QuantizedLinear):
+    """A frozen linear layer in 4 bits (bitsandbytes' layout); `weight` is a Weight4bit."""
 
     def __init__(self, packed: Packed4bit, bias: torch.Tensor | None = None) -> None:
-        nn.Module.__init__(self)  # not nn.Linear's: it would allocate a 16-bit weight
-        self.out_features, self.in_features = packed.shape
+        super().__init__(packed.shape, packed.dtype, bias)
         self.quant_type = packed.quant_type
-        self.compute_dtype = packed.dtype
         self.register_buffer("packed", packed.packed)
         self.register_buffer("absmax", packed.absmax)
         for name in ("absmax_code", "absmax2", "absmax_offset"):
             self.register_buffer(name, getattr(packed, name))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True) -> Linear4bit:
@@ -43,13 +63,40 @@ class Linear4bit(nn.Linear):
                        self.quant_type, self.absmax_code, self.absmax2, self.absmax_offset)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-
     def extra_repr(self) -> str:
         double = ", double-quantized absmax" if self.absmax_code is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
                f"{self.quant_type}{double}, compute_dtype={self.compute_dtype}"
+
+
+class Linear8bit(_QuantizedLinear):
+    """A frozen linear layer in int8 with an absmax per output row; `weight` is a Weight8bit."""
+
+    quant_type = "int8"
+
+    def __init__(self, packed: Packed8bit, bias: torch.Tensor | None = None) -> None:
+        super().__init__(packed.shape, packed.dtype, bias)
+        self.register_buffer("int8_weight", packed.q)
+        self.register_buffer("row_absmax", packed.row_absmax)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Linear8bit:
+        return cls(quant_ops.quantize_int8(linear.weight.detach()), linear.bias)
+
+    @property
+    def weight(self) -> Weight8bit:
+        return Weight8bit(Packed8bit(self.int8_weight, self.row_absmax, self.compute_dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"int8 absmax per row, compute_dtype={self.compute_dtype}"
+
+
+def quantized_linear(linear: nn.Linear, quant_type: str, double_quant: bool = True) -> _QuantizedLinear:
+    """`linear` quantized as quant_type ("nf4", "fp4" or "int8"; double_quant: 4-bit only)."""
+    if quant_type == "int8":
+        return Linear8bit.from_linear(linear)
+    return Linear4bit.from_linear(linear, quant_type, double_quant)
 
 
 def _qualified_name(module: nn.Module) -> str:
@@ -62,12 +109,17 @@ def is_bitsandbytes_4bit(module: nn.Module) -> bool:
     return _qualified_name(module) == BNB_LINEAR_4BIT_CLASS
 
 
-def quantized_weight(module: nn.Module) -> Weight4bit | str:
-    """The Weight4bit of a barqtrain or bitsandbytes 4-bit linear, or why it has none."""
-    if type(module) is Linear4bit:
+def is_quantized_linear(module: nn.Module) -> bool:
+    """A barqtrain Linear4bit or Linear8bit, or a bitsandbytes Linear4bit."""
+    return type(module) in (Linear4bit, Linear8bit) or is_bitsandbytes_4bit(module)
+
+
+def quantized_weight(module: nn.Module) -> QuantizedWeight | str:
+    """The quantized weight of a barqtrain or bitsandbytes quantized linear, or why it has none."""
+    if type(module) in (Linear4bit, Linear8bit):
         return module.weight
     if not is_bitsandbytes_4bit(module):
-        return f"{type(module).__name__} is not a 4-bit linear"
+        return f"{type(module).__name__} is not a quantized linear"
     state = getattr(module.weight, "quant_state", None)
     if state is None:
         return "its bitsandbytes weight is not quantized yet (quantized when moved to the GPU)"
@@ -80,26 +132,36 @@ def quantized_weight(module: nn.Module) -> Weight4bit | str:
         return str(error).removeprefix("barqtrain: ")
 
 
+def quantizable(name: str, module: nn.Module, quant_type: str, skip_modules: Iterable[str] = ("lm_head",)) -> bool:
+    """Whether quantize_model replaces this module: a plain nn.Linear not named (by its last
+    name component) in skip_modules, whose in_features the format takes."""
+    return (
+        type(module) is nn.Linear
+        and name.rsplit(".", 1)[-1] not in set(skip_modules)
+        and module.in_features % IN_FEATURES_MULTIPLE[quant_type] == 0
+    )
+
+
 def quantize_model(
     model: nn.Module,
     quant_type: str = "nf4",
     double_quant: bool = True,
     skip_modules: Iterable[str] = ("lm_head",),
 ) -> list[str]:
-    """Replace every nn.Linear of `model` (not those named in skip_modules, by last name
-    component, nor any whose in_features is not a multiple of 64) with a Linear4bit, in place.
-    Returns the names of the replaced modules. No bitsandbytes needed."""
-    quant_ops._check_quant_type(quant_type)
-    skipped = set(skip_modules)
+    """Replace every nn.Linear of `model` with a Linear4bit (quant_type "nf4" or "fp4") or a
+    Linear8bit ("int8"), in place: not those named in skip_modules (by last name component),
+    nor any whose in_features is not a multiple of IN_FEATURES_MULTIPLE[quant_type] (64 for
+    4 bits, 16 for int8). double_quant applies to 4 bits. Returns the names of the replaced
+    modules. No bitsandbytes needed."""
+    check_quant_type(quant_type)
+    skip_modules = tuple(skip_modules)
     replaced = []
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name.rsplit(".", 1)[-1] in skipped:
-            continue
-        if module.in_features % quant_ops.BLOCK:
+        if not quantizable(name, module, quant_type, skip_modules):
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Linear4bit.from_linear(module, quant_type, double_quant))
+        setattr(parent, child, quantized_linear(module, quant_type, double_quant))
         replaced.append(name)
     if not replaced:
         raise ValueError("barqtrain: quantize_model found no nn.Linear to quantize")

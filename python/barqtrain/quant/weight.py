@@ -1,10 +1,12 @@
-"""Weight4bit: a 4-bit weight that PyTorch code can use where it uses a 16-bit one.
+"""Weight4bit and Weight8bit: quantized weights that PyTorch code can use where it uses a
+16-bit one.
 
-A tensor subclass with the logical shape [out, in] and the compute dtype, and no 16-bit data:
+Tensor subclasses with the logical shape [out, in] and the compute dtype, and no 16-bit data:
 F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the fused dequant-GEMM (barqtrain.ops.quant.
-matmul_4bit). That is all barqtrain.lora's functions do with a base weight, so the LoRA linear,
-the q/k/v projections and the gated MLP compute a quantized base unchanged (QLoRA). Any other
-operation on it is an error naming it; .dequantize() gives the 16-bit weight explicitly.
+matmul_4bit or matmul_int8). That is all barqtrain.lora's functions do with a base weight, so
+the LoRA linear, the q/k/v projections and the gated MLP compute a quantized base unchanged
+(QLoRA). Any other operation on it is an error naming it; .dequantize() gives the 16-bit
+weight explicitly.
 """
 
 from __future__ import annotations
@@ -13,29 +15,22 @@ import torch
 import torch.nn.functional as F
 
 from barqtrain.ops import quant as quant_ops
-from barqtrain.ops.quant import Packed4bit
+from barqtrain.ops.quant import Packed4bit, Packed8bit
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
-class Weight4bit(torch.Tensor):
-    packed: Packed4bit
+class QuantizedWeight(torch.Tensor):
+    """What both formats share. A subclass sets `kind` (its format's name in messages) and
+    defines _matmul(a, grad_input) (a Wᵀ, or a W with grad_input) and dequantize(dtype)."""
+
+    kind = "quantized"  # the subclass's name for its format in messages: "4-bit", "int8"
 
     @staticmethod
-    def __new__(cls, packed: Packed4bit) -> Weight4bit:
-        weight = torch.Tensor._make_wrapper_subclass(
-            cls, packed.shape, dtype=packed.dtype, device=packed.packed.device, requires_grad=False
-        )
+    def __new__(cls, packed, shape: tuple[int, int], device: torch.device):
+        weight = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=packed.dtype, device=device, requires_grad=False)
         weight.packed = packed
         return weight
-
-    def __repr__(self) -> str:
-        p = self.packed
-        quant = f"{p.quant_type}{', double-quantized absmax' if p.double_quantized else ''}"
-        return f"Weight4bit(shape={list(p.shape)}, dtype={p.dtype}, {quant}, device={p.packed.device})"
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return quant_ops.dequantize_4bit(self.packed, dtype)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -43,30 +38,74 @@ class Weight4bit(torch.Tensor):
         if func is F.linear:
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
-            if isinstance(x, Weight4bit) or isinstance(bias, Weight4bit):
-                raise TypeError("barqtrain: a Weight4bit is only supported as F.linear's weight")
-            y = quant_ops.matmul_4bit(x, weight.packed)
+            if isinstance(x, QuantizedWeight) or isinstance(bias, QuantizedWeight):
+                raise TypeError(f"barqtrain: a {cls.__name__} is only supported as F.linear's weight")
+            y = weight._matmul(x, grad_input=False)
             return y if bias is None else y + bias
-        if func in _MATMULS and len(args) == 2 and isinstance(args[1], Weight4bit) and not isinstance(args[0], Weight4bit):
-            return quant_ops.matmul_4bit(args[0], args[1].packed, grad_input=True)
-        if func is torch.Tensor.addmm_ and len(args) == 3 and isinstance(args[2], Weight4bit):
+        if (func in _MATMULS and len(args) == 2 and isinstance(args[1], QuantizedWeight)
+                and not isinstance(args[0], QuantizedWeight)):  # fmt: skip
+            return args[1]._matmul(args[0], grad_input=True)
+        if func is torch.Tensor.addmm_ and len(args) == 3 and isinstance(args[2], QuantizedWeight):
             out, a, weight = args
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
             if beta != 1:
                 out.mul_(beta)
-            return out.add_(quant_ops.matmul_4bit(a, weight.packed, grad_input=True), alpha=alpha)
+            return out.add_(weight._matmul(a, grad_input=True), alpha=alpha)
         if getattr(func, "__name__", None) == "__get__":  # metadata: shape, dtype, device, ...
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         name = getattr(func, "__name__", repr(func))
         raise TypeError(
-            f"barqtrain: {name} is not supported on a 4-bit weight (supported: F.linear(x, W), x @ W, "
+            f"barqtrain: {name} is not supported on a {cls.kind} weight (supported: F.linear(x, W), x @ W, "
             "out.addmm_(x, W)); call .dequantize() for the 16-bit weight"
         )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise TypeError(f"barqtrain: {func} is not supported on a 4-bit weight; call .dequantize() first")
+        raise TypeError(f"barqtrain: {func} is not supported on a {cls.kind} weight; call .dequantize() first")
+
+
+class Weight4bit(QuantizedWeight):
+    """A 4-bit (NF4/FP4) weight in the bitsandbytes layout; .packed is its Packed4bit."""
+
+    kind = "4-bit"
+    packed: Packed4bit
+
+    @staticmethod
+    def __new__(cls, packed: Packed4bit) -> Weight4bit:
+        return QuantizedWeight.__new__(cls, packed, packed.shape, packed.packed.device)
+
+    def __repr__(self) -> str:
+        p = self.packed
+        quant = f"{p.quant_type}{', double-quantized absmax' if p.double_quantized else ''}"
+        return f"Weight4bit(shape={list(p.shape)}, dtype={p.dtype}, {quant}, device={p.packed.device})"
+
+    def _matmul(self, a: torch.Tensor, grad_input: bool) -> torch.Tensor:
+        return quant_ops.matmul_4bit(a, self.packed, grad_input=grad_input)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return quant_ops.dequantize_4bit(self.packed, dtype)
+
+
+class Weight8bit(QuantizedWeight):
+    """An int8 weight with an absmax per row; .packed is its Packed8bit."""
+
+    kind = "int8"
+    packed: Packed8bit
+
+    @staticmethod
+    def __new__(cls, packed: Packed8bit) -> Weight8bit:
+        return QuantizedWeight.__new__(cls, packed, packed.shape, packed.q.device)
+
+    def __repr__(self) -> str:
+        p = self.packed
+        return f"Weight8bit(shape={list(p.shape)}, dtype={p.dtype}, int8 absmax per row, device={p.q.device})"
+
+    def _matmul(self, a: torch.Tensor, grad_input: bool) -> torch.Tensor:
+        return quant_ops.matmul_int8(a, self.packed, grad_input=grad_input)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return quant_ops.dequantize_int8(self.packed, dtype)
 
 
 def from_bitsandbytes(param: torch.Tensor) -> Weight4bit:

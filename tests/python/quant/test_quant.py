@@ -1,7 +1,8 @@
 """barqtrain.quant on the CPU: the bitsandbytes layout bit for bit (bitsandbytes' CPU backend),
-round trips, the QLoRA linear against dequant-then-LoRA in float64, and a tiny Llama
-quantized by barqtrain under PEFT: patched, trained with gradient checkpointing, and its
-adapter loaded on the 16-bit model. GPU tests (bitsandbytes' CUDA kernels, the fused GEMM,
+round trips, the GEMM ops' registration (opcheck), the QLoRA linear over a 4-bit or int8 base
+against dequant-then-LoRA in float64, and a tiny Llama quantized by barqtrain (NF4 and int8)
+under PEFT: patched, trained with gradient checkpointing, and its adapter loaded on the
+16-bit model. GPU tests (bitsandbytes' CUDA kernels, the fused GEMM,
 50 QLoRA steps against bitsandbytes + PEFT) are in test_quant_gpu.py."""
 
 from __future__ import annotations
@@ -113,6 +114,25 @@ def test_int8_rows_round_trip():
     assert ((restored - x.float()).abs() <= row_absmax.unsqueeze(1) / 254 * 1.01 + 1e-6).all()
 
 
+def test_int8_weight_is_the_int8_rows_ops():
+    weight = fresh_weight((48, 160), torch.bfloat16, scale=1.0)
+    packed = quant.quantize_int8(weight)
+    q, row_absmax = quant_ops.quantize_int8_rows(weight)
+    assert packed.shape == (48, 160) and packed.dtype == torch.bfloat16
+    assert torch.equal(packed.q, q) and torch.equal(packed.row_absmax, row_absmax)
+    assert torch.equal(quant.dequantize_int8(packed), quant_ops.dequantize_int8_rows(q, row_absmax, torch.bfloat16))
+
+
+@pytest.mark.parametrize("grad_input", [False, True])
+def test_gemm_ops_pass_opcheck(grad_input):
+    weight = fresh_weight((96, 128), torch.float32)
+    packed4, packed8 = quant.quantize_4bit(weight), quant.quantize_int8(weight)
+    a = torch.randn(5, 96 if grad_input else 128, requires_grad=True)
+    torch.library.opcheck(torch.ops.barqtrain.matmul_4bit.default,
+                          (a, *packed4.op_args(), *packed4.shape, grad_input))  # fmt: skip
+    torch.library.opcheck(torch.ops.barqtrain.matmul_int8.default, (a, packed8.q, packed8.row_absmax, grad_input))
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="quant_type must be one of"):
         quant.quantize_4bit(torch.randn(64, 64), "int4")
@@ -123,10 +143,23 @@ def test_errors_name_the_problem():
         weight.sum()
     with pytest.raises(ValueError, match="input must end in 64"):
         torch.nn.functional.linear(torch.randn(3, 32), weight)
+    int8_weight = quant.Linear8bit.from_linear(nn.Linear(64, 32)).weight
+    with pytest.raises(TypeError, match=r"not supported on a int8 weight.*dequantize"):
+        int8_weight.sum()
+    with pytest.raises(ValueError, match="input must end in 32"):
+        torch.randn(3, 5) @ int8_weight  # dy W: dy must end in out_features
+    with pytest.raises(ValueError, match=r"quant_type must be one of \('nf4', 'fp4', 'int8'\)"):
+        quant.quantize_model(nn.Sequential(nn.Linear(64, 64)), "int4")
 
 
-def test_matmul_4bit_and_its_gradient_match_the_dequantized_weight():
-    linear = quant.Linear4bit.from_linear(nn.Linear(192, 80, dtype=torch.float64))
+def linear_of(quant_type, in_features, out_features):
+    linear = nn.Linear(in_features, out_features, dtype=torch.float64)
+    return quant.Linear8bit.from_linear(linear) if quant_type == "int8" else quant.Linear4bit.from_linear(linear)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_quantized_matmul_and_its_gradient_match_the_dequantized_weight(quant_type):
+    linear = linear_of(quant_type, 192, 80)
     dense = linear.weight.dequantize(torch.float64)
     x = torch.randn(7, 192, dtype=torch.float64, requires_grad=True)
     y = linear(x)
@@ -136,9 +169,10 @@ def test_matmul_4bit_and_its_gradient_match_the_dequantized_weight():
     torch.testing.assert_close(dx, grad @ dense, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_qlora_linear_matches_dequant_then_lora_in_float64(dropout):
-    linear = quant.Linear4bit.from_linear(nn.Linear(128, 96, dtype=torch.float64))
+def test_qlora_linear_matches_dequant_then_lora_in_float64(dropout, quant_type):
+    linear = linear_of(quant_type, 128, 96)
     dense = linear.weight.dequantize(torch.float64)
     lora_A = torch.randn(8, 128, dtype=torch.float64, requires_grad=True)
     lora_B = torch.randn(96, 8, dtype=torch.float64, requires_grad=True)
@@ -161,15 +195,16 @@ def lora_config(**overrides):
     return peft.LoraConfig(**{**options, **overrides})
 
 
-def quantized_tiny_llama():
+def quantized_tiny_llama(quant_type="nf4"):
     model = tiny_model("llama")
-    replaced = quant.quantize_model(model)
+    replaced = quant.quantize_model(model, quant_type)
     assert len(replaced) == 14 and "lm_head" not in replaced
     return model
 
 
-def test_quantized_tiny_llama_under_peft_is_patched_and_computes_as_peft():
-    reference = barqtrain.get_peft_model(quantized_tiny_llama(), lora_config(), ops=())
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_quantized_tiny_llama_under_peft_is_patched_and_computes_as_peft(quant_type):
+    reference = barqtrain.get_peft_model(quantized_tiny_llama(quant_type), lora_config(), ops=())
     model = copy.deepcopy(reference)
     report = patch_model(model)
     assert report.patched_count("lora") == 14, str(report)
@@ -187,8 +222,9 @@ def test_quantized_tiny_llama_under_peft_is_patched_and_computes_as_peft():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_quantized_training_with_gradient_checkpointing_and_adapter_on_the_16bit_model(tmp_path):
-    model = barqtrain.get_peft_model(quantized_tiny_llama(), lora_config())
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_quantized_training_with_gradient_checkpointing_and_adapter_on_the_16bit_model(tmp_path, quant_type):
+    model = barqtrain.get_peft_model(quantized_tiny_llama(quant_type), lora_config())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)

@@ -1,6 +1,6 @@
 """barqtrain.quant on a GPU: bit-exact with bitsandbytes' CUDA kernels (quantize, double
-quantization, dequantize), the fused dequant-GEMM against float64, and 50 QLoRA steps of a
-tiny Llama matching bitsandbytes + PEFT. Each test says what it compares in its failure."""
+quantization, dequantize), the fused 4-bit and int8 dequant-GEMMs against float64, 50 QLoRA
+steps of a tiny Llama matching bitsandbytes + PEFT. Each test says what it compares in its failure."""
 
 from __future__ import annotations
 
@@ -64,6 +64,37 @@ def test_fused_gemm_is_no_worse_than_torch_on_the_dequantized_weight(bnb, dtype,
         assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 200, 16), (1031, 4096, 1040), (77, 4104, 4096)])
+def test_int8_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, m, n, k):
+    weight = fresh_weight((n, k), dtype)
+    weight[1] *= 30  # rows of very different scales
+    packed = quant.quantize_int8(weight)
+    exact_weight = packed.q.double() * packed.row_absmax.double().unsqueeze(1) / 127  # what the int8 weight stands for
+    dense = quant.dequantize_int8(packed)  # dequantize-then-matmul: W rounded to the 16-bit dtype
+    for grad_input, a_cols in ((False, k), (True, n)):
+        a = torch.randn(m, a_cols, device="cuda", dtype=dtype)
+        exact = a.double() @ (exact_weight if grad_input else exact_weight.T)
+        ours = quant.matmul_int8(a, packed, grad_input=grad_input)
+        torch_out = a @ (dense if grad_input else dense.T)
+        error = (ours.double() - exact).norm() / exact.norm()
+        torch_error = (torch_out.double() - exact).norm() / exact.norm()
+        assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
+        if grad_input:  # the backward multiplies by the 16-bit dequantized weight itself
+            dense_exact = a.double() @ dense.double()
+            assert (ours.double() - dense_exact).norm() / dense_exact.norm() <= 1.5 * torch_error + 1e-6
+
+
+def test_int8_linear_gradient_is_the_backward_gemm():
+    linear = quant.Linear8bit.from_linear(nn.Linear(256, 72, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(2, 37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = linear(x)
+    grad = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    torch.testing.assert_close(dx, quant.matmul_int8(grad, linear.weight.packed, grad_input=True), rtol=0, atol=0)
+    assert y.shape == (2, 37, 72) and dx.shape == x.shape
+
+
 def bnb_quantized_tiny_llama(bnb):
     model = tiny_model("llama", torch.bfloat16)
     for name, module in list(model.named_modules()):
@@ -104,10 +135,12 @@ def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
         assert abs(loss - want) <= 1e-2 * abs(want), f"step {step}: barqtrain {loss} vs bitsandbytes+PEFT {want}"
 
 
-def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing():
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing(quant_type):
     model = tiny_model("llama", torch.bfloat16).cuda()
-    quant.quantize_model(model)
+    quant.quantize_model(model, quant_type)
     model = barqtrain.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     losses = train_losses(model)
     assert losses[-1] < 0.9 * losses[0]
+
