@@ -1,7 +1,8 @@
 """QLoRA (SPEC K7): 4-bit base weights in the bitsandbytes layout, or int8 ones with an absmax
 per row, computed by the fused dequant-GEMMs, under barqtrain's LoRA functions.
 
-    model = barqtrain.quant.load_4bit("path/to/model")      # or quantize_model(model, "nf4" | "int8")
+    model = barqtrain.quant.load_4bit("path/to/model")      # streamed; or quantize_model(model)
+    model = barqtrain.quant.load_quantized("path/to/model", quant_type="int8")
     model = barqtrain.get_peft_model(model, LoraConfig(...))  # QLoRA, no bitsandbytes needed
 
 A model loaded by bitsandbytes (BitsAndBytesConfig(load_in_4bit=True, ...)) is read as it
@@ -25,10 +26,10 @@ from barqtrain.quant.linear import (
     Linear4bit,
     Linear8bit,
     is_quantized_linear,
-    load_4bit,
     quantize_model,
     quantized_weight,
 )
+from barqtrain.quant.loading import load_4bit, load_quantized
 from barqtrain.quant.weight import QuantizedWeight, Weight4bit, Weight8bit, from_bitsandbytes
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "from_bitsandbytes",
     "is_quantized_linear",
     "load_4bit",
+    "load_quantized",
     "matmul_4bit",
     "matmul_int8",
     "qlora_linear",

@@ -166,17 +166,3 @@ def quantize_model(
     if not replaced:
         raise ValueError("barqtrain: quantize_model found no nn.Linear to quantize")
     return replaced
-
-
-def load_4bit(path: str, quant_type: str = "nf4", double_quant: bool = True, dtype: torch.dtype = torch.bfloat16,
-              device: str | torch.device | None = None, **from_pretrained_kwargs) -> nn.Module:
-    """A Hugging Face causal LM loaded in `dtype` and quantized by barqtrain (no bitsandbytes):
-    each linear layer is quantized on `device` (where the model is moved first) and its
-    16-bit weight released."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **from_pretrained_kwargs)
-    if device is not None:
-        model.to(device)
-    quantize_model(model, quant_type, double_quant)
-    return model

@@ -1,6 +1,7 @@
 """barqtrain.quant on a GPU: bit-exact with bitsandbytes' CUDA kernels (quantize, double
 quantization, dequantize), the fused 4-bit and int8 dequant-GEMMs against float64, 50 QLoRA
-steps of a tiny Llama matching bitsandbytes + PEFT. Each test says what it compares in its failure."""
+steps of a tiny Llama matching bitsandbytes + PEFT, and the device memory peak of streaming
+quantized loading. Each test says what it compares in its failure."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import barqtrain
 import peft
 import pytest
 import torch
+import transformers
 from barqtrain import quant
 from barqtrain.patch import patch_model
 from torch import nn
@@ -144,3 +146,29 @@ def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing(quant_type)
     losses = train_losses(model)
     assert losses[-1] < 0.9 * losses[0]
 
+
+def test_streaming_4bit_load_peaks_at_the_4bit_model_plus_one_16bit_tensor(tmp_path):
+    """The whole bf16 model is ~150 MiB; its 4-bit form ~60 MiB (embedding and head kept in
+    bf16, 16 MiB each), its largest tensor 16 MiB: a load that held the 16-bit model fails."""
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                                      num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    source = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    source.save_pretrained(tmp_path)
+    largest_16bit = max(p.numel() * p.element_size() for p in source.parameters())
+    full_16bit = sum(p.numel() * p.element_size() for p in source.parameters())
+    del source
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = quant.load_4bit(tmp_path, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - before
+    quantized = torch.cuda.memory_allocated() - before
+    bound = 1.1 * (quantized + largest_16bit)
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > 1.1 x (4-bit model {quantized / 2**20:.1f} + largest " \
+                          f"16-bit tensor {largest_16bit / 2**20:.1f}) MiB"
+    assert bound < full_16bit, "the model is too small for the bound to tell streaming from a full 16-bit load"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
+    quant.quantize_model(reference)
+    ids = torch.randint(0, 8192, (2, 33), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
