@@ -86,8 +86,16 @@ class LoraConfig:
 
 @dataclass
 class QloraConfig:
-    quant_type: Literal["nf4", "fp4"] = _doc("the 4-bit code of the base weights (blocks of 64, bitsandbytes' layout)", "nf4")
-    double_quant: bool = _doc("quantize the per-block absmax too (8 bits, blocks of 256): 0.37 fewer bits per weight", True)
+    quant_type: Literal["nf4", "fp4", "int8"] = _doc(
+        "the base weights' format: nf4 or fp4 (4 bits, blocks of 64, bitsandbytes' layout) or int8 (an absmax per "
+        "row: twice the memory of 4 bits, closer to the 16-bit weights)",
+        "nf4",
+    )
+    double_quant: bool = _doc(
+        "nf4/fp4: quantize the per-block absmax too (8 bits, blocks of 256): 0.37 fewer bits per weight; "
+        "int8 has no block absmax, so this must stay true (the default) with it",
+        True,
+    )
 
 
 @dataclass
@@ -109,11 +117,12 @@ class TrainConfig:
     model: ModelConfig = _doc("what to train", factory=ModelConfig)
     data: DataConfig = _doc("what to train on", factory=DataConfig)
     method: Literal["lora", "qlora", "full"] = _doc(
-        "lora (PEFT adapter), qlora (PEFT adapter over the base quantized to 4 bits by barqtrain) or full fine-tuning",
+        "lora (PEFT adapter), qlora (PEFT adapter over the base quantized by barqtrain: 4 bits or int8, see qlora) "
+        "or full fine-tuning",
         "lora",
     )
     lora: LoraConfig = _doc("LoRA settings (method lora and qlora)", factory=LoraConfig)
-    qlora: QloraConfig = _doc("the 4-bit base (method: qlora)", factory=QloraConfig)
+    qlora: QloraConfig = _doc("the quantized base (method: qlora)", factory=QloraConfig)
     optim: OptimConfig = _doc("optimizer and learning-rate schedule", factory=OptimConfig)
     batch_size: int = _doc("rows per micro-batch", 64)
     grad_accum: int = _doc("micro-batches per optimizer step", 1)
@@ -254,6 +263,9 @@ def _check(config: TrainConfig) -> None:
             raise ConfigError(f"{key}: must not be negative, got {value}")
     if len(config.optim.betas) != 2:
         raise ConfigError(f"optim.betas: expected two numbers, got {config.optim.betas!r}")
+    if config.qlora.quant_type == "int8" and not config.qlora.double_quant:
+        raise ConfigError("qlora.double_quant: applies to nf4/fp4 only (int8 keeps one fp32 absmax per row); "
+                          "remove it with quant_type: int8")  # fmt: skip
     if config.data.path is None and config.data.task != "repeat-digits":
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:

@@ -95,7 +95,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, log=print) -> Pat
     log(f"Merged {adapter} into {base_path}: wrote {out}.")
     if _method(run_dir) == "qlora":
         log(
-            "QLoRA run: the adapter trained over the 4-bit quantization of these weights and is merged into "
+            "QLoRA run: the adapter trained over the quantization (4-bit or int8) of these weights and is merged into "
             "the 16-bit ones, so the merged model differs from the trained one by the quantization error."
         )
     return out

@@ -75,7 +75,7 @@ def compute_precision(config: TrainConfig, device: torch.device) -> str:
     is_gpu = device.type == "cuda"
     if config.method == "qlora" and is_gpu and config.precision == "fp32":
         raise ConfigError(
-            "precision: method qlora on a GPU computes its 4-bit base with the fused 4-bit GEMM, which takes "
+            "precision: method qlora on a GPU computes its quantized base with the fused dequant-GEMM, which takes "
             "bf16 or fp16 inputs; set precision: bf16 (or fp16, or auto)"
         )
     if config.precision != "auto":
@@ -139,29 +139,33 @@ def build_model(
 
 
 def quantize_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
-    """QLoRA: every linear layer but the output head to 4 bits (barqtrain.quant, no
-    bitsandbytes), in place; a layer whose in_features is not a multiple of the block of 64
-    stays 16-bit, and the log names it."""
-    from barqtrain.ops.quant import BLOCK
+    """QLoRA: every linear layer but the output head to 4 bits or int8 (barqtrain.quant, no
+    bitsandbytes), in place; a layer whose in_features the format does not take (not a
+    multiple of 64 for 4 bits, 16 for int8) stays 16-bit, and the log names it."""
     from barqtrain.quant import quantize_model
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE
 
     qlora = config.qlora
+    multiple = IN_FEATURES_MULTIPLE[qlora.quant_type]
     model_name = config.model.path or config.model.name
     kept = [
         name for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and not name.endswith("lm_head") and module.in_features % BLOCK
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head") and module.in_features % multiple
     ]
     try:
         quantized = quantize_model(model, qlora.quant_type, qlora.double_quant)
     except ValueError:
         raise ConfigError(
-            f"method: qlora: no linear layer of model {model_name} can be quantized to 4 bits "
-            f"(their in_features are not multiples of {BLOCK}); use method: lora"
+            f"method: qlora: no linear layer of model {model_name} can be quantized to {qlora.quant_type} "
+            f"(their in_features are not multiples of {multiple}); use method: lora"
         ) from None
-    absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
-    line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {BLOCK}, {absmax})"
+    if qlora.quant_type == "int8":
+        line = f"QLoRA: {len(quantized)} linear layers quantized to int8 (an absmax per row)"
+    else:
+        absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
+        line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {multiple}, {absmax})"
     if kept:
-        line += f"; {len(kept)} kept in 16 bits (in_features not a multiple of {BLOCK}): {', '.join(kept)}"
+        line += f"; {len(kept)} kept in 16 bits (in_features not a multiple of {multiple}): {', '.join(kept)}"
     log(line + ".")
 
 

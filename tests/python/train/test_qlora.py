@@ -79,7 +79,7 @@ def test_qlora_export_merges_into_the_16_bit_base(qlora_run, tmp_path, capsys):
 
     run_dir, _, _ = qlora_run
     assert cli.main(["export", str(run_dir), "--merge", "--out", str(tmp_path / "merged")]) == 0
-    assert "QLoRA run: the adapter trained over the 4-bit quantization" in capsys.readouterr().out
+    assert "QLoRA run: the adapter trained over the quantization (4-bit or int8)" in capsys.readouterr().out
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base"), run_dir / "adapter")
     input_ids, _ = task.make_batch(4, torch.Generator().manual_seed(0))
@@ -117,6 +117,17 @@ def test_qlora_options_and_precision(tmp_path):
     # The fused 4-bit GEMM takes 16-bit inputs: fp32 QLoRA on a GPU is refused before anything loads.
     with pytest.raises(ConfigError, match="precision: method qlora on a GPU .* bf16 or fp16"):
         compute_precision(TrainConfig(method="qlora", precision="fp32"), torch.device("cuda"))
+
+
+def test_qlora_int8_base(tmp_path):
+    lines = []
+    config = qlora_config(tmp_path / "run", 1, precision="bf16", gradient_checkpointing=False)
+    config.qlora.quant_type = "int8"
+    model = build_model(config, torch.device("cpu"), lines.append)
+    assert "QLoRA: 14 linear layers quantized to int8 (an absmax per row)." in lines
+    assert any("lora" in str(line) and "14       patched" in str(line) for line in lines)  # barqtrain's LoRA over int8
+    linear = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    assert (linear.quant_type, linear.compute_dtype, linear.int8_weight.dtype) == ("int8", torch.bfloat16, torch.int8)
 
 
 def test_qlora_keeps_layers_the_block_does_not_divide_in_16_bits(model_dir, alpaca_jsonl, tmp_path):
