@@ -30,7 +30,12 @@ from barqtrain.quant.linear import (
     quantized_weight,
 )
 from barqtrain.quant.loading import load_4bit, load_quantized
-from barqtrain.quant.weight import QuantizedWeight, Weight4bit, Weight8bit, from_bitsandbytes
+from barqtrain.quant.weight import (
+    QuantizedWeight,
+    Weight4bit,
+    Weight8bit,
+    from_bitsandbytes,
+)
 
 __all__ = [
     "QUANT_TYPES",

@@ -11,7 +11,12 @@ from torch import nn
 
 from barqtrain.ops import quant as quant_ops
 from barqtrain.ops.quant import Packed4bit, Packed8bit
-from barqtrain.quant.weight import QuantizedWeight, Weight4bit, Weight8bit, from_bitsandbytes
+from barqtrain.quant.weight import (
+    QuantizedWeight,
+    Weight4bit,
+    Weight8bit,
+    from_bitsandbytes,
+)
 
 BNB_LINEAR_4BIT_CLASS = "bitsandbytes.nn.modules.Linear4bit"
 QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8")
