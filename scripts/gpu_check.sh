@@ -45,7 +45,10 @@ phase() {  # phase NAME COMMAND...: run, log, record the outcome
 } | tee "$LOG"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  $PYTHON -m pip install -q --no-index --no-deps --no-compile --target /tmp/barqtrain_wheels .whl/*.whl >>"$LOG" 2>&1
+  # By name, so that .whl/ may hold one wheel per Python version and pip picks the one that fits.
+  mapfile -t wheel_names < <(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1 | sort -u)
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --find-links .whl --target /tmp/barqtrain_wheels \
+    "${wheel_names[@]}" >>"$LOG" 2>&1
   export PYTHONPATH=/tmp/barqtrain_wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
 
