@@ -14,6 +14,15 @@ namespace barqtrain::kernels::attention {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// 2^x on the special-function unit, subnormal results flushed to zero: a probability that
+// small is below every rounding of the row sum, and the flush saves the range fix-up that
+// exp2f wraps around the same instruction.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One sequence of the batch: where its rows start and how long it is.
 struct Sequence {
   int seqlen_q = 0;

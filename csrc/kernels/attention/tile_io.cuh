@@ -40,17 +40,32 @@ struct RowRotation {
 };
 
 // Rows [row0, row0 + kRows) of a [seq, head_dim] operand (row stride `row_stride`) into a
-// padded shared tile; rows >= valid_rows and dims >= head_dim become zero.
+// padded shared tile; rows >= valid_rows and dims >= head_dim become zero. A thread keeps one
+// 16-byte column chunk and walks down the rows with one pointer: few live registers, since
+// the attention kernels call this inside their main loops with the accumulators live.
 template <typename T, int kRows, int kD, int kThreads>
 __device__ __forceinline__ void load_tile_async(T* smem, const T* src, int64_t row_stride, int row0, int valid_rows,
                                                 int head_dim) {
   constexpr int kChunks = kD / 8;
   constexpr int kStride = SmemTile<kRows, kD>::kStride;
-  for (int idx = threadIdx.x; idx < kRows * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = row0 + r < valid_rows && c * 8 < head_dim;
-    const T* from = valid ? src + (row0 + r) * row_stride + c * 8 : src;
-    cp_async_16(smem + r * kStride + c * 8, from, valid);
+  constexpr int kRowsPerPass = kThreads / kChunks;  // threads past kRowsPerPass * kChunks idle (head_dim 96)
+  static_assert(kRowsPerPass > 0, "a pass must cover at least one row");
+  const int c = threadIdx.x % kChunks;
+  int r = threadIdx.x / kChunks;
+  if (r >= kRowsPerPass) return;
+  const bool column_valid = c * 8 < head_dim;
+  const T* from = src + static_cast<int64_t>(row0 + r) * row_stride + c * 8;
+  const int64_t pass_stride = kRowsPerPass * row_stride;
+  T* to = smem + r * kStride + c * 8;
+#pragma unroll
+  for (int pass = 0; pass < (kRows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {
+    if (kRows % kRowsPerPass == 0 || r < kRows) {
+      const bool valid = column_valid && row0 + r < valid_rows;
+      cp_async_16(to, valid ? from : src, valid);
+    }
+    r += kRowsPerPass;
+    from += pass_stride;
+    to += kRowsPerPass * kStride;
   }
 }
 

@@ -136,39 +136,57 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], const
                                                                a_row0, b_tile, b_row0, lane);
 }
 
-// acc[t][j] += P[t] * B where each P[t] (16 x kDepth) is given as accumulator tiles in
-// registers and B is a row-major tile [k][n] in shared memory (rows b_row0 ..), kNTiles * 8
-// output columns.
-template <typename T, int kDepth, int kM, int kNTiles, int kBStride>
-__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kM][kNTiles][4], const float (&p)[kM][kDepth / 8][4],
-                                                 const T* b_tile, int b_row0, int lane) {
+// acc[t][j] += A[t] * B for one 16-deep step: each A[t] (16 x 16) a fragment in registers,
+// B rows b_row0 .. b_row0 + 15 of a row-major tile [k][n] in shared memory, kNTiles * 8
+// output columns. Each B fragment loaded from shared memory serves kM row tiles.
+template <typename T, int kM, int kNTiles, int kBStride>
+__device__ __forceinline__ void mma_fragments_by_rows_step(float (&acc)[kM][kNTiles][4], const uint32_t (&a)[kM][4],
+                                                           const T* b_tile, int b_row0, int lane) {
   const int b_row = b_row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int b_col = (lane >> 4) * 8;
 #pragma unroll
-  for (int kk = 0; kk < kDepth / 16; ++kk) {
-    uint32_t a[kM][4];
+  for (int j = 0; j < kNTiles; j += 2) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, b_tile + b_row * kBStride + j * 8 + b_col);
 #pragma unroll
-    for (int t = 0; t < kM; ++t) accumulators_to_a<T>(p[t], kk, a[t]);
-#pragma unroll
-    for (int j = 0; j < kNTiles; j += 2) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, b_tile + (b_row + kk * 16) * kBStride + j * 8 + b_col);
-#pragma unroll
-      for (int t = 0; t < kM; ++t) {
-        mma_16816<T>(acc[t][j], a[t], b[0], b[1]);
-        mma_16816<T>(acc[t][j + 1], a[t], b[2], b[3]);
-      }
+    for (int t = 0; t < kM; ++t) {
+      mma_16816<T>(acc[t][j], a[t], b[0], b[1]);
+      mma_16816<T>(acc[t][j + 1], a[t], b[2], b[3]);
     }
   }
 }
 
-// The single-row-tile case.
+// acc[t][j] += P[t] * B where each P[t] (16 x kDepth) is given as 16-bit A fragments
+// (p[t][kk]: columns 16 kk .. 16 kk + 15) and B is a row-major tile [k][n] in shared memory
+// (rows b_row0 ..), kNTiles * 8 output columns.
+template <typename T, int kDepth, int kM, int kNTiles, int kBStride>
+__device__ __forceinline__ void mma_fragments_by_rows(float (&acc)[kM][kNTiles][4],
+                                                      const uint32_t (&p)[kM][kDepth / 16][4], const T* b_tile,
+                                                      int b_row0, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kDepth / 16; ++kk) {
+    uint32_t a[kM][4];
+#pragma unroll
+    for (int t = 0; t < kM; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[t][e] = p[t][kk][e];
+    }
+    mma_fragments_by_rows_step<T, kM, kNTiles, kBStride>(acc, a, b_tile, b_row0 + kk * 16, lane);
+  }
+}
+
+// As mma_fragments_by_rows with a single row tile P given as fp32 accumulator tiles,
+// rounded to T 16 columns at a time.
 template <typename T, int kDepth, int kNTiles, int kBStride>
 __device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kNTiles][4], const float (&p)[kDepth / 8][4],
                                                  const T* b_tile, int b_row0, int lane) {
-  mma_regs_by_rows<T, kDepth, 1, kNTiles, kBStride>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc),
-                                                     reinterpret_cast<const float(&)[1][kDepth / 8][4]>(p), b_tile,
-                                                     b_row0, lane);
+#pragma unroll
+  for (int kk = 0; kk < kDepth / 16; ++kk) {
+    uint32_t a[1][4];
+    accumulators_to_a<T>(p, kk, a[0]);
+    mma_fragments_by_rows_step<T, 1, kNTiles, kBStride>(reinterpret_cast<float(&)[1][kNTiles][4]>(acc), a, b_tile,
+                                                        b_row0 + kk * 16, lane);
+  }
 }
 
 }  // namespace barqtrain::kernels::attention
