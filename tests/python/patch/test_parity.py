@@ -28,7 +28,6 @@ from tiny_models import (
     assert_close,
     assert_grads_close,
     assert_grads_no_worse_than_hf,
-    assert_no_worse_than_hf,
     assert_patching_keeps_outputs,
     logits_and_grads,
     modules_of,
@@ -201,25 +200,26 @@ def test_patched_model_matches_hugging_face_on_cuda_bf16(family: str, attn_imple
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_peft_training_with_gradient_checkpointing_on_cuda_bf16(family: str) -> None:
+def test_peft_training_with_gradient_checkpointing_on_cuda(family: str) -> None:
+    # float32, so that the comparison is tight: in bf16 the tiny Llama's and Mistral's q/k/v
+    # LoRA gradients are rounding noise (Hugging Face's own bf16 gradients are 0.4-1.3 off the
+    # float64 ones, relative), and two noisy computations cannot be told apart from a wrong
+    # one. The bf16 numerics of each op are tested per op on large tensors.
     config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
 
-    def lora_model(dtype: torch.dtype) -> nn.Module:
-        model = tiny_model(family, torch.bfloat16, device="cuda")
+    def lora_model() -> nn.Module:
+        model = tiny_model(family, torch.float32, device="cuda")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return get_peft_model(model, config).to(dtype).train()
+        return get_peft_model(model, config).train()
 
     batch = BATCHES["packed"]("cuda")
-    exact_logits, exact_grads = logits_and_grads(lora_model(torch.float64), batch)
-    expected_logits, expected_grads = logits_and_grads(lora_model(torch.bfloat16), batch)
-    model = lora_model(torch.bfloat16)
+    expected_logits, expected_grads = logits_and_grads(lora_model(), batch)
+    model = lora_model()
     patch_logit_ops(model)
     logits, grads = logits_and_grads(model, batch)
 
-    # Against float64: on an H200 (llama, mistral) patched and PEFT bf16 logits differed by
-    # 4.1%, more than either differs from float64's.
-    assert_no_worse_than_hf("logits", logits, expected_logits, exact_logits)
-    assert_grads_no_worse_than_hf(grads, expected_grads, exact_grads)
+    assert_close(logits, expected_logits, "logits", torch.float32)
+    assert_grads_close(grads, expected_grads, torch.float32)
 
 
 @pytest.mark.gpu
