@@ -272,6 +272,9 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
   cp_async_wait<0>();
 
   T* c = static_cast<T*>(p.c);
+  // Pairs of outputs go out as one 4-byte store when the rows keep them 4-byte aligned
+  // (an even stride: every layer with an even out_features); otherwise one by one.
+  const bool paired_stores = p.c_row_stride % 2 == 0 && reinterpret_cast<uintptr_t>(c) % 4 == 0;
   const int group = lane / 4, quad = lane % 4;
   float column_scale[kNTiles][2];
 #pragma unroll
@@ -297,10 +300,11 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
           hi = __fmul_rn(hi, column_scale[nt][1]);
         }
         T* dst = c + row * p.c_row_stride + col;
-        if (col + 1 < out_cols) {
+        if (paired_stores && col + 1 < out_cols) {
           *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
-        } else if (col < out_cols) {
-          *dst = from_float<T>(lo);
+        } else {
+          if (col < out_cols) dst[0] = from_float<T>(lo);
+          if (col + 1 < out_cols) dst[1] = from_float<T>(hi);
         }
       }
     }
@@ -340,7 +344,8 @@ void check_gemm(const QuantGemmParams& p, const std::string& what) {
   const int64_t a_cols = p.op == QuantGemmOp::kForward ? p.k : p.n;
   require(a_cols % 8 == 0 && p.a_row_stride % 8 == 0 && p.a_row_stride >= a_cols && is_aligned(p.a, 16),
           what + "'s input needs 16-byte aligned rows (its row length and stride a multiple of 8)");
-  require(p.c_row_stride % 2 == 0 && is_aligned(p.c, 4), what + "'s output needs an even row stride");
+  require(p.c_row_stride >= (p.op == QuantGemmOp::kForward ? p.n : p.k) && is_aligned(p.c, 2),
+          what + "'s output needs 2-byte aligned rows at least as long as its columns");
   require(p.m <= 65535LL * kBM, what + " supports at most 8388480 rows");
 }
 

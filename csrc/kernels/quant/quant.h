@@ -129,7 +129,7 @@ struct QuantGemmParams {
   int64_t n = 0;
   int64_t k = 0;
   int64_t a_row_stride = 0;         // elements, a multiple of 8 (16-byte rows)
-  int64_t c_row_stride = 0;         // elements, even
+  int64_t c_row_stride = 0;         // elements (an even stride stores pairs at once)
   DType dtype = DType::kBFloat16;   // of A and C: bfloat16 or float16
 };
 
