@@ -23,6 +23,9 @@ QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8")
 # in_features must be a multiple of this for the format (the 4-bit blocks of 64 run along a
 # row; the int8 GEMM reads a row 16 bytes at a time).
 IN_FEATURES_MULTIPLE = {"nf4": quant_ops.BLOCK, "fp4": quant_ops.BLOCK, "int8": 16}
+# out_features must be a multiple of this: the input gradient's GEMM reads dy [tokens,
+# out_features] in 16-byte rows.
+OUT_FEATURES_MULTIPLE = 8
 
 
 def check_quant_type(quant_type: str) -> None:
@@ -139,11 +142,13 @@ def quantized_weight(module: nn.Module) -> QuantizedWeight | str:
 
 def quantizable(name: str, module: nn.Module, quant_type: str, skip_modules: Iterable[str] = ("lm_head",)) -> bool:
     """Whether quantize_model replaces this module: a plain nn.Linear not named (by its last
-    name component) in skip_modules, whose in_features the format takes."""
+    name component) in skip_modules, whose in_features the format takes and whose
+    out_features is a multiple of OUT_FEATURES_MULTIPLE."""
     return (
         type(module) is nn.Linear
         and name.rsplit(".", 1)[-1] not in set(skip_modules)
         and module.in_features % IN_FEATURES_MULTIPLE[quant_type] == 0
+        and module.out_features % OUT_FEATURES_MULTIPLE == 0
     )
 
 
@@ -156,7 +161,7 @@ def quantize_model(
     """Replace every nn.Linear of `model` with a Linear4bit (quant_type "nf4" or "fp4") or a
     Linear8bit ("int8"), in place: not those named in skip_modules (by last name component),
     nor any whose in_features is not a multiple of IN_FEATURES_MULTIPLE[quant_type] (64 for
-    4 bits, 16 for int8). double_quant applies to 4 bits. Returns the names of the replaced
+    4 bits, 16 for int8) or whose out_features is not a multiple of 8. double_quant applies to 4 bits. Returns the names of the replaced
     modules. No bitsandbytes needed."""
     check_quant_type(quant_type)
     skip_modules = tuple(skip_modules)

@@ -140,24 +140,27 @@ def build_model(
 
 def quantize_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
     """QLoRA: every linear layer but the output head to 4 bits or int8 (barqtrain.quant, no
-    bitsandbytes), in place; a layer whose in_features the format does not take (not a
-    multiple of 64 for 4 bits, 16 for int8) stays 16-bit, and the log names it."""
+    bitsandbytes), in place; a layer whose shape the format does not take (in_features not a
+    multiple of 64 for 4 bits, 16 for int8; out_features not a multiple of 8) stays 16-bit,
+    and the log names it."""
     from barqtrain.quant import quantize_model
-    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE, quantizable
 
     qlora = config.qlora
     multiple = IN_FEATURES_MULTIPLE[qlora.quant_type]
+    shapes = f"in_features a multiple of {multiple}, out_features of {OUT_FEATURES_MULTIPLE}"
     model_name = config.model.path or config.model.name
     kept = [
         name for name, module in model.named_modules()
-        if type(module) is torch.nn.Linear and not name.endswith("lm_head") and module.in_features % multiple
+        if type(module) is torch.nn.Linear and not name.endswith("lm_head")
+        and not quantizable(name, module, qlora.quant_type)
     ]
     try:
         quantized = quantize_model(model, qlora.quant_type, qlora.double_quant)
     except ValueError:
         raise ConfigError(
             f"method: qlora: no linear layer of model {model_name} can be quantized to {qlora.quant_type} "
-            f"(their in_features are not multiples of {multiple}); use method: lora"
+            f"(it needs {shapes}); use method: lora"
         ) from None
     if qlora.quant_type == "int8":
         line = f"QLoRA: {len(quantized)} linear layers quantized to int8 (an absmax per row)"
@@ -165,7 +168,7 @@ def quantize_base(model: torch.nn.Module, config: TrainConfig, log: Callable[...
         absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
         line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {multiple}, {absmax})"
     if kept:
-        line += f"; {len(kept)} kept in 16 bits (in_features not a multiple of {multiple}): {', '.join(kept)}"
+        line += f"; {len(kept)} kept in 16 bits (the format needs {shapes}): {', '.join(kept)}"
     log(line + ".")
 
 

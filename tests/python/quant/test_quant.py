@@ -190,6 +190,13 @@ def test_qlora_linear_matches_dequant_then_lora_in_float64(dropout, quant_type):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_quantize_model_keeps_layers_the_format_cannot_take_in_16_bits(quant_type):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 12), nn.Linear(40, 64))  # out 12, in 40: kept
+    assert quant.quantize_model(model, quant_type) == ["0"]
+    assert [type(m) for m in model] == [type(model[0]), nn.Linear, nn.Linear] and type(model[0]) is not nn.Linear
+
+
 def lora_config(**overrides):
     options = dict(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     return peft.LoraConfig(**{**options, **overrides})
