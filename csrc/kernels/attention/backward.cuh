@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = j * 8 + 2 * (lane % 4) + (e % 2);
-        prob[j][e] = exp2f(fmaf(s[j][e], transform.multiplier, -lse_s[col]));
+        prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse_s[col]));
         if constexpr (kMasked) {
           if (!mask.visible(m0 + col, n0 + key_in_block + 8 * (e / 2))) prob[j][e] = 0.0f;
         }
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        prob[j][e] = exp2f(fmaf(s[j][e], transform.multiplier, -lse2[e / 2]));
+        prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse2[e / 2]));
         if constexpr (kMasked) {
           if (!mask.visible(m0 + row_in_block + 8 * (e / 2), n0 + j * 8 + 2 * (lane % 4) + (e % 2))) prob[j][e] = 0.0f;
         }
