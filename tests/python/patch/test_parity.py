@@ -207,19 +207,22 @@ def test_peft_training_with_gradient_checkpointing_on_cuda(family: str) -> None:
     # one. The bf16 numerics of each op are tested per op on large tensors.
     config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
 
-    def lora_model() -> nn.Module:
+    def lora_model(dtype: torch.dtype = torch.float32) -> nn.Module:
         model = tiny_model(family, torch.float32, device="cuda")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return get_peft_model(model, config).train()
+        return get_peft_model(model, config).to(dtype).train()
 
     batch = BATCHES["packed"]("cuda")
+    _, exact_grads = logits_and_grads(lora_model(torch.float64), batch)
     expected_logits, expected_grads = logits_and_grads(lora_model(), batch)
     model = lora_model()
     patch_logit_ops(model)
     logits, grads = logits_and_grads(model, batch)
 
     assert_close(logits, expected_logits, "logits", torch.float32)
-    assert_grads_close(grads, expected_grads, torch.float32)
+    # Even in float32 the q_proj LoRA gradients cancel enough that the rounding order moves
+    # elements by 5e-5 (relative; on an H100): each is compared with float64.
+    assert_grads_no_worse_than_hf(grads, expected_grads, exact_grads, floor=FLOAT32_GRADIENT_ERROR)
 
 
 @pytest.mark.gpu
