@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import barqtrain
-from barqtrain.bench.e2e_worker import LEARNING_RATE, LORA_SETTINGS, VARIANTS, VariantSpec
+from barqtrain.bench.e2e_worker import BARQTRAIN_VARIANTS, LEARNING_RATE, LORA_SETTINGS, VARIANTS, VariantSpec
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
 from barqtrain.bench.models import TINY, WORKLOADS, Workload
 from barqtrain.bench.report import (
@@ -29,7 +29,7 @@ from barqtrain.bench.report import (
 )
 
 BASELINES = ("hf", "liger")
-DEFAULT_STEPS = 15  # with DEFAULT_WARMUP: both models x 3 variants in about 4 minutes on an H100
+DEFAULT_STEPS = 15  # with DEFAULT_WARMUP: both models x 5 variants in about 7 minutes on an H100
 DEFAULT_WARMUP = 3
 SEED = 0
 # A variant that hangs must not stall the others; the 8B HF variant needs well under this.
@@ -52,7 +52,7 @@ def run_e2e_benchmark(
         )
         return
     workloads = [TINY] if tiny else [WORKLOADS[name] for name in model_names]
-    variants = [variant for variant in VARIANTS if variant == "barqtrain" or variant in baselines]
+    variants = [variant for variant in VARIANTS if variant in BARQTRAIN_VARIANTS or variant in baselines]
     liger_status = _liger_availability() if "liger" in variants else None
 
     rows = []

@@ -24,7 +24,18 @@ import torch
 
 from barqtrain.bench.models import WORKLOADS, Workload, build_model
 
-VARIANTS = ("hf", "barqtrain", "liger")
+from barqtrain.patch.families import OPS as DEFAULT_OPS
+
+# BarqTrain's variants and the ops each patches (None: patch_model's defaults, which route
+# the LoRA layers through barqtrain.lora and the loss through the fused cross-entropy):
+# "+attention" adds the opt-in attention kernel; "-elementwise" is issue 3's ops alone (norms,
+# residual-add + norm, SwiGLU, RoPE) over PEFT's own LoRA layers and Hugging Face's loss.
+BARQTRAIN_VARIANTS: dict[str, tuple[str, ...] | None] = {
+    "barqtrain": None,
+    "barqtrain+attention": (*DEFAULT_OPS, "attention"),
+    "barqtrain-elementwise": ("rms_norm", "add_rms_norm", "glu", "rope"),
+}
+VARIANTS = ("hf", *BARQTRAIN_VARIANTS, "liger")
 LORA_SETTINGS = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
 LEARNING_RATE = 1e-4
 GIB = 2**30
@@ -90,11 +101,10 @@ def _with_lora(model: torch.nn.Module, variant: str, lora_config: Any) -> tuple[
     the way the variant prescribes; returns it and barqtrain's patch report."""
     from peft import get_peft_model
 
-    if variant == "barqtrain":
+    if variant in BARQTRAIN_VARIANTS:
         import barqtrain
 
-        # The fused ops and the LoRA layers routed through barqtrain.lora's functions.
-        peft_model = barqtrain.get_peft_model(model, lora_config)
+        peft_model = barqtrain.get_peft_model(model, lora_config, ops=BARQTRAIN_VARIANTS[variant])
         return peft_model, str(peft_model.barqtrain_patch_report)
     if variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama

@@ -20,15 +20,22 @@ def run_tiny(tmp_path, *extra):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run, where Liger cannot run")
 def test_tiny_run_on_cpu_writes_rows_for_every_variant(tmp_path, capsys):
     result, rows = run_tiny(tmp_path)
-    assert list(rows) == ["hf", "barqtrain", "liger"]
-    for name in ("hf", "barqtrain"):
+    barqtrain_variants = ["barqtrain", "barqtrain+attention", "barqtrain-elementwise"]
+    assert list(rows) == ["hf", *barqtrain_variants, "liger"]
+    for name in ("hf", *barqtrain_variants):
         row = rows[name]
         assert row["status"] == "ok", row.get("traceback") or row.get("error")
         assert row["model"] == "tiny" and row["tokens_per_s"] > 0 and len(row["losses"]) == 3
     assert rows["liger"]["status"] == "unavailable" and rows["liger"]["reason"]
-    # One seed, one batch of ids: patching must not change the first step's loss beyond bf16 rounding.
-    assert rows["barqtrain"]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-2)
-    assert "patched" in rows["barqtrain"]["patch_report"]
+    for name in barqtrain_variants:
+        # One seed, one batch of ids: patching must not change the first step's loss beyond bf16 rounding.
+        assert rows[name]["first_loss"] == pytest.approx(rows["hf"]["first_loss"], rel=1e-2)
+    def result_of(variant, op):
+        line = next(line for line in rows[variant]["patch_report"].splitlines() if line.split()[:1] == [op])
+        return line.split(None, 3)[3]
+
+    assert result_of("barqtrain+attention", "attention") == "patched"
+    assert result_of("barqtrain-elementwise", "lora").startswith("not patched")
     assert result["environment"]["command"].startswith("barqtrain bench e2e --tiny")
     assert result["settings"]["lora"]["r"] == 16
     assert "tokens/s" in capsys.readouterr().out
