@@ -45,8 +45,8 @@ FUSED_OP = "attention"
 # has the measurements, barqtrain.bench.attention the benchmark).
 FUSED_OP_OPT_IN = (
     "opt-in (ops=(*barqtrain.patch.OPS, 'attention')): BarqTrain's attention kernels are still slower than "
-    "PyTorch SDPA's flash backend (H200, bf16, causal B4 H32 S4096 D128: forward 205 vs 327 TFLOP/s, "
-    "forward+backward 169 vs 297)"
+    "PyTorch SDPA's flash backend (H100, bf16, causal B4 H32 S4096 D128: forward 287 vs 327 TFLOP/s, "
+    "forward+backward 223 vs 295)"
 )
 
 # What the fallback of FUSED_OP runs, as its warnings name it.

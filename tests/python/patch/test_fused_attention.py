@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
+import re
 import warnings
 
 import barqtrain
@@ -268,7 +269,8 @@ def test_is_opt_in_and_the_report_says_why() -> None:
     assert (entry.op, entry.class_name, entry.reason, entry.count) == (
         "attention", "LlamaAttention", OPT_IN_OPS["attention"], 2
     )
-    assert "slower than PyTorch SDPA's flash backend" in entry.reason and "205 vs 327" in entry.reason
+    assert "slower than PyTorch SDPA's flash backend" in entry.reason
+    assert re.search(r"forward \d+ vs \d+ TFLOP/s", entry.reason), entry.reason
     assert "not patched: opt-in" in str(report)
 
     unpatch_model(model)
