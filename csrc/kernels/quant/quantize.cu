@@ -1,7 +1,7 @@
 // 4-bit and int8 quantize / dequantize kernels (see quant.h for the formats).
 //
-// Dequantization is a stream: each thread turns 16 packed bytes (32 values, half a block)
-// into 16-byte stores, so that it runs at the copy bandwidth of 2.5 bytes per element (bf16).
+// Dequantization is a stream of 2.5 bytes per element (bf16): packed words in, 16-byte
+// stores out, contiguous across a warp in both directions.
 #include <algorithm>
 #include <cfloat>
 
@@ -100,6 +100,14 @@ __global__ void __launch_bounds__(kQuantBlockAbsmax) quantize_absmax_kernel(Quan
   }
 }
 
+// Consecutive threads take consecutive 4-byte words of packed values (8 values, one 16-byte
+// store in 16 bits), so that both a warp's loads and its stores are contiguous; each thread
+// has kWordsInFlight words' loads (and their absmax lookups) issued before it converts any.
+// H100, 14336 x 4096 bf16 from double-quantized NF4: the previous form, one 16-byte chunk
+// (32 values, four strided 16-byte stores) a thread and no loads in flight, ran at 55% of
+// the copy bandwidth.
+constexpr int kWordsInFlight = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(Dequantize4bitParams p) {
   __shared__ float code4[16];
@@ -107,23 +115,38 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(Dequantize4bi
   quant::load_code4(code4, p.code);
   quant::load_code8(code8, p.absmax);
   __syncthreads();
-  const int64_t chunks = p.numel / 32;  // 16 packed bytes each
+  const int64_t words = p.numel / 8;
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
   T* out = static_cast<T*>(p.out);
-  for (int64_t c = blockIdx.x * int64_t{kThreads} + threadIdx.x; c < chunks; c += int64_t{gridDim.x} * kThreads) {
-    const uint4 bytes = __ldcs(reinterpret_cast<const uint4*>(p.packed) + c);
-    const float absmax = block_absmax(p.absmax, code8, c / 2);
-    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-    constexpr int kPerStore = 16 / sizeof(T);
+  constexpr int64_t kWordsPerBlockStep = int64_t{kThreads} * kWordsInFlight;
+  constexpr int kPerStore = 16 / sizeof(T);
+  for (int64_t first = blockIdx.x * kWordsPerBlockStep + threadIdx.x; first < words;
+       first += int64_t{gridDim.x} * kWordsPerBlockStep) {
+    uint32_t bits[kWordsInFlight];
+    float absmax[kWordsInFlight];
 #pragma unroll
-    for (int s = 0; s < 32 / kPerStore; ++s) {
-      float values[kPerStore];
-#pragma unroll
-      for (int e = 0; e < kPerStore; ++e) {
-        const int element = s * kPerStore + e, byte = element / 2;
-        const uint32_t b = (words[byte / 4] >> (8 * (byte % 4))) & 0xFFu;
-        values[e] = code4[element % 2 == 0 ? b >> 4 : b & 0xFu] * absmax;
+    for (int i = 0; i < kWordsInFlight; ++i) {
+      const int64_t w = first + i * kThreads;
+      if (w < words) {
+        bits[i] = __ldcs(packed + w);
+        absmax[i] = block_absmax(p.absmax, code8, w / (kQuantBlock4bit / 8));
       }
-      store_from_float<T, kPerStore>(out + c * 32 + s * kPerStore, values);
+    }
+#pragma unroll
+    for (int i = 0; i < kWordsInFlight; ++i) {
+      const int64_t w = first + i * kThreads;
+      if (w >= words) break;
+#pragma unroll
+      for (int s = 0; s < 8 / kPerStore; ++s) {
+        float values[kPerStore];
+#pragma unroll
+        for (int e = 0; e < kPerStore; ++e) {
+          const int element = s * kPerStore + e;  // the even element in the byte's high nibble
+          const uint32_t byte = (bits[i] >> (8 * (element / 2))) & 0xFFu;
+          values[e] = code4[element % 2 == 0 ? byte >> 4 : byte & 0xFu] * absmax[i];
+        }
+        store_from_float<T, kPerStore>(out + w * 8 + s * kPerStore, values);
+      }
     }
   }
 }
@@ -201,12 +224,13 @@ void quantize_absmax(const QuantizeAbsmaxParams& p, cudaStream_t stream) {
 void dequantize_4bit(const Dequantize4bitParams& p, cudaStream_t stream) {
   require(p.numel % kQuantBlock4bit == 0, "4-bit dequantization needs a multiple of 64 elements, got " +
                                                std::to_string(p.numel));
-  require(is_aligned(p.packed, 16) && is_aligned(p.out, 16), "4-bit dequantization needs 16-byte aligned tensors");
+  require(is_aligned(p.packed, 4) && is_aligned(p.out, 16),
+          "4-bit dequantization needs a 4-byte aligned packed tensor and a 16-byte aligned output");
   check_absmax(p.absmax);
   if (p.numel == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    dequantize_4bit_kernel<T><<<grid_for(p.numel / 32), kThreads, 0, stream>>>(p);
+    dequantize_4bit_kernel<T><<<grid_for(p.numel / 8, kThreads * kWordsInFlight), kThreads, 0, stream>>>(p);
   });
   check_cuda(cudaGetLastError(), "dequantize_4bit launch");
 }
