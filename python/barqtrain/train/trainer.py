@@ -104,9 +104,15 @@ def build_model(
     torch.manual_seed(config.seed)
     dtype = base_dtype(config, device)
     where = f"on {device}, {str(dtype).removeprefix('torch.')}"
+    quantized = False
     if config.model.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype).to(device)
-        log(f"Model {config.model.path}: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
+        model = load_quantized_base(config, device, dtype, log) if config.method == "qlora" else None
+        quantized = model is not None
+        if quantized:
+            log(f"Model {config.model.path} {where}, streamed from its checkpoint, linear layers quantized on arrival.")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype).to(device)
+            log(f"Model {config.model.path}: {sum(p.numel() for p in model.parameters()):,} parameters {where}.")
     else:
         with torch.device(device):  # created where it trains: a CPU init of 8B parameters takes minutes
             model = AutoModelForCausalLM.from_config(LlamaConfig(**NAMED_MODELS[config.model.name]), dtype=dtype)
@@ -115,7 +121,9 @@ def build_model(
             save_base(model, run_dir / BASE)  # in the dtype trained on, so a merge adds to those weights
     model.config.use_cache = False
     if config.method == "qlora":
-        quantize_base(model, config, log)
+        if not quantized:
+            quantize_base(model, config)
+        log_quantized_base(model, config, log)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.method in ADAPTER_METHODS:
@@ -138,38 +146,67 @@ def build_model(
     return model
 
 
-def quantize_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
-    """QLoRA: every linear layer but the output head to 4 bits or int8 (barqtrain.quant, no
-    bitsandbytes), in place; a layer whose shape the format does not take (in_features not a
-    multiple of 64 for 4 bits, 16 for int8; out_features not a multiple of 8) stays 16-bit,
-    and the log names it."""
-    from barqtrain.quant import quantize_model
-    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE, quantizable
+def load_quantized_base(
+    config: TrainConfig, device: torch.device, dtype: torch.dtype, log: Callable[..., None]
+) -> torch.nn.Module | None:
+    """QLoRA from a model directory: the model streamed from its safetensors shards with each
+    linear weight quantized as it arrives (barqtrain.quant.load_quantized), so that the device
+    never holds the 16-bit model. None, with the reason logged, for a checkpoint it cannot
+    stream (no safetensors, or keys that Transformers renames on load): then the 16-bit model
+    is loaded and quantized."""
+    from barqtrain.quant import load_quantized
 
     qlora = config.qlora
-    multiple = IN_FEATURES_MULTIPLE[qlora.quant_type]
-    shapes = f"in_features a multiple of {multiple}, out_features of {OUT_FEATURES_MULTIPLE}"
-    model_name = config.model.path or config.model.name
+    try:
+        return load_quantized(config.model.path, qlora.quant_type, qlora.double_quant, dtype, device)
+    except (FileNotFoundError, ValueError) as error:
+        log(f"QLoRA: the checkpoint cannot be streamed quantized ({error}); loading it in 16 bits, then quantizing.")
+        return None
+
+
+def quantize_base(model: torch.nn.Module, config: TrainConfig) -> None:
+    """QLoRA: every linear layer but the output head to 4 bits or int8 (barqtrain.quant, no
+    bitsandbytes), in place; a layer whose shape the format does not take stays 16-bit."""
+    from barqtrain.quant import quantize_model
+
+    qlora = config.qlora
+    try:
+        quantize_model(model, qlora.quant_type, qlora.double_quant)
+    except ValueError:
+        raise ConfigError(
+            f"method: qlora: no linear layer of model {config.model.path or config.model.name} can be quantized "
+            f"to {qlora.quant_type} (it needs {_quantizable_shapes(qlora.quant_type)}); use method: lora"
+        ) from None
+
+
+def log_quantized_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
+    """One line: how many linear layers are quantized and how, and which stayed 16-bit (in_features
+    not a multiple of 64 for 4 bits, 16 for int8; out_features not a multiple of 8)."""
+    from barqtrain.quant import Linear4bit, Linear8bit
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE
+
+    qlora = config.qlora
+    quantized = [name for name, module in model.named_modules() if isinstance(module, (Linear4bit, Linear8bit))]
     kept = [
         name for name, module in model.named_modules()
         if type(module) is torch.nn.Linear and not name.endswith("lm_head")
-        and not quantizable(name, module, qlora.quant_type)
     ]
-    try:
-        quantized = quantize_model(model, qlora.quant_type, qlora.double_quant)
-    except ValueError:
-        raise ConfigError(
-            f"method: qlora: no linear layer of model {model_name} can be quantized to {qlora.quant_type} "
-            f"(it needs {shapes}); use method: lora"
-        ) from None
     if qlora.quant_type == "int8":
         line = f"QLoRA: {len(quantized)} linear layers quantized to int8 (an absmax per row)"
     else:
         absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
-        line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {multiple}, {absmax})"
+        block = IN_FEATURES_MULTIPLE[qlora.quant_type]
+        line = f"QLoRA: {len(quantized)} linear layers quantized to {qlora.quant_type} (blocks of {block}, {absmax})"
     if kept:
-        line += f"; {len(kept)} kept in 16 bits (the format needs {shapes}): {', '.join(kept)}"
+        line += f"; {len(kept)} kept in 16 bits (the format needs {_quantizable_shapes(qlora.quant_type)}): "
+        line += ", ".join(kept)
     log(line + ".")
+
+
+def _quantizable_shapes(quant_type: str) -> str:
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE
+
+    return f"in_features a multiple of {IN_FEATURES_MULTIPLE[quant_type]}, out_features of {OUT_FEATURES_MULTIPLE}"
 
 
 def save_base(model: torch.nn.Module, directory: Path) -> None:

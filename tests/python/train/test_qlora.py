@@ -5,6 +5,7 @@ loads on the 16-bit model; export merges it into the 16-bit base."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -138,6 +139,23 @@ def test_qlora_keeps_layers_the_block_does_not_divide_in_16_bits(model_dir, alpa
     [line] = [str(line) for line in lines if str(line).startswith("QLoRA:")]
     assert line.startswith("QLoRA: 2 linear layers quantized to nf4") and "12 kept in 16 bits" in line
     assert "model.layers.0.self_attn.q_proj" in line
+    assert any("streamed from its checkpoint" in str(line) for line in lines)  # never the whole 16-bit model
+
+
+def test_qlora_from_a_checkpoint_it_cannot_stream_loads_it_in_16_bits_and_says_why(model_dir, alpaca_jsonl, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # The bare LlamaModel's checkpoint (keys without "model."): Transformers maps them onto the
+    # causal LM (tied head) on load; streaming takes the checkpoint's keys as they are.
+    bare = tmp_path / "model"
+    AutoModelForCausalLM.from_pretrained(model_dir).model.save_pretrained(bare)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, bare / name)
+    lines = []
+    config = from_template("qlora", bare, alpaca_jsonl, tmp_path / "run", gradient_checkpointing=False)
+    build_model(config, torch.device("cpu"), lines.append)
+    assert any("cannot be streamed quantized" in str(line) for line in lines), lines
+    assert any(str(line).startswith("QLoRA: 2 linear layers quantized to nf4") for line in lines)
 
 
 @pytest.mark.gpu
