@@ -45,15 +45,20 @@ __global__ void __launch_bounds__(128) attention_dot_kernel(const AttentionParam
   if (lane == 0) p.d_o_dot_o[head * p.q_rows + row] = sum;
 }
 
-// Per-row statistics of query rows [i0, i0 + count) into shared memory: lse in the log2
-// domain (+inf past the sequence, so P = 0 there) and D (0 past the sequence).
-__device__ __forceinline__ void load_row_stats(float* lse_s, float* dot_s, const AttentionParams& p,
-                                               const Sequence& seq, int head, int i0, int count) {
-  for (int r = threadIdx.x; r < count; r += blockDim.x) {
-    const int i = i0 + r;
-    const int64_t idx = head * p.q_rows + seq.q_first_row + i;
-    lse_s[r] = i < seq.seqlen_q ? p.lse[idx] * kLog2e : INFINITY;
-    dot_s[r] = i < seq.seqlen_q ? p.d_o_dot_o[idx] : 0.0f;
+// Per-row statistics of query rows [i0, i0 + count) into shared memory, asynchronously (a
+// plain load here would stall its warps a global-memory latency on every step): the natural-
+// log lse and D, both 0 past the sequence. Those rows lie in masked blocks only (P = 0 there).
+__device__ __forceinline__ void load_row_stats_async(float* lse_s, float* dot_s, const AttentionParams& p,
+                                                     const Sequence& seq, int head, int i0, int count) {
+  for (int t = threadIdx.x; t < 2 * count; t += blockDim.x) {
+    const int r = t % count, i = i0 + r;
+    const bool valid = i < seq.seqlen_q;
+    const int64_t idx = head * p.q_rows + seq.q_first_row + (valid ? i : 0);
+    if (t < count) {
+      cp_async_4(lse_s + r, p.lse + idx, valid);
+    } else {
+      cp_async_4(dot_s + r, p.d_o_dot_o + idx, valid);
+    }
   }
 }
 
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
     }
     load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
                                               seq.seqlen_q, p.head_dim);
-    load_row_stats(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, p, seq, head, m0, kBlockM);
+    load_row_stats_async(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, p, seq, head, m0, kBlockM);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = j * 8 + 2 * (lane % 4) + (e % 2);
-        prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse_s[col]));
+        prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse_s[col] * kLog2e));
         if constexpr (kMasked) {
           if (!mask.visible(m0 + col, n0 + key_in_block + 8 * (e / 2))) prob[j][e] = 0.0f;
         }

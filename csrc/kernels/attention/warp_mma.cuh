@@ -26,6 +26,12 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_s
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
                "r"(src_bytes));
 }
+// 4 bytes global -> shared, asynchronously (through L1); src_bytes 0 writes a zero.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
+               "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
