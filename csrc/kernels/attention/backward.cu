@@ -46,11 +46,12 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   const AttentionParams p = attention::normalized(params);
   if (p.batch == 0) return;
   const int64_t items = p.q_rows * p.q_heads;
-  require((items + 3) / 4 <= INT32_MAX, "attention backward: too many query rows");
+  const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
+  require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
     if (items > 0) {
-      attention::attention_dot_kernel<T><<<static_cast<unsigned>((items + 3) / 4), 128, 0, stream>>>(p);
+      attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
       check_cuda(cudaGetLastError(), "attention backward rowsum launch");
     }
     dispatch_head_dim<T>(p, stream);

@@ -19,14 +19,20 @@
 
 namespace barqtrain::kernels::attention {
 
-// One warp per (query row, head): D = sum over head_dim of dO * O, in fp32.
+// Half a warp per (query row, head): D = sum over head_dim of dO * O, in fp32. 16 lanes of
+// 16 bytes cover head_dim 128 in one pass (a whole warp per row left half its lanes idle).
+constexpr int kDotLanesPerRow = 16;
+constexpr int kDotThreads = 128;
+constexpr int kDotRowsPerBlock = kDotThreads / kDotLanesPerRow;
+
 template <typename T>
-__global__ void __launch_bounds__(128) attention_dot_kernel(const AttentionParams p) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (item >= p.q_rows * p.q_heads) return;
-  const int64_t row = item / p.q_heads;
-  const int head = static_cast<int>(item % p.q_heads);
+__global__ void __launch_bounds__(kDotThreads) attention_dot_kernel(const AttentionParams p) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kDotRowsPerBlock + threadIdx.x / kDotLanesPerRow;
+  const int lane = threadIdx.x % kDotLanesPerRow;
+  // No early return: the whole warp takes part in the shuffles below.
+  const bool valid = item < p.q_rows * p.q_heads;
+  const int64_t row = valid ? item / p.q_heads : 0;
+  const int head = valid ? static_cast<int>(item % p.q_heads) : 0;
   // A row of a plain batch is b * seqlen_q + i; packed rows are already token indices.
   const bool packed = p.cu_seqlens_q != nullptr;
   const int64_t b = packed ? 0 : row / p.seqlen_q, i = packed ? row : row % p.seqlen_q;
@@ -34,15 +40,16 @@ __global__ void __launch_bounds__(128) attention_dot_kernel(const AttentionParam
   const T* d_o =
       static_cast<const T*>(p.d_o) + b * p.d_o_strides.batch + i * p.d_o_strides.row + head * p.d_o_strides.head;
   float sum = 0.0f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+  for (int c = lane * 8; valid && c < p.head_dim; c += kDotLanesPerRow * 8) {
     float x[8], y[8];
     load_as_float<T, 8>(o + c, x);
     load_as_float<T, 8>(d_o + c, y);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += x[e] * y[e];
   }
-  sum = warp_sum(sum);
-  if (lane == 0) p.d_o_dot_o[head * p.q_rows + row] = sum;
+#pragma unroll
+  for (int offset = kDotLanesPerRow / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (valid && lane == 0) p.d_o_dot_o[head * p.q_rows + row] = sum;
 }
 
 // Per-row statistics of query rows [i0, i0 + count) into shared memory, asynchronously (a
