@@ -9,8 +9,8 @@
 // each) through mma.sync m16n8k16 with fp32 accumulators. The depth is walked 64 at a time:
 // a 3-stage cp.async pipeline brings the A tile (16-bit, 128 x 64) and the W tile's stored
 // bytes (one slice of 32 consecutive values of one W row per thread: 16 bytes in 4 bits, 32
-// in int8) into shared memory; each thread dequantizes its slice of the next step into one
-// of two padded shared tiles while the mmas read the other. The W tile is kept as W's own rows in both directions:
+// in int8) into shared memory; each step then dequantizes every slice into a padded shared
+// tile that ldmatrix reads. The W tile is kept as W's own rows in both directions:
 //   forward  (C = A · Wᵀ): 128 W rows (output columns) x 64 W columns (depth), ldmatrix
 //   backward (C = A · W) :  64 W rows (depth) x 128 W columns (output columns), ldmatrix.trans
 // so one loader and one dequantizer serve both.
@@ -158,7 +158,7 @@ struct Int8Slices {
 template <typename Slices, QuantGemmOp kOp>
 constexpr size_t smem_bytes() {
   return kStages * (kBM * kAStride * 2 + kThreads * Slices::kSliceBytes) +
-         2 * WTile<kOp>::kRows * WTile<kOp>::kStride * 2 + Slices::kTableFloats * sizeof(float);
+         WTile<kOp>::kRows * WTile<kOp>::kStride * 2 + Slices::kTableFloats * sizeof(float);
 }
 
 // ---------------------------------------------------------------- the kernel
@@ -171,9 +171,8 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
   extern __shared__ __align__(16) unsigned char smem[];
   T* a_stages = reinterpret_cast<T*>(smem);
   uint8_t* w_stages = smem + kStages * kBM * kAStride * 2;
-  constexpr int kTileElems = Tile::kRows * Tile::kStride;
-  T* w_tiles = reinterpret_cast<T*>(w_stages + kStages * kStageBytes);  // two: step s in w_tiles[s % 2]
-  float* tables = reinterpret_cast<float*>(w_tiles + 2 * kTileElems);
+  T* w_tile = reinterpret_cast<T*>(w_stages + kStages * kStageBytes);
+  float* tables = reinterpret_cast<float*>(w_tile + Tile::kRows * Tile::kStride);
 
   const int64_t out_cols = kOp == QuantGemmOp::kForward ? p.n : p.k;
   const int64_t depth = kOp == QuantGemmOp::kForward ? p.k : p.n;
@@ -211,41 +210,33 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
     return Slices::slice_scale(p, tables, slice.row, slice.col);
   };
 
-  // This thread's slice of depth step `step` (its own cp.async bytes: no barrier needed to
-  // read them) into W tile step % 2.
-  T* const slice_dst = w_tiles + (threadIdx.x / Tile::kSlicesPerRow) * Tile::kStride +
-                       (threadIdx.x % Tile::kSlicesPerRow) * kSliceValues;
-  auto dequantize_step = [&](int step, float scale) {
-    Slices::dequantize(w_stages + (step % kStages) * kStageBytes + threadIdx.x * Slices::kSliceBytes, scale, tables,
-                       slice_dst + (step % 2) * kTileElems);
-  };
-
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < steps) load_step(s, s);
     cp_async_commit();
   }
   __syncthreads();  // lookup tables visible
-  cp_async_wait<kStages - 2>();  // step 0 landed (this thread's copies)
-  dequantize_step(0, slice_scale(0));
-  float scale = steps > 1 ? slice_scale(1) : 0.0f;
+  float scale = slice_scale(0);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = (warp / 4) * kWarpM, warp_col = (warp % 4) * kWarpN;
   float acc[kMTiles][kNTiles][4] = {};
 
-  // One barrier a step: each thread dequantizes its slice of step + 1 into the other W tile
-  // right after its own mmas of step, so warps drift apart and one warp's conversion runs
-  // beside another's tensor-core work (two barriers a step, before: 3.1x cuBLAS on an H100).
   for (int step = 0; step < steps; ++step) {
-    // Step's A tile (every thread's copies, waited for one step ago) and W tile are complete;
-    // every warp is done with step - 1: its stage and its W tile may be overwritten.
-    __syncthreads();
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // step's tiles landed; every warp is done with the previous W tile and stage
     const int next = step + kStages - 1;
     if (next < steps) load_step(next, next % kStages);
     cp_async_commit();
+    const float next_scale = step + 1 < steps ? slice_scale(step + 1) : 0.0f;
 
-    const T* w_tile = w_tiles + (step % 2) * kTileElems;
+    T* dst = w_tile + (threadIdx.x / Tile::kSlicesPerRow) * Tile::kStride +
+             (threadIdx.x % Tile::kSlicesPerRow) * kSliceValues;
+    Slices::dequantize(w_stages + (step % kStages) * kStageBytes + threadIdx.x * Slices::kSliceBytes, scale, tables,
+                       dst);
+    scale = next_scale;
+    __syncthreads();  // the W tile is complete
+
     const T* a_tile = a_stages + (step % kStages) * kBM * kAStride;
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -276,12 +267,6 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) mma_16816<T>(acc[mt][nt], a_frag[mt], b_frag[nt][0], b_frag[nt][1]);
       }
-    }
-
-    cp_async_wait<kStages - 2>();  // step + 1 landed (this thread's copies), most likely during the mmas
-    if (step + 1 < steps) {
-      dequantize_step(step + 1, scale);
-      scale = step + 2 < steps ? slice_scale(step + 2) : 0.0f;
     }
   }
   cp_async_wait<0>();
