@@ -17,7 +17,13 @@ from peft import LoraConfig, PeftModel
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import assert_grads_no_worse_than_hf, plain_batch, tiny_model  # noqa: E402
+from tiny_models import (  # noqa: E402
+    assert_grads_no_worse_than_hf,
+    memorized_batch,
+    plain_batch,
+    tiny_model,
+    train_losses,
+)
 
 ATTENTION_ONLY = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -190,21 +196,6 @@ def test_unpatch_gives_the_lora_layers_peft_forward_back():
     assert not any("forward" in vars(m) for m in layers)
 
 
-def train_losses(model: nn.Module, steps: int, device: str = "cpu") -> list[float]:
-    """AdamW on one batch of random tokens, which the model learns by heart. At a learning
-    rate of 1e-2 the trajectory turns chaotic: PEFT's own float32 losses then leave its
-    float64 ones by 1e-3 (BarqTrain's by less), so no two float32 runs could match."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(4)).to(device)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
 
 def assert_same_training(dtype: torch.dtype, device: str, tolerance: float) -> None:
     config = lora_config(lora_dropout=0.1)
@@ -212,10 +203,12 @@ def assert_same_training(dtype: torch.dtype, device: str, tolerance: float) -> N
     model = copy.deepcopy(reference)
     report = patch_model(model)
     assert report.patched_count("lora") == 14
+    # At a learning rate of 1e-2 the trajectory turns chaotic: PEFT's own float32 losses then
+    # leave its float64 ones by 1e-3 (BarqTrain's by less), so no two float32 runs could match.
     torch.manual_seed(5)  # the dropout masks: drawn alike by PEFT and BarqTrain
-    expected = train_losses(reference, 50, device)
+    expected = train_losses(reference, memorized_batch(device), 50, lr=3e-3)
     torch.manual_seed(5)
-    losses = train_losses(model, 50, device)
+    losses = train_losses(model, memorized_batch(device), 50, lr=3e-3)
     assert expected[-1] < 0.9 * expected[0]  # it learns
     for step, (loss, want) in enumerate(zip(losses, expected, strict=True)):
         assert abs(loss - want) <= tolerance * abs(want), f"step {step}: {loss} vs PEFT's {want}"

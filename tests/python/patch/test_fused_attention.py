@@ -35,6 +35,7 @@ from tiny_models import (
     patch_everything,
     plain_batch,
     tiny_model,
+    train_losses,
 )
 from torch import nn
 
@@ -318,18 +319,6 @@ def test_class_level_patching_with_the_attention_op() -> None:
         "MistralAttention.forward"
     )
 
-
-def train_losses(model: nn.Module, batch: Batch, steps: int) -> list[float]:
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def lora_model_with_checkpointing(family: str, ops: tuple[str, ...] | None, device: str = "cpu") -> nn.Module:

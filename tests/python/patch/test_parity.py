@@ -34,6 +34,7 @@ from tiny_models import (
     patch_everything,
     plain_batch,
     tiny_model,
+    train_losses,
 )
 from torch import nn
 
@@ -149,19 +150,6 @@ def test_phi3_residual_dropout_draws_the_same_masks() -> None:
     assert_grads_close(grads, expected_grads, torch.float32)
 
 
-def train_losses(model: nn.Module, steps: int) -> list[float]:
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    batch = plain_batch()  # the same one each step, so that the loss must fall
-    losses = []
-    for _ in range(steps):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
 
 def full_fine_tuning(family: str) -> nn.Module:
     model = tiny_model(family)
@@ -179,12 +167,12 @@ def lora_fine_tuning(family: str) -> nn.Module:
 @pytest.mark.parametrize("make_model", [full_fine_tuning, lora_fine_tuning], ids=["full", "lora"])
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2"])
 def test_training_with_gradient_checkpointing_matches(family: str, make_model: Callable[[str], nn.Module]) -> None:
-    expected = train_losses(make_model(family), steps=4)
+    expected = train_losses(make_model(family), plain_batch(), steps=4)
     model = make_model(family)
     assert model.is_gradient_checkpointing
     patch_everything(model)
 
-    losses = train_losses(model, steps=4)
+    losses = train_losses(model, plain_batch(), steps=4)
 
     assert losses[-1] < losses[0]
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)

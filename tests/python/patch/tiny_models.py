@@ -160,6 +160,26 @@ def padded_batch(device: str = "cpu") -> Batch:
 BATCHES: dict[str, Callable[[str], Batch]] = {"plain": plain_batch, "packed": packed_batch, "padded": padded_batch}
 
 
+def memorized_batch(device: str = "cpu") -> Batch:
+    """Two rows of 16 random tokens: a batch a tiny model learns by heart in a few dozen steps."""
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(4)).to(device)
+    return dict(input_ids=ids, labels=ids)
+
+
+def train_losses(model: nn.Module, batch: Batch, steps: int, lr: float = 1e-3) -> list[float]:
+    """The losses of `steps` AdamW steps on the same batch (so that the loss must fall)."""
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def logits_and_grads(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     output = model(**batch)

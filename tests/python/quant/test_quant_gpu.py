@@ -19,7 +19,7 @@ from barqtrain.patch import patch_model
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import tiny_model
+from tiny_models import memorized_batch, tiny_model, train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -111,18 +111,6 @@ def bnb_quantized_tiny_llama(bnb):
     return model.cuda()
 
 
-def train_losses(model, steps=50):
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(4)).cuda()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
 
 def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
     config = peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear",
@@ -131,7 +119,7 @@ def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
     model = copy.deepcopy(reference)
     report = patch_model(model)
     assert report.patched_count("lora") == 14, str(report)
-    expected, losses = train_losses(reference), train_losses(model)
+    expected, losses = (train_losses(m, memorized_batch("cuda"), 50, lr=3e-3) for m in (reference, model))
     assert expected[-1] < 0.9 * expected[0], "bitsandbytes + PEFT did not learn"
     for step, (loss, want) in enumerate(zip(losses, expected, strict=True)):
         assert abs(loss - want) <= 1e-2 * abs(want), f"step {step}: barqtrain {loss} vs bitsandbytes+PEFT {want}"
@@ -143,7 +131,7 @@ def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing(quant_type)
     quant.quantize_model(model, quant_type)
     model = barqtrain.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    losses = train_losses(model)
+    losses = train_losses(model, memorized_batch("cuda"), 50, lr=3e-3)
     assert losses[-1] < 0.9 * losses[0]
 
 
