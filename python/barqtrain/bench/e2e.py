@@ -29,7 +29,7 @@ from barqtrain.bench.report import (
 )
 
 BASELINES = ("hf", "liger")
-DEFAULT_STEPS = 15  # with DEFAULT_WARMUP: both models x 5 variants in about 7 minutes on an H100
+DEFAULT_STEPS = 15
 DEFAULT_WARMUP = 3
 SEED = 0
 # A variant that hangs must not stall the others; the 8B HF variant needs well under this.
