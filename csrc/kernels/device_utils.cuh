@@ -96,37 +96,30 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` is 32 floats of shared
-// memory. One barrier per call: a caller that reduces repeatedly must rotate among at least
-// two scratch rows, so that no warp overwrites a row another warp may still be reading
-// (between two uses of a row every warp passes the barrier of the reduction in between).
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// kN sums over the block for the price of one barrier; every thread gets the results.
+// `scratch` is 32 * kN floats of shared memory. A caller that reduces repeatedly must
+// rotate among at least two scratch areas, so that no warp overwrites one another warp may
+// still be reading (between two uses of an area every warp passes the barrier of the
+// reduction in between).
+template <int kN>
+__device__ __forceinline__ void block_sums(float (&values)[kN], float* scratch) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int num_warps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < num_warps ? scratch[lane] : 0.0f;
-  return warp_sum(v);
-}
-
-// Two sums over the block for the price of one barrier; `scratch` is 64 floats, rotated
-// as for block_sum.
-__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int num_warps = (blockDim.x + 31) >> 5;
-  a = warp_sum(a);
-  b = warp_sum(b);
-  if (lane == 0) {
-    scratch[warp] = a;
-    scratch[32 + warp] = b;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    values[i] = warp_sum(values[i]);
+    if (lane == 0) scratch[32 * i + warp] = values[i];
   }
   __syncthreads();
-  a = lane < num_warps ? scratch[lane] : 0.0f;
-  b = lane < num_warps ? scratch[32 + lane] : 0.0f;
-  return make_float2(warp_sum(a), warp_sum(b));
+#pragma unroll
+  for (int i = 0; i < kN; ++i) values[i] = warp_sum(lane < num_warps ? scratch[32 * i + lane] : 0.0f);
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  float values[1] = {v};
+  block_sums<1>(values, scratch);
+  return values[0];
 }
 
 // ------------------------------------------------------------------ dispatch

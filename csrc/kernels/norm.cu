@@ -5,9 +5,10 @@
 // bound and the whole game is moving each byte once with wide accesses. A block owns one
 // row at a time and keeps it in registers (kVecsPerThread 16-byte vectors per thread), so
 // the reductions and the normalization need no second pass over memory. The backward runs
-// a persistent grid: each block walks many rows, accumulates its share of dweight/dbias in
-// shared memory (registers for rows too wide for it), and writes one fp32 partial per block; a small second kernel sums the
-// partials in a fixed order (deterministic, no atomics). The residual add and LayerNorm
+// a persistent grid: each block walks many rows (two at a time where registers allow),
+// accumulates its share of dweight/dbias in shared memory (registers for rows too wide for
+// it), and writes one fp32 partial per block; a small second kernel sums the partials in a
+// fixed order (deterministic, no atomics). The residual add and LayerNorm
 // are compile-time switches of the same kernels, so each variant pays only for itself.
 //
 // Bytes at 16384 x 4096 bf16 (RMSNorm): forward reads x, writes y (256 MiB); backward
@@ -187,17 +188,30 @@ struct ColumnSums<kVec, kVecsPerThread, true> {
   }
 };
 
+// A block walks kRows rows at a time: one barrier serves them all and their loads are in
+// flight together. Two rows pay where a row is one 16-byte vector a thread (RMSNorm 4096:
+// backward 84% -> 91% of the copy ceiling on an H100, two 512-thread blocks an SM);
+// LayerNorm's second column sum leaves no registers for a second row (its two-row forms
+// measured slower). The register caps keep the residency each form was measured best at:
+// RMSNorm two blocks an SM at one or two vectors a thread, LayerNorm three at one.
+template <int kVecsPerThread, bool kLayerNorm>
+constexpr int kBackwardRows = (kVecsPerThread == 1 && !kLayerNorm) ? 2 : 1;
+template <int kVecsPerThread, bool kLayerNorm>
+constexpr int kBackwardMinBlocks = kLayerNorm ? (kVecsPerThread == 1 ? 3 : 1) : (kVecsPerThread <= 2 ? 2 : 1);
+
 template <typename T, int kVec, int kVecsPerThread, bool kLayerNorm, bool kResidualGrad, bool kSharedSums>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kBackwardMinBlocks<kVecsPerThread, kLayerNorm>)
 norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
-  __shared__ float scratch[2][64];  // one paired reduction a row, two rows in rotation
-  extern __shared__ float4 shared_sums[];  // LayerNorm's dweight then dbias sums, if kSharedSums
+  constexpr int kRows = kBackwardRows<kVecsPerThread, kLayerNorm>;
+  constexpr int kSums = kLayerNorm ? 2 * kRows : kRows;  // per row: sum(g * xhat), and sum(g) for LayerNorm
+  __shared__ float scratch[2][32 * kSums];                // one reduction a step, two steps in rotation
+  extern __shared__ float4 shared_sums[];                 // LayerNorm's dweight then dbias sums, if kSharedSums
   const int num_vecs = static_cast<int>(p.hidden / kVec);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const T* weight = static_cast<const T*>(p.weight);
 
   // The weight is re-read for every row (an L1 hit) rather than held: registers go to the
-  // row and the accumulators, which is what keeps wide rows spill-free.
+  // rows and the accumulators, which is what keeps wide rows spill-free.
   float* shared_base = reinterpret_cast<float*>(shared_sums);
   const int shared_columns = static_cast<int>(blockDim.x) * kVecsPerThread * kVec;
   ColumnSums<kVec, kVecsPerThread, kSharedSums> dweight_sums(shared_base);
@@ -205,59 +219,66 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
                                                                                           shared_columns);
 
   int parity = 0;
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
-    const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
-    const float rstd = p.rstd[row];
-    const float mean = kLayerNorm ? p.mean[row] : 0.0f;
-
-    float rg[kVecsPerThread][kVec], rxhat[kVecsPerThread][kVec];
-    float dot = 0.0f, sum_g = 0.0f;  // sum(g * xhat), sum(g)
+  for (int64_t first_row = int64_t{blockIdx.x} * kRows; first_row < p.rows;
+       first_row += int64_t{gridDim.x} * kRows, parity ^= 1) {
+    const int rows = static_cast<int>(p.rows - first_row < kRows ? p.rows - first_row : kRows);
+    float rstd[kRows], mean[kRows];
+    float rg[kRows][kVecsPerThread][kVec], rxhat[kRows][kVecsPerThread][kVec];
+    float sums[kSums] = {};  // sum(g * xhat) of each row, then LayerNorm's sum(g) of each row
 #pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      const int v = vec_index<kVec>(i, num_vecs);
-      if (v < 0) continue;
-      float rw[kVec], dweight_row[kVec];
-      load_as_float<T, kVec>(dy + v * kVec, rg[i]);
-      load_as_float<T, kVec>(x + v * kVec, rxhat[i]);
-      load_as_float<T, kVec>(weight + v * kVec, rw);
-      if constexpr (kLayerNorm) dbias_sums.add(i, v, rg[i]);
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) continue;
+      const int64_t row = first_row + r;
+      const T* dy = static_cast<const T*>(p.dy) + row * p.dy_row_stride;
+      const T* x = static_cast<const T*>(p.x) + row * p.x_row_stride;
+      rstd[r] = p.rstd[row];
+      mean[r] = kLayerNorm ? p.mean[row] : 0.0f;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        rxhat[i][e] = (rxhat[i][e] - mean) * rstd;
-        dweight_row[e] = rg[i][e] * rxhat[i][e];
-        rg[i][e] *= p.weight_offset + rw[e];  // dy -> g
-        dot += rg[i][e] * rxhat[i][e];
-        sum_g += rg[i][e];
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int v = vec_index<kVec>(i, num_vecs);
+        if (v < 0) continue;
+        float rw[kVec], dweight_row[kVec];
+        load_as_float<T, kVec>(dy + v * kVec, rg[r][i]);
+        load_as_float<T, kVec>(x + v * kVec, rxhat[r][i]);
+        load_as_float<T, kVec>(weight + v * kVec, rw);
+        if constexpr (kLayerNorm) dbias_sums.add(i, v, rg[r][i]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          rxhat[r][i][e] = (rxhat[r][i][e] - mean[r]) * rstd[r];
+          dweight_row[e] = rg[r][i][e] * rxhat[r][i][e];
+          rg[r][i][e] *= p.weight_offset + rw[e];  // dy -> g
+          sums[r] += rg[r][i][e] * rxhat[r][i][e];
+          if constexpr (kLayerNorm) sums[kRows + r] += rg[r][i][e];
+        }
+        dweight_sums.add(i, v, dweight_row);
       }
-      dweight_sums.add(i, v, dweight_row);
     }
-    float mean_dot, mean_g = 0.0f;
-    if constexpr (kLayerNorm) {
-      const float2 sums = block_sum2(dot, sum_g, scratch[parity]);
-      mean_dot = sums.x * inv_hidden;
-      mean_g = sums.y * inv_hidden;
-    } else {
-      mean_dot = block_sum(dot, scratch[parity]) * inv_hidden;
-    }
+    block_sums<kSums>(sums, scratch[parity]);
 
-    T* dx = static_cast<T*>(p.dx) + row * p.dx_row_stride;
 #pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      const int v = vec_index<kVec>(i, num_vecs);
-      if (v < 0) continue;
-      float out[kVec], rd[kVec];
-      if constexpr (kResidualGrad) {
-        load_as_float<T, kVec>(static_cast<const T*>(p.d_residual_out) + row * p.d_residual_out_row_stride +
-                                   v * kVec,
-                               rd);
-      }
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) continue;
+      const int64_t row = first_row + r;
+      const float mean_dot = sums[r] * inv_hidden;
+      const float mean_g = kLayerNorm ? sums[kRows + r] * inv_hidden : 0.0f;
+      T* dx = static_cast<T*>(p.dx) + row * p.dx_row_stride;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        out[e] = rstd * (rg[i][e] - rxhat[i][e] * mean_dot - mean_g);
-        if constexpr (kResidualGrad) out[e] += rd[e];
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int v = vec_index<kVec>(i, num_vecs);
+        if (v < 0) continue;
+        float out[kVec], rd[kVec];
+        if constexpr (kResidualGrad) {
+          load_as_float<T, kVec>(static_cast<const T*>(p.d_residual_out) + row * p.d_residual_out_row_stride +
+                                     v * kVec,
+                                 rd);
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          out[e] = rstd[r] * (rg[r][i][e] - rxhat[r][i][e] * mean_dot - mean_g);
+          if constexpr (kResidualGrad) out[e] += rd[e];
+        }
+        store_from_float<T, kVec>(dx + v * kVec, out);
       }
-      store_from_float<T, kVec>(dx + v * kVec, out);
     }
   }
 
@@ -346,49 +367,57 @@ RowTiling backward_tiling(const NormBackwardParams& p) {
   return choose_tiling(p.hidden, vectorizable, p.dtype);
 }
 
-// Column sums live in shared memory up to this size a block (three resident blocks still
-// fit in an SM's 228 KiB), in registers beyond it.
-constexpr size_t kMaxSharedSumsBytes = 64 * 1024;
-
 using NormBackwardKernel = void (*)(NormBackwardParams, float*, float*);
 
-// Calls f(kernel, tiling, shared_bytes) with the backward kernel for p and its launch shape.
-template <typename F>
-void with_backward_kernel(const NormBackwardParams& p, F&& f) {
+// The backward kernel for p and how to launch it.
+struct BackwardLaunch {
+  NormBackwardKernel kernel;
+  RowTiling tiling;
+  size_t shared_bytes;
+  int rows_per_step;  // rows a block takes at a time
+};
+
+BackwardLaunch backward_launch(const NormBackwardParams& p) {
   const RowTiling tiling = backward_tiling(p);
-  // H200, 16384 rows bf16, backward: RMSNorm 8192 0.344 ms with register sums (1 block per SM),
-  // 0.239 with shared sums (2 blocks; measured with the earlier row-major layout); RMSNorm 4096
-  // 0.117 either way (3 blocks); LayerNorm 4096 0.151 with these conflict-free shared sums
-  // (0.173 row-major; its register form was measured on an H100 only).
+  // H100, 16384 rows bf16, backward as % of the copy ceiling: RMSNorm 2048 88%, 4096 91%
+  // (two rows a step; 77% and 84% a row at a time), 8192 91%; LayerNorm 4096 78%, 8192 69%.
+  // Shared sums keep a block an SM that register sums cost (RMSNorm 8192 on an H200: 0.239
+  // vs 0.344 ms), and their [word][slot] layout is conflict-free (row-major: 0.173 vs 0.151 ms
+  // for LayerNorm 4096 on an H200).
   const size_t shared_bytes = size_t{p.kind == NormKind::kLayerNorm ? 2u : 1u} * tiling.threads *
                               tiling.vecs_per_thread * tiling.vec * sizeof(float);
-  const bool shared_sums = shared_bytes <= kMaxSharedSumsBytes;
+  BackwardLaunch launch{nullptr, tiling, 0, 1};
   dispatch_norm(p.dtype, tiling, p.kind, p.d_residual_out != nullptr,
                 [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
                   using T = decltype(type_tag);
-                  if constexpr (decltype(vpt)::value <= 2) {  // wider rows never fit: no instantiation for them
-                    if (shared_sums) {
-                      NormBackwardKernel kernel = norm_backward_kernel<T, vec, vpt, layer_norm, fused, true>;
-                      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      static_cast<int>(shared_bytes)),
-                                 "norm_backward shared memory");
-                      f(kernel, tiling, shared_bytes);
-                      return;
-                    }
+                  constexpr int kVecsPerThread = decltype(vpt)::value;
+                  launch.rows_per_step = kBackwardRows<kVecsPerThread, decltype(layer_norm)::value>;
+                  // Up to two vectors a thread the sums take at most 64 KiB (two sums of 512
+                  // threads x 16 floats), and three blocks still fit an SM: they live in shared
+                  // memory. Wider rows keep them in registers.
+                  if constexpr (kVecsPerThread <= 2) {
+                    launch.kernel = norm_backward_kernel<T, vec, vpt, layer_norm, fused, true>;
+                    launch.shared_bytes = shared_bytes;
+                    check_cuda(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(shared_bytes)),
+                               "norm_backward shared memory");
+                  } else {
+                    launch.kernel = norm_backward_kernel<T, vec, vpt, layer_norm, fused, false>;
                   }
-                  f(NormBackwardKernel{norm_backward_kernel<T, vec, vpt, layer_norm, fused, false>}, tiling, size_t{0});
                 });
+  return launch;
 }
 
-// Persistent grid of the backward: as many blocks as fit on the device at once.
-int backward_blocks(const NormBackwardParams& p, int device) {
+// Persistent grid of the backward: as many blocks as fit on the device at once, at most one
+// for each step of rows.
+int backward_blocks(const NormBackwardParams& p, const BackwardLaunch& launch, int device) {
   int blocks_per_sm = 0;
-  with_backward_kernel(p, [&](NormBackwardKernel kernel, const RowTiling& tiling, size_t shared_bytes) {
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, tiling.threads, shared_bytes),
-               "occupancy query");
-  });
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, launch.kernel, launch.tiling.threads,
+                                                           launch.shared_bytes),
+             "occupancy query");
   const int64_t blocks = int64_t{std::max(blocks_per_sm, 1)} * device_multiprocessors(device);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, p.rows)));
+  const int64_t steps = (p.rows + launch.rows_per_step - 1) / launch.rows_per_step;
+  return static_cast<int>(std::max<int64_t>(1, std::min(blocks, steps)));
 }
 
 int partial_buffers(const NormBackwardParams& p) {
@@ -433,7 +462,8 @@ void norm_forward(const NormForwardParams& p, cudaStream_t stream) {
 size_t norm_backward_workspace_bytes(const NormBackwardParams& p, int device) {
   check_common(p.rows, p.hidden);
   if (partial_buffers(p) == 0 || p.rows == 0) return 0;
-  return static_cast<size_t>(partial_buffers(p)) * backward_blocks(p, device) * p.hidden * sizeof(float);
+  return static_cast<size_t>(partial_buffers(p)) * backward_blocks(p, backward_launch(p), device) * p.hidden *
+         sizeof(float);
 }
 
 void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -453,7 +483,8 @@ void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspac
   }
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const int blocks = backward_blocks(p, device);
+  const BackwardLaunch launch = backward_launch(p);
+  const int blocks = backward_blocks(p, launch, device);
   const size_t partial_floats = static_cast<size_t>(blocks) * p.hidden;
   const size_t needed = partial_buffers(p) * partial_floats * sizeof(float);
   require(needed == 0 || (workspace != nullptr && workspace_bytes >= needed),
@@ -463,10 +494,8 @@ void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspac
   float* dbias_partials = has_dbias ? static_cast<float*>(workspace) + (p.dweight != nullptr ? partial_floats : 0)
                                     : nullptr;
 
-  with_backward_kernel(p, [&](NormBackwardKernel kernel, const RowTiling& tiling, size_t shared_bytes) {
-    kernel<<<blocks, tiling.threads, shared_bytes, stream>>>(p, dweight_partials, dbias_partials);
-    check_cuda(cudaGetLastError(), "norm_backward launch");
-  });
+  launch.kernel<<<blocks, launch.tiling.threads, launch.shared_bytes, stream>>>(p, dweight_partials, dbias_partials);
+  check_cuda(cudaGetLastError(), "norm_backward launch");
   dispatch_dtype(p.dtype, [&](auto type_tag) {
     using T = decltype(type_tag);
     const dim3 block(kReduceCols, kReduceRows);
