@@ -16,7 +16,10 @@
 //     (wgmma, both operands from shared memory), the online softmax in registers (running
 //     row max and sum in the log2 domain, O rescaled when the max grows), P rounded to
 //     16 bits in registers, then O += P V (wgmma with P from registers and V, stored
-//     [keys, head_dim], read as a head_dim-major B operand).
+//     [keys, head_dim], read as a head_dim-major B operand). Inside a warpgroup, S of a
+//     block is issued together with the previous block's P V and the softmax waits for S
+//     alone, so P V runs under the softmax (FlashAttention-3's intra-warpgroup overlap);
+//     the two consumer warpgroups also interleave freely.
 // Key blocks run from the last to the first, as in the sm_80 kernel, so that the blocks
 // needing per-element masks (sequence end, causal diagonal) come first. O and the fp32 LSE
 // are written exactly as the sm_80 forward writes them, so its backward reads them.
@@ -28,10 +31,9 @@
 // q and k). Everything else (RoPE, softcap, sliding window, other head dims) runs on the
 // sm_80 kernel; see hopper_forward_unsupported_reason.
 //
-// Not yet here (FlashAttention-3 ideas for the next steps, measured first): overlapping the
-// softmax of one block with the GEMMs of the next inside a warpgroup, ping-pong scheduling
-// of the two consumer warpgroups with named barriers, a persistent grid with a tile
-// scheduler, and the epilogue through TMA stores.
+// Not yet here (FlashAttention-3 ideas for the next steps, measured first): ping-pong
+// scheduling of the two consumer warpgroups with named barriers, a persistent grid with a
+// tile scheduler, and the epilogue through TMA stores.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -144,26 +146,6 @@ __device__ __forceinline__ auto rows_by_columns(Layout layout) {
   static_assert(decltype(rank<0>(layout))::value == 3, "expects a wgmma accumulator layout");
   return make_layout(make_layout(get<0, 1>(layout), get<1>(layout)),
                      make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
-}
-
-// One warpgroup-wide GEMM, accumulating into acc (zeroing it first when asked), waited on
-// before return: the softmax needs S, and the next block's rescale needs O. With A in
-// registers (P), A is fenced too, so that its conversion is complete before the wgmma reads it.
-template <bool kZeroFirst, bool kAInRegisters, typename Mma, typename FragA, typename FragB, typename FragC>
-__device__ __forceinline__ void warpgroup_gemm(Mma& mma, FragA& a, const FragB& b, FragC& acc) {
-  if constexpr (kAInRegisters) warpgroup_fence_operand(a);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  if constexpr (kZeroFirst) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  if constexpr (kAInRegisters) warpgroup_fence_operand(a);
 }
 
 // Barrier among the consumer threads only (the producer warpgroup is elsewhere): id 1,
@@ -280,16 +262,33 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   using cutlass::arch::ClusterBarrier;
   ClusterBarrier::wait(&smem.q_full, 0);
 
-  auto process_block = [&](int n_block, int iteration, auto masked_tag) {
+  // S = Q K^T of one key block, issued and left in flight.
+  auto issue_scores = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // O += P V of one key block, issued and left in flight; P is fenced so that its
+  // conversion is complete before the wgmma reads the registers.
+  auto issue_output = [&](int stage) {
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) cute::gemm(mma_pv, tOrP(_, _, kb), tOrVt(_, _, kb, stage), tOrO);
+    warpgroup_commit_batch();
+  };
+  // The online softmax of the scores in tSrS (key block at n0): masks them (kMasked),
+  // updates the row maxima and sums, turns the scores into probabilities, and leaves in
+  // rescale the factor by which O (accumulated against the old maxima) must be scaled.
+  auto softmax = [&](int n0, float* rescale, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
-    const int stage = iteration % kStages;
-    const uint32_t full_parity = (iteration / kStages) & 1;
-    const int n0 = n_block * kBlockN;
-
-    ClusterBarrier::wait(&smem.k_full[stage], full_parity);
-    warpgroup_gemm</*kZeroFirst=*/true, /*kAInRegisters=*/false>(mma_qk, tSrQ, tSrK(_, _, _, stage), tSrS);
-    ClusterBarrier::arrive(&smem.k_empty[stage]);
-
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float block_max = -INFINITY;
@@ -308,33 +307,75 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
       // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
       // exp2(-inf - (-inf)) never makes a NaN.
       const float base = new_max == -INFINITY ? 0.0f : new_max * multiplier;
-      const float rescale = exp2_ftz(row_max[r] * multiplier - base);
+      rescale[r] = exp2_ftz(row_max[r] * multiplier - base);
       row_max[r] = new_max;
-      row_sum[r] *= rescale;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(out); ++c) out(r, c) *= rescale;
+      row_sum[r] *= rescale[r];
       CUTE_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
         scores(r, c) = exp2_ftz(fmaf(scores(r, c), multiplier, -base));
         row_sum[r] += scores(r, c);
       }
     }
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<T>(tSrS(i));
-
-    ClusterBarrier::wait(&smem.v_full[stage], full_parity);
-    warpgroup_gemm</*kZeroFirst=*/false, /*kAInRegisters=*/true>(mma_pv, tOrP, tOrVt(_, _, _, stage), tOrO);
-    ClusterBarrier::arrive(&smem.v_empty[stage]);
   };
-
-  int iteration = 0;
-  for (int n_block = end_block - 1; n_block >= first_block; --n_block, ++iteration) {
+  auto softmax_of_block = [&](int n_block, float* rescale) {
     const int n0 = n_block * kBlockN;
     if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
-      process_block(n_block, iteration, cute::false_type{});
+      softmax(n0, rescale, cute::false_type{});
     } else {
-      process_block(n_block, iteration, cute::true_type{});
+      softmax(n0, rescale, cute::true_type{});
     }
+  };
+  auto rescale_output = [&](const float* rescale) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(out); ++c) out(r, c) *= rescale[r];
+    }
+  };
+  auto convert_probabilities = [&] {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<T>(tSrS(i));
+  };
+  auto full_parity = [](int iteration) { return static_cast<uint32_t>((iteration / kStages) & 1); };
+
+  // Within a warpgroup, the softmax of key block n overlaps two GEMMs on the tensor cores:
+  // S of block n is issued together with O += P V of block n + 1 (the previous one), and
+  // only S is waited for before the softmax. O's rescale waits for P V. The other consumer
+  // warpgroup interleaves on its own.
+  int iteration = 0;
+  if (first_block < end_block) {
+    float rescale[kRows];
+    ClusterBarrier::wait(&smem.k_full[0], 0);
+    issue_scores(0);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    ClusterBarrier::arrive(&smem.k_empty[0]);
+    softmax_of_block(end_block - 1, rescale);  // O is still zero: nothing to rescale
+    convert_probabilities();
+    for (iteration = 1; end_block - 1 - iteration >= first_block; ++iteration) {
+      const int stage = iteration % kStages, previous = (iteration - 1) % kStages;
+      ClusterBarrier::wait(&smem.k_full[stage], full_parity(iteration));
+      issue_scores(stage);
+      ClusterBarrier::wait(&smem.v_full[previous], full_parity(iteration - 1));
+      issue_output(previous);
+      warpgroup_wait<1>();  // wgmma groups retire in order: S has landed, P V may still run
+      warpgroup_fence_operand(tSrS);
+      ClusterBarrier::arrive(&smem.k_empty[stage]);
+      softmax_of_block(end_block - 1 - iteration, rescale);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      ClusterBarrier::arrive(&smem.v_empty[previous]);
+      rescale_output(rescale);
+      convert_probabilities();
+    }
+    const int last = (iteration - 1) % kStages;
+    ClusterBarrier::wait(&smem.v_full[last], full_parity(iteration - 1));
+    issue_output(last);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    ClusterBarrier::arrive(&smem.v_empty[last]);
   }
 
   // Epilogue: normalize, write the lse, stage O as T in shared memory, store whole rows.
