@@ -142,7 +142,7 @@ struct ForwardKernelParams {
 // An accumulator fragment ((column pair, row half, column chunk), M tiles, N tiles) viewed
 // as (rows, columns) of this thread: two rows per 64-row warpgroup tile, as in mma.sync.
 template <typename Layout>
-__device__ __forceinline__ auto rows_by_columns(Layout layout) {
+CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
   static_assert(decltype(rank<0>(layout))::value == 3, "expects a wgmma accumulator layout");
   return make_layout(make_layout(get<0, 1>(layout), get<1>(layout)),
                      make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
