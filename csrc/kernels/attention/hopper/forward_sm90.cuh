@@ -41,6 +41,7 @@
 #include <cute/atom/mma_atom.hpp>   // with the SM90 GMMA traits
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
 #include "kernels/attention/masking.cuh"
@@ -325,16 +326,24 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
       softmax(n0, rescale, cute::true_type{});
     }
   };
+  // Once the row maxima settle most blocks leave them unchanged: skip the rescale of O
+  // when no row of the warp needs it (warp-uniform, so no divergence).
   auto rescale_output = [&](const float* rescale) {
+    bool any_row_moved = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) any_row_moved |= rescale[r] != 1.0f;
+    if (!__any_sync(0xffffffffu, any_row_moved)) return;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < size<1>(out); ++c) out(r, c) *= rescale[r];
     }
   };
+  // The whole fragment at once, so that pairs go through the packed two-value conversion.
+  using ProbabilityConverter = cutlass::NumericArrayConverter<T, float, decltype(size(tSrS))::value>;
   auto convert_probabilities = [&] {
-    CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<T>(tSrS(i));
+    *reinterpret_cast<typename ProbabilityConverter::result_type*>(tOrP.data()) =
+        ProbabilityConverter::convert(*reinterpret_cast<const typename ProbabilityConverter::source_type*>(tSrS.data()));
   };
   auto full_parity = [](int iteration) { return static_cast<uint32_t>((iteration / kStages) & 1); };
 
