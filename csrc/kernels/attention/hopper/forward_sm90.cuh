@@ -19,7 +19,8 @@
 //     [keys, head_dim], read as a head_dim-major B operand). Inside a warpgroup, S of a
 //     block is issued together with the previous block's P V and the softmax waits for S
 //     alone, so P V runs under the softmax (FlashAttention-3's intra-warpgroup overlap);
-//     the two consumer warpgroups also interleave freely.
+//     and the two consumer warpgroups take turns issuing their GEMMs (ping-pong through
+//     named barriers), so that one's softmax runs under the other's GEMMs.
 // Key blocks run from the last to the first, as in the sm_80 kernel, so that the blocks
 // needing per-element masks (sequence end, causal diagonal) come first. O and the fp32 LSE
 // are written exactly as the sm_80 forward writes them, so its backward reads them.
@@ -31,9 +32,8 @@
 // q and k). Everything else (RoPE, softcap, sliding window, other head dims) runs on the
 // sm_80 kernel; see hopper_forward_unsupported_reason.
 //
-// Not yet here (FlashAttention-3 ideas for the next steps, measured first): ping-pong
-// scheduling of the two consumer warpgroups with named barriers, a persistent grid with a
-// tile scheduler, and the epilogue through TMA stores.
+// Not yet here (FlashAttention-3 ideas for the next steps, measured first): a persistent
+// grid with a tile scheduler, and the epilogue through TMA stores.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -149,11 +149,20 @@ CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
                      make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
 }
 
-// Barrier among the consumer threads only (the producer warpgroup is elsewhere): id 1,
-// since 0 is __syncthreads'.
-template <int kThreads>
-__device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+// Named barriers of the consumer warpgroups (0 is __syncthreads'): 1 joins all consumers
+// before the epilogue's shared-memory reads; 2 + w is consumer warpgroup w's turn to issue
+// its GEMMs (see consume).
+constexpr int kEpilogueBarrier = 1;
+constexpr int kFirstTurnBarrier = 2;
+
+// Ids as immediates: ptxas then reserves only the barriers used (a register id reserves all 16).
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 // The producer: one thread issues every TMA load of the CTA.
@@ -347,15 +356,41 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   };
   auto full_parity = [](int iteration) { return static_cast<uint32_t>((iteration / kStages) & 1); };
 
+  // Between the two warpgroups (ping-pong): they take turns issuing their GEMMs, each
+  // handing the turn over right after its issue, so that one warpgroup's softmax runs while
+  // the other's GEMMs hold the tensor cores. Turn barrier 2 + w (256 threads: w syncs, the
+  // other arrives) opens when the other warpgroup passed the turn. Warpgroup 1 passes once
+  // before its first turn so that warpgroup 0 starts, and warpgroup 0 takes one turn more
+  // at the end to consume warpgroup 1's last pass: every arrival is matched.
+  static_assert(Traits::kConsumerWarpgroups == 2, "the turn-taking pairs two consumer warpgroups");
+  const int warpgroup = consumer_thread / 128;
+  constexpr int kPair = Traits::kConsumerThreads;
+  auto wait_for_turn = [&] {
+    if (warpgroup == 0) {
+      named_barrier_sync<kFirstTurnBarrier, kPair>();
+    } else {
+      named_barrier_sync<kFirstTurnBarrier + 1, kPair>();
+    }
+  };
+  auto pass_turn = [&] {
+    if (warpgroup == 0) {
+      named_barrier_arrive<kFirstTurnBarrier + 1, kPair>();
+    } else {
+      named_barrier_arrive<kFirstTurnBarrier, kPair>();
+    }
+  };
+  if (warpgroup == 1) pass_turn();
+
   // Within a warpgroup, the softmax of key block n overlaps two GEMMs on the tensor cores:
   // S of block n is issued together with O += P V of block n + 1 (the previous one), and
-  // only S is waited for before the softmax. O's rescale waits for P V. The other consumer
-  // warpgroup interleaves on its own.
+  // only S is waited for before the softmax. O's rescale waits for P V.
   int iteration = 0;
   if (first_block < end_block) {
     float rescale[kRows];
     ClusterBarrier::wait(&smem.k_full[0], 0);
+    wait_for_turn();
     issue_scores(0);
+    pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     ClusterBarrier::arrive(&smem.k_empty[0]);
@@ -364,9 +399,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     for (iteration = 1; end_block - 1 - iteration >= first_block; ++iteration) {
       const int stage = iteration % kStages, previous = (iteration - 1) % kStages;
       ClusterBarrier::wait(&smem.k_full[stage], full_parity(iteration));
-      issue_scores(stage);
       ClusterBarrier::wait(&smem.v_full[previous], full_parity(iteration - 1));
+      wait_for_turn();
+      issue_scores(stage);
       issue_output(previous);
+      pass_turn();
       warpgroup_wait<1>();  // wgmma groups retire in order: S has landed, P V may still run
       warpgroup_fence_operand(tSrS);
       ClusterBarrier::arrive(&smem.k_empty[stage]);
@@ -380,12 +417,15 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     }
     const int last = (iteration - 1) % kStages;
     ClusterBarrier::wait(&smem.v_full[last], full_parity(iteration - 1));
+    wait_for_turn();
     issue_output(last);
+    pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP);
     ClusterBarrier::arrive(&smem.v_empty[last]);
   }
+  if (warpgroup == 0) wait_for_turn();
 
   // Epilogue: normalize, write the lse, stage O as T in shared memory, store whole rows.
   Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
@@ -408,7 +448,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
           sum > 0.0f ? (row_max[r] * multiplier + log2f(sum)) * kLn2 : INFINITY;
     }
   }
-  consumer_barrier<Traits::kConsumerThreads>();
+  named_barrier_sync<kEpilogueBarrier, Traits::kConsumerThreads>();
 
   T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
   constexpr int kChunks = kD / 8;
