@@ -434,15 +434,27 @@ INSTANTIATE_TEST_SUITE_P(AllShapes, AttentionKernel, ::testing::ValuesIn(all_cas
 k::AttentionParams features_of(const AttentionCase& c) {
   static const int32_t cu_seqlens_marker = 0;
   static const float rope_marker = 0.0f;
+  const bool packed = !c.packed_lengths.empty();
   k::AttentionParams p;
   p.dtype = c.dtype;
   p.head_dim = c.head_dim;
   p.softcap = c.softcap;
   p.window_left = c.window_left;
   p.window_right = c.causal ? 0 : -1;
-  p.seqlen_q = c.seqlen_q;
-  p.seqlen_k = c.seqlen_k;
-  if (!c.packed_lengths.empty()) p.cu_seqlens_q = p.cu_seqlens_k = &cu_seqlens_marker;  // one cu_seqlens, as in run_case
+  p.batch = packed ? static_cast<int>(c.packed_lengths.size()) : c.batch;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  if (packed) {
+    p.cu_seqlens_q = p.cu_seqlens_k = &cu_seqlens_marker;  // one cu_seqlens, as in run_case
+    p.seqlen_q = p.seqlen_k = *std::max_element(c.packed_lengths.begin(), c.packed_lengths.end());
+    p.q_rows = std::accumulate(c.packed_lengths.begin(), c.packed_lengths.end(), int64_t{0});
+  } else {
+    p.seqlen_q = c.seqlen_q;
+    p.seqlen_k = c.seqlen_k;
+    p.q_rows = int64_t{c.batch} * c.seqlen_q;
+  }
+  p.q_strides = p.o_strides = strides_for(c, packed ? 0 : c.seqlen_q, c.q_heads);
+  p.k_strides = p.v_strides = strides_for(c, packed ? 0 : c.seqlen_k, c.kv_heads);
   if (c.rotary_dim > 0) p.rope_cos = p.rope_sin = &rope_marker;
   return p;
 }
@@ -513,6 +525,19 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   separate_cu_seqlens.cu_seqlens_k = &cu_k;
   EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(separate_cu_seqlens).find("cu_seqlens"),
             std::string::npos);
+  // K broadcast over its heads (an expanded tensor: head stride 0) cannot be described to TMA.
+  AttentionCase gqa = c;
+  gqa.kv_heads = 2;
+  k::AttentionParams broadcast_heads = features_of(gqa);
+  broadcast_heads.k_strides.head = 0;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(broadcast_heads).find("strides"), std::string::npos);
+  // A size-1 mode's stride is never stepped: any value is fine there.
+  AttentionCase single = c;
+  single.batch = 1;
+  single.q_heads = single.kv_heads = 1;
+  k::AttentionParams size_one_modes = features_of(single);
+  size_one_modes.q_strides.head = size_one_modes.k_strides.batch = 0;
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(size_one_modes), "");
 }
 #endif
 

@@ -11,41 +11,47 @@
 namespace barqtrain::kernels::attention::hopper {
 namespace {
 
+// The TMA unit takes strides that are positive multiples of 16 bytes below 2^40 bytes. A
+// mode of extent 1 is never stepped, so whatever stride it has (torch gives 0 or anything
+// to size-1 dimensions) is replaced by one that qualifies.
+int64_t tma_stride(int64_t stride, int64_t extent, int head_dim) { return extent == 1 ? head_dim : stride; }
+
+bool tma_stride_valid(int64_t stride_elements) {
+  const int64_t bytes = stride_elements * 2;
+  return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40);
+}
+
+// The (rows, head_dim, heads, batch) extents of q (or k and v) that the descriptors cover.
+// A packed batch is one batch of q_rows rows (k has the same rows: one cu_seqlens for both).
+GmemShape operand_shape(const AttentionParams& p, bool keys) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int rows = packed ? static_cast<int>(p.q_rows) : keys ? p.seqlen_k : p.seqlen_q;
+  return GmemShape{rows, p.head_dim, keys ? p.kv_heads : p.q_heads, packed ? 1 : p.batch};
+}
+
+GmemStride tma_strides(const AttentionStrides& strides, const GmemShape& shape) {
+  const int head_dim = get<1>(shape);
+  return GmemStride{tma_stride(strides.row, get<0>(shape), head_dim), _1{},
+                    tma_stride(strides.head, get<2>(shape), head_dim), tma_stride(strides.batch, get<3>(shape), head_dim)};
+}
+
 template <typename T>
-Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(const void* ptr, int rows, int head_dim,
-                                                                                 int heads, int batch,
+Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(const void* ptr, const GmemShape& shape,
                                                                                  const AttentionStrides& strides) {
-  return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)),
-                     make_layout(GmemShape{rows, head_dim, heads, batch},
-                                 GmemStride{strides.row, _1{}, strides.head, strides.batch}));
+  return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), make_layout(shape, tma_strides(strides, shape)));
 }
 
 template <typename T, int kHeadDim>
 void launch(const AttentionParams& p, cudaStream_t stream) {
   using Traits = ForwardTraits<T, kHeadDim>;
-  const bool packed = p.cu_seqlens_q != nullptr;
-  // A packed batch is one batch of q_rows rows (k has the same rows: one cu_seqlens for
-  // both). Its batch stride is never stepped; any multiple of 16 bytes describes it.
-  const int batch = packed ? 1 : p.batch;
-  const int q_rows = packed ? static_cast<int>(p.q_rows) : p.seqlen_q;
-  const int k_rows = packed ? static_cast<int>(p.q_rows) : p.seqlen_k;
-  AttentionStrides q_strides = p.q_strides, k_strides = p.k_strides, v_strides = p.v_strides;
-  if (packed) {
-    q_strides.batch = q_strides.row;
-    k_strides.batch = k_strides.row;
-    v_strides.batch = v_strides.row;
-  }
-
+  const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
   ForwardKernelParams<T, Traits> params{
       p,
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.q, q_rows, kHeadDim, p.q_heads, batch, q_strides),
-                    typename Traits::QLayout{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.k, k_rows, kHeadDim, p.kv_heads, batch, k_strides),
-                    typename Traits::KVLayout{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.v, k_rows, kHeadDim, p.kv_heads, batch, v_strides),
-                    typename Traits::KVLayout{}),
-      GmemShape{q_rows, kHeadDim, p.q_heads, batch},
-      GmemShape{k_rows, kHeadDim, p.kv_heads, batch},
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.q, q_shape, p.q_strides), typename Traits::QLayout{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.k, k_shape, p.k_strides), typename Traits::KVLayout{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.v, k_shape, p.v_strides), typename Traits::KVLayout{}),
+      q_shape,
+      k_shape,
   };
 
   auto kernel = attention_forward_sm90_kernel<T, Traits>;
@@ -85,6 +91,17 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
     return "packed batch with separate cu_seqlens for q and k";
   }
   if (p.cu_seqlens_q != nullptr && p.q_rows > INT32_MAX) return "more than 2^31 packed rows";
+  // The descriptors need at least one row, and strides the TMA unit takes; a
+  // cuTensorMapEncodeTiled failure would otherwise surface only as a bad kernel.
+  if (p.seqlen_k == 0 || (p.cu_seqlens_q != nullptr && p.q_rows == 0)) return "no keys";
+  const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
+  auto tma_can_take = [](const AttentionStrides& strides, const GmemShape& shape) {
+    const GmemStride s = tma_strides(strides, shape);
+    return tma_stride_valid(get<0>(s)) && tma_stride_valid(get<2>(s)) && tma_stride_valid(get<3>(s));
+  };
+  if (!tma_can_take(p.q_strides, q_shape) || !tma_can_take(p.k_strides, k_shape) || !tma_can_take(p.v_strides, k_shape)) {
+    return "strides the TMA unit cannot take (zero, or 2^40 bytes and more)";
+  }
   return "";
 }
 
