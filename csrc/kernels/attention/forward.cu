@@ -1,8 +1,13 @@
 // Forward launcher: dtype and padded head dim are compile-time (head_dim 80 runs the 96
-// tile, zero-padded); masks, GQA, packing, softcap and RoPE are runtime flags.
+// tile, zero-padded); masks, GQA, packing, softcap and RoPE are runtime flags. On sm_90,
+// with the Hopper kernels built and switched on (hopper/forward_sm90.h), the cases the
+// wgmma/TMA kernel covers go there instead.
 #include "kernels/attention/attention.h"
 #include "kernels/attention/checks.h"
 #include "kernels/attention/forward.cuh"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/attention/hopper/forward_sm90.h"
+#endif
 
 namespace barqtrain::kernels {
 namespace {
@@ -34,6 +39,9 @@ void attention_forward(const AttentionParams& params, cudaStream_t stream) {
   attention::check_params(params, /*backward=*/false);
   const AttentionParams p = attention::normalized(params);
   if (p.batch == 0 || p.seqlen_q == 0) return;
+#if BARQTRAIN_HOPPER_KERNELS
+  if (attention::hopper::hopper_forward_selected(p)) return attention::hopper::hopper_forward(p, stream);
+#endif
   if (p.dtype == DType::kBFloat16) {
     dispatch_head_dim<__nv_bfloat16>(p, stream);
   } else {
