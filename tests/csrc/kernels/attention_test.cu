@@ -3,9 +3,10 @@
 // math: the reference run with the kernel's roundings to T (rotated q/k, P and dS fed to
 // the tensor cores, stored outputs) shows what a correct 16-bit kernel errs by; ours may
 // err by at most twice that. The backward runs twice and must be bit-identical.
-// Every case the Hopper (sm_90a) forward covers runs a second time on that path
-// (hopper_ prefix, built with BARQTRAIN_HOPPER_KERNELS): its O and LSE against the same
-// reference, then the sm_80 backward reading them.
+// The AllShapes cases run the general (sm_80) forward on every GPU; every case the Hopper
+// (sm_90a) forward covers runs a second time on that path (hopper_ prefix, built with
+// BARQTRAIN_HOPPER_KERNELS): its O and LSE against the same reference, then the sm_80
+// backward reading them.
 // Argument checks run without a GPU.
 #include <gtest/gtest.h>
 
@@ -42,7 +43,8 @@ struct AttentionCase {
   bool positions = false;       // RoPE positions from a position_ids array (else the index in the sequence)
   bool heads_major = false;     // [B, H, S, D] instead of [B, S, H, D]
   bool backward = true;
-  bool hopper_forward = false;  // the forward on the sm_90a (wgmma/TMA) path, whatever the dispatch switch says
+  // The forward kernel, named (not kAuto) so that each kernel's cases run on any device.
+  k::AttentionKernel forward_kernel = k::AttentionKernel::kGeneral;
 };
 
 void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
@@ -104,6 +106,11 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
     const AttentionCase c = GetParam();
+#if BARQTRAIN_HOPPER_KERNELS
+    if (c.forward_kernel == k::AttentionKernel::kHopper && !k::attention::hopper::current_device_is_sm90()) {
+      GTEST_SKIP() << "the Hopper forward runs on compute capability 9.0 only";
+    }
+#endif
     std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed() * 7919 + std::hash<std::string>{}(c.name));
     const bool packed = !c.packed_lengths.empty();
 
@@ -214,18 +221,8 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
       }
     }
     p.dtype = c.dtype;
-    if (c.hopper_forward) {
-#if BARQTRAIN_HOPPER_KERNELS
-      if (!k::attention::hopper::current_device_is_sm90()) {
-        GTEST_SKIP() << "the Hopper forward runs on compute capability 9.0 only";
-      }
-      k::attention::hopper::hopper_forward(p, nullptr);
-#else
-      FAIL() << "a Hopper case in a build without the Hopper kernels";
-#endif
-    } else {
-      k::attention_forward(p, nullptr);
-    }
+    p.forward_kernel = c.forward_kernel;
+    k::attention_forward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
     const std::vector<double> o_got = gather(d_out.to_host<T>(q.size()), q_index);
@@ -466,7 +463,7 @@ std::vector<AttentionCase> hopper_cases() {
   for (AttentionCase c : all_cases()) {
     if (!k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)).empty()) continue;
     c.name = "hopper_" + c.name;
-    c.hopper_forward = true;
+    c.forward_kernel = k::AttentionKernel::kHopper;
     cases.push_back(c);
   }
   AttentionCase c;
@@ -476,7 +473,7 @@ std::vector<AttentionCase> hopper_cases() {
   c.q_heads = 4;
   c.kv_heads = 1;
   c.backward = false;
-  c.hopper_forward = true;
+  c.forward_kernel = k::AttentionKernel::kHopper;
   cases.push_back(c);
   c.name = "hopper_fp16_d64_full_s1100_b2";
   c.dtype = k::DType::kFloat16;
@@ -493,7 +490,7 @@ std::vector<AttentionCase> hopper_cases() {
   c.q_heads = 4;
   c.kv_heads = 2;
   c.backward = false;
-  c.hopper_forward = true;
+  c.forward_kernel = k::AttentionKernel::kHopper;
   cases.push_back(c);
   return cases;
 }
@@ -538,6 +535,54 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   k::AttentionParams size_one_modes = features_of(single);
   size_one_modes.q_strides.head = size_one_modes.k_strides.batch = 0;
   EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(size_one_modes), "");
+}
+
+// kAuto on an sm_90 device: a covered case runs on the Hopper kernel (its output bit for
+// bit), an uncovered one (softcap) on the general kernel.
+TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhereItCovers) {
+  BARQTRAIN_REQUIRE_GPU();
+  if (!k::attention::hopper::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
+  const char* opt_out = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
+  if (opt_out != nullptr && std::strcmp(opt_out, "0") == 0) GTEST_SKIP() << "opted out: kAuto is the general kernel";
+  constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;
+  std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+  std::vector<__nv_bfloat16> q, kk, v;
+  std::vector<double> unused;
+  random_values<__nv_bfloat16>(size_t{kRows} * kQHeads * kHeadDim, 0.0, 1.0, rng, q, unused);
+  random_values<__nv_bfloat16>(size_t{kRows} * kKvHeads * kHeadDim, 0.0, 1.0, rng, kk, unused);
+  random_values<__nv_bfloat16>(size_t{kRows} * kKvHeads * kHeadDim, 0.0, 1.0, rng, v, unused);
+  DeviceBuffer d_q = DeviceBuffer::from_host(q), d_k = DeviceBuffer::from_host(kk), d_v = DeviceBuffer::from_host(v);
+  DeviceBuffer d_o(q.size() * sizeof(__nv_bfloat16)), d_lse(size_t{kRows} * kQHeads * sizeof(float));
+  k::AttentionParams p;
+  p.q = d_q.get();
+  p.k = d_k.get();
+  p.v = d_v.get();
+  p.o = d_o.get();
+  p.lse = static_cast<float*>(d_lse.get());
+  p.q_strides = p.o_strides = {int64_t{kRows} * kQHeads * kHeadDim, kQHeads * kHeadDim, kHeadDim};
+  p.k_strides = p.v_strides = {int64_t{kRows} * kKvHeads * kHeadDim, kKvHeads * kHeadDim, kHeadDim};
+  p.batch = 1;
+  p.seqlen_q = p.seqlen_k = kRows;
+  p.q_rows = kRows;
+  p.q_heads = kQHeads;
+  p.kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  p.causal = true;
+  auto output_of = [&](k::AttentionKernel kernel, float softcap) {
+    k::AttentionParams run = p;
+    run.forward_kernel = kernel;
+    run.softcap = softcap;
+    d_o.poison();
+    k::attention_forward(run, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d_o.to_host<uint16_t>(q.size());
+  };
+  const std::vector<uint16_t> hopper = output_of(k::AttentionKernel::kHopper, 0.0f);
+  ASSERT_NE(hopper, output_of(k::AttentionKernel::kGeneral, 0.0f))
+      << "both kernels round alike on these inputs, so equal outputs would not tell which one ran";
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 0.0f), hopper);
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 30.0f), output_of(k::AttentionKernel::kGeneral, 30.0f));
 }
 #endif
 
@@ -621,6 +666,17 @@ TEST(AttentionArguments, RejectsHalfGivenCuSeqlens) {
   static int32_t cu[2] = {0, 1};
   p.cu_seqlens_q = cu;
   expect_error(p, false, "cu_seqlens_q and cu_seqlens_k");
+}
+
+TEST(AttentionArguments, HopperKernelRequestNamesWhatKeepsItFromRunning) {
+  k::AttentionParams p = valid_params();
+  p.forward_kernel = k::AttentionKernel::kHopper;
+#if BARQTRAIN_HOPPER_KERNELS
+  p.softcap = 30.0f;
+  expect_error(p, false, "unsupported softcap");
+#else
+  expect_error(p, false, "this build has none");
+#endif
 }
 
 TEST(AttentionArguments, BackwardNeedsItsWorkspace) {

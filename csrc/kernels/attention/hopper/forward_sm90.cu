@@ -69,12 +69,15 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch<T, 128>(p, stream);
 }
 
-bool switch_on() {
-  static const bool on = [] {
+bool opted_out() {
+  static const bool out = [] {
     const char* value = std::getenv(kHopperAttentionSwitch);
-    return value != nullptr && std::strcmp(value, "1") == 0;
+    if (value == nullptr || std::strcmp(value, "1") == 0) return false;
+    require(std::strcmp(value, "0") == 0, std::string(kHopperAttentionSwitch) + " must be 0 (the general attention "
+                                          "kernel) or 1 (the Hopper one where it runs), got '" + value + "'");
+    return true;
   }();
-  return on;
+  return out;
 }
 
 }  // namespace
@@ -107,14 +110,17 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
 
 bool current_device_is_sm90() {
   int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
+    return false;
+  }
   return major == 9 && minor == 0;
 }
 
 bool hopper_forward_selected(const AttentionParams& p) {
-  return switch_on() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
+  return !opted_out() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
 void hopper_forward(const AttentionParams& params, cudaStream_t stream) {
