@@ -28,9 +28,10 @@ install: venv
 	  -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" .
 
 # GoogleTest kernel tests: compiled for every architecture; GPU cases skip without a GPU.
-test-cpp:
+# The venv first: CMake finds the CUTLASS headers of the Hopper kernels through its Python.
+test-cpp: venv
 	cmake -S . -B $(CPP_BUILD) -G Ninja -DBARQTRAIN_BUILD_TESTS=ON \
-	  -DBARQTRAIN_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" $(CMAKE_ARGS)
+	  -DBARQTRAIN_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" -DPython_EXECUTABLE=$(abspath $(PY)) $(CMAKE_ARGS)
 	cmake --build $(CPP_BUILD) -j $(JOBS)
 	ctest --test-dir $(CPP_BUILD) --output-on-failure
 

@@ -7,8 +7,11 @@
 #   PHASES="build cpp python" scripts/gpu_check.sh OUTDIR
 #   PYTEST_ARGS="-m gpu" scripts/gpu_check.sh OUTDIR   # only the GPU tests (CI runs the rest)
 #
-# Wheels the machine lacks (e.g. liger-kernel) are installed from .whl/ when present;
-# GoogleTest is built from .deps/googletest when no installed copy is found.
+# Wheels the machine lacks (e.g. liger-kernel, nvidia-cutlass for the CUTLASS headers) are
+# installed from .whl/ when present; GoogleTest is built from .deps/googletest when no
+# installed copy is found. On an sm_90 GPU both builds must include the Hopper kernels
+# (sm_90 runs them by default): a build without them fails here instead of passing the
+# check on the sm_80 path alone.
 set -uo pipefail
 
 OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
@@ -51,18 +54,42 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     "${wheel_names[@]}" >>"$LOG" 2>&1
   export PYTHONPATH=/tmp/barqtrain_wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
+# CMake looks the CUTLASS headers up through this Python's cutlass_library.
+$PYTHON -c "import cutlass_library, os; print('CUTLASS headers:', os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))" 2>&1 | tee -a "$LOG"
+HOPPER_GPU=$($PYTHON -c "import torch; print(int(torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)))")
+HOPPER_CMAKE_ARGS=()
+HOPPER_PIP_ARGS=()
+if [[ $HOPPER_GPU == 1 ]]; then  # without the headers CMake stops with the reason
+  HOPPER_CMAKE_ARGS=(-DBARQTRAIN_ENABLE_HOPPER_KERNELS=ON)
+  HOPPER_PIP_ARGS=(-Ccmake.define.BARQTRAIN_ENABLE_HOPPER_KERNELS=ON)
+fi
+
+# On an sm_90 GPU the installed package must run the Hopper attention kernel when named.
+check_package_hopper_kernel() {
+  [[ $HOPPER_GPU == 1 ]] || return 0
+  (cd /tmp && $PYTHON - <<'HOPPER_IN_PACKAGE'
+import torch, barqtrain
+q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+o, _ = torch.ops.barqtrain.attention_forward(q, q, q, None, None, 128, 128, 0.125, 0.0, True, -1, -1, None, None, None,
+                                             kernel="hopper")
+assert torch.isfinite(o).all(), "the Hopper attention kernel wrote non-finite values"
+print("the package runs the Hopper attention kernel")
+HOPPER_IN_PACKAGE
+  )
+}
 
 build_package() {
   $PYTHON -m pip install -v --no-build-isolation --no-deps --no-index \
-    -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" . &&
-    (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._native as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'")
+    -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_PIP_ARGS[@]}" . &&
+    (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._native as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'") &&
+    check_package_hopper_kernel
 }
 
 build_and_run_cpp_tests() {
   local gtest_args=()
   [[ -d .deps/googletest ]] && gtest_args=(-DBARQTRAIN_GTEST_SOURCE_DIR="$REPO/.deps/googletest")
-  cmake -S . -B build/gpu-cpp -G Ninja -DBARQTRAIN_BUILD_TESTS=ON \
-    -DBARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${gtest_args[@]}" &&
+  cmake -S . -B build/gpu-cpp -G Ninja -DBARQTRAIN_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
+    -DBARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_CMAKE_ARGS[@]}" "${gtest_args[@]}" &&
     cmake --build build/gpu-cpp -j "$(nproc)" &&
     build/gpu-cpp/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
 }
@@ -117,9 +144,10 @@ if not default["accuracy_first"] < 0.3 < 0.6 < default["accuracy_last"]:
 SUMMARY
 }
 
-# memcheck and racecheck over a representative subset (every tiling path of every kernel).
+# memcheck and racecheck over a representative subset (every tiling path of every kernel; the
+# Hopper attention forward through its cross-length and packed cases, skipped off sm_90).
 run_sanitizers() {
-  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*:*Nf4Gemm*m301*:*Int8Gemm*m77*:*Dequantize4bit*DoubleQuantized*'
+  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*:*AttentionKernel*hopper_bf16_packed_many_short*:*Nf4Gemm*m301*:*Int8Gemm*m77*:*Dequantize4bit*DoubleQuantized*'
   compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
     compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
 }
@@ -138,5 +166,6 @@ phase bench-data bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench data --out '
 phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e --out '$OUTDIR/bench'"
 
 echo "=== summary" | tee -a "$LOG"
+grep -h "BarqTrain: .*Hopper (sm_90a) kernels" "$LOG" | sort -u | tee -a "$LOG"
 printf '%s\n' "${SUMMARY[@]}" | tee -a "$LOG"
 exit $FAILED

@@ -2,7 +2,8 @@
 // tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80 and later); the N x N scores
 // never reach memory. The forward saves only O and the fp32 log-sum-exp; the backward
 // recomputes the scores and accumulates dQ, dK and dV without atomics (a CTA owns each
-// output block), so it is bit-identical across runs.
+// output block), so it is bit-identical across runs. On sm_90 the forward's common cases run
+// on a wgmma/TMA kernel instead (hopper/forward_sm90.h; AttentionParams::forward_kernel).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,7 +22,8 @@ constexpr int kAttentionMaxHeadDimBackward = 128;
 // otherwise the reason, for the caller's fallback message.
 std::string attention_unsupported_reason(const AttentionParams& params, bool backward);
 
-// Writes o and lse. Throws std::invalid_argument naming the problem for bad parameters.
+// Writes o and lse, on the kernel params.forward_kernel picks. Throws std::invalid_argument
+// naming the problem for bad parameters, or for a kernel asked for that cannot run them.
 void attention_forward(const AttentionParams& params, cudaStream_t stream);
 
 // Writes dq, dk, dv (and the d_o_dot_o workspace) from q, k, v, o, lse and d_o.

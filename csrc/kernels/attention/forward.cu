@@ -1,8 +1,13 @@
 // Forward launcher: dtype and padded head dim are compile-time (head_dim 80 runs the 96
-// tile, zero-padded); masks, GQA, packing, softcap and RoPE are runtime flags.
+// tile, zero-padded); masks, GQA, packing, softcap and RoPE are runtime flags. On sm_90,
+// with the Hopper kernels built in (hopper/forward_sm90.h), the cases the wgmma/TMA kernel
+// covers go there instead (AttentionKernel's rules).
 #include "kernels/attention/attention.h"
 #include "kernels/attention/checks.h"
 #include "kernels/attention/forward.cuh"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/attention/hopper/forward_sm90.h"
+#endif
 
 namespace barqtrain::kernels {
 namespace {
@@ -28,11 +33,31 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch_forward<T, ForwardConfig<256, 64, 32, 4>>(p, stream);
 }
 
+#if BARQTRAIN_HOPPER_KERNELS
+// Whether this forward runs on the Hopper kernel (AttentionKernel's rules); for kHopper,
+// hopper_forward names whatever keeps it from running the case.
+bool runs_on_hopper_kernel(const AttentionParams& p) {
+  switch (p.forward_kernel) {
+    case AttentionKernel::kGeneral: return false;
+    case AttentionKernel::kHopper: return true;
+    case AttentionKernel::kAuto: break;
+  }
+  return attention::hopper::hopper_forward_selected(p);
+}
+#endif
+
 }  // namespace
 
 void attention_forward(const AttentionParams& params, cudaStream_t stream) {
   attention::check_params(params, /*backward=*/false);
   const AttentionParams p = attention::normalized(params);
+#if BARQTRAIN_HOPPER_KERNELS
+  if (runs_on_hopper_kernel(p)) return attention::hopper::hopper_forward(p, stream);
+#else
+  require(p.forward_kernel != AttentionKernel::kHopper,
+          "attention forward: the Hopper kernel was asked for, but this build has none "
+          "(BARQTRAIN_ENABLE_HOPPER_KERNELS needs 90a among the CUDA architectures and the CUTLASS headers)");
+#endif
   if (p.batch == 0 || p.seqlen_q == 0) return;
   if (p.dtype == DType::kBFloat16) {
     dispatch_head_dim<__nv_bfloat16>(p, stream);

@@ -23,6 +23,15 @@ struct AttentionStrides {
   int64_t head = 0;
 };
 
+// Which kernel runs a forward (the backward has one kernel, which reads either's O and LSE).
+//   kAuto   : the Hopper kernel (wgmma + TMA, hopper/forward_sm90.h) when it was built in
+//             (BARQTRAIN_HOPPER_KERNELS), the current device has compute capability 9.0, it
+//             covers the case and the environment does not set BARQTRAIN_HOPPER_ATTENTION=0;
+//             the general kernel otherwise.
+//   kGeneral: the general kernel (mma.sync, cp.async; sm_80 and up), every case.
+//   kHopper : the Hopper kernel; an error naming the reason where it cannot run the case.
+enum class AttentionKernel : int { kAuto = 0, kGeneral = 1, kHopper = 2 };
+
 struct AttentionParams {
   // Forward inputs and outputs.
   const void* q = nullptr;
@@ -76,6 +85,7 @@ struct AttentionParams {
   const int32_t* k_positions = nullptr;
 
   DType dtype = DType::kBFloat16;  // of q, k, v, o and the gradients: fp16 or bf16
+  AttentionKernel forward_kernel = AttentionKernel::kAuto;
 };
 
 }  // namespace barqtrain::kernels

@@ -2,6 +2,11 @@
 and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
 full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
+BarqTrain runs twice, its forward named per call through the op's `kernel` argument:
+`barqtrain-general` (the mma.sync kernel of sm_80 and up) and `barqtrain-hopper` (the sm_90a
+wgmma/TMA kernel, which `attention` picks by itself on sm_90 for these cases). Both use the
+same deterministic backward.
+
 TFLOP/s use the standard count: the forward is 4·B·Hq·S_q·S_k·D (two matmuls), halved
 under a causal mask; forward + backward is 3.5 times the forward (the backward's five
 matmuls, 2.5 times the forward, as FlashAttention counts them, though the deterministic
@@ -60,12 +65,20 @@ def _cases() -> list[AttentionCase]:
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
-def _barqtrain() -> Attention | Unavailable:
+def _barqtrain(kernel: str) -> Attention | Unavailable:
     if not _native.has_cuda_kernels("attention_forward"):
         return Unavailable("barqtrain's op library was built without CUDA kernels")
-    from barqtrain.ops import attention
+    if kernel == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        return Unavailable("the Hopper kernel runs on compute capability 9.0 only")
 
-    return lambda q, k, v, causal: attention(q, k, v, causal=causal)
+    def run(q, k, v, causal):
+        o, _ = torch.ops.barqtrain.attention_forward(
+            q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, 0.0, causal, -1, -1, None, None, None,
+            kernel=kernel,
+        )
+        return o
+
+    return run
 
 
 def _sdpa(backend: torch.nn.attention.SDPBackend) -> Attention:
@@ -81,7 +94,8 @@ def _sdpa(backend: torch.nn.attention.SDPBackend) -> Attention:
 def _implementations() -> dict[str, Attention | Unavailable]:
     backends = torch.nn.attention.SDPBackend
     return {
-        "barqtrain": _barqtrain(),
+        "barqtrain-general": _barqtrain("general"),
+        "barqtrain-hopper": _barqtrain("hopper"),
         "sdpa-flash": _sdpa(backends.FLASH_ATTENTION),
         "sdpa-cudnn": _sdpa(backends.CUDNN_ATTENTION),
     }

@@ -13,9 +13,11 @@ loads them: rope_cos / rope_sin are fp32 [positions, rotary_dim / 2] tables
 (`attention_rope_tables`), position_ids the position of every token (None: its index within
 its sequence). Gradients flow to the unrotated q and k.
 
-On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic); cases
-they do not cover fall back to PyTorch (SDPA, or eager math for softcap), with one warning
-per reason. On the CPU the op runs its PyTorch reference.
+On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic; on sm_90
+the forward of cases without RoPE, softcap or window at head_dim 64/128 runs the Hopper
+kernel, unless BARQTRAIN_HOPPER_ATTENTION=0); cases they do not cover fall back to PyTorch
+(SDPA, or eager math for softcap), with one warning per reason. On the CPU the op runs its
+PyTorch reference.
 """
 
 from __future__ import annotations
@@ -176,7 +178,10 @@ def _reference_from_op_args(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, 
 
 @torch.library.impl("barqtrain::attention_forward", "CPU")
 def _attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
-                           causal, window_left, window_right, rope_cos, rope_sin, positions):
+                           causal, window_left, window_right, rope_cos, rope_sin, positions, kernel="auto"):
+    if kernel != "auto":
+        raise ValueError(f"barqtrain: attention kernel {kernel!r} names a CUDA kernel; on the CPU the op runs its "
+                         "reference (kernel='auto')")
     with torch.no_grad():
         o, lse = _reference_from_op_args(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, softcap, causal,
                                          window_left, window_right, rope_cos, rope_sin, positions)
@@ -197,7 +202,7 @@ def _attention_backward_cpu(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, ma
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, softcap, causal, window_left, window_right, cos, sin,
-     positions) = inputs
+     positions, _kernel) = inputs
     o, lse = output
     if any(table is not None and table.requires_grad for table in (cos, sin)):
         # Caught at the forward, where the caller can still detach them, not in the backward.
@@ -215,7 +220,7 @@ def _backward(ctx, d_o, _d_lse):
         d_o, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, softcap, causal, window_left, window_right, cos, sin,
         positions,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("barqtrain::attention_forward", _backward, setup_context=_setup_context)

@@ -3,6 +3,10 @@
 // math: the reference run with the kernel's roundings to T (rotated q/k, P and dS fed to
 // the tensor cores, stored outputs) shows what a correct 16-bit kernel errs by; ours may
 // err by at most twice that. The backward runs twice and must be bit-identical.
+// The AllShapes cases run the general (sm_80) forward on every GPU; every case the Hopper
+// (sm_90a) forward covers runs a second time on that path (hopper_ prefix, built with
+// BARQTRAIN_HOPPER_KERNELS): its O and LSE against the same reference, then the sm_80
+// backward reading them.
 // Argument checks run without a GPU.
 #include <gtest/gtest.h>
 
@@ -13,6 +17,9 @@
 
 #include "kernels/attention/attention.h"
 #include "kernels/attention/attention_reference.h"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/attention/hopper/forward_sm90.h"
+#endif
 #include "test_utils.cuh"
 
 namespace barqtrain::testing {
@@ -36,6 +43,8 @@ struct AttentionCase {
   bool positions = false;       // RoPE positions from a position_ids array (else the index in the sequence)
   bool heads_major = false;     // [B, H, S, D] instead of [B, S, H, D]
   bool backward = true;
+  // The forward kernel, named (not kAuto) so that each kernel's cases run on any device.
+  k::AttentionKernel forward_kernel = k::AttentionKernel::kGeneral;
 };
 
 void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
@@ -97,6 +106,11 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
     const AttentionCase c = GetParam();
+#if BARQTRAIN_HOPPER_KERNELS
+    if (c.forward_kernel == k::AttentionKernel::kHopper && !k::attention::hopper::current_device_is_sm90()) {
+      GTEST_SKIP() << "the Hopper forward runs on compute capability 9.0 only";
+    }
+#endif
     std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed() * 7919 + std::hash<std::string>{}(c.name));
     const bool packed = !c.packed_lengths.empty();
 
@@ -207,6 +221,7 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
       }
     }
     p.dtype = c.dtype;
+    p.forward_kernel = c.forward_kernel;
     k::attention_forward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
@@ -411,6 +426,166 @@ std::vector<AttentionCase> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllShapes, AttentionKernel, ::testing::ValuesIn(all_cases()), case_name);
 
+#if BARQTRAIN_HOPPER_KERNELS
+// The features of a case as the Hopper path's coverage rule sees them (no device memory).
+k::AttentionParams features_of(const AttentionCase& c) {
+  static const int32_t cu_seqlens_marker = 0;
+  static const float rope_marker = 0.0f;
+  const bool packed = !c.packed_lengths.empty();
+  k::AttentionParams p;
+  p.dtype = c.dtype;
+  p.head_dim = c.head_dim;
+  p.softcap = c.softcap;
+  p.window_left = c.window_left;
+  p.window_right = c.causal ? 0 : -1;
+  p.batch = packed ? static_cast<int>(c.packed_lengths.size()) : c.batch;
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  if (packed) {
+    p.cu_seqlens_q = p.cu_seqlens_k = &cu_seqlens_marker;  // one cu_seqlens, as in run_case
+    p.seqlen_q = p.seqlen_k = *std::max_element(c.packed_lengths.begin(), c.packed_lengths.end());
+    p.q_rows = std::accumulate(c.packed_lengths.begin(), c.packed_lengths.end(), int64_t{0});
+  } else {
+    p.seqlen_q = c.seqlen_q;
+    p.seqlen_k = c.seqlen_k;
+    p.q_rows = int64_t{c.batch} * c.seqlen_q;
+  }
+  p.q_strides = p.o_strides = strides_for(c, packed ? 0 : c.seqlen_q, c.q_heads);
+  p.k_strides = p.v_strides = strides_for(c, packed ? 0 : c.seqlen_k, c.kv_heads);
+  if (c.rotary_dim > 0) p.rope_cos = p.rope_sin = &rope_marker;
+  return p;
+}
+
+// Every case above the Hopper forward covers, plus longer ones that go around its K/V
+// buffer ring many times (causal and full, both head dims, GQA, a ragged last block).
+std::vector<AttentionCase> hopper_cases() {
+  std::vector<AttentionCase> cases;
+  for (AttentionCase c : all_cases()) {
+    if (!k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)).empty()) continue;
+    c.name = "hopper_" + c.name;
+    c.forward_kernel = k::AttentionKernel::kHopper;
+    cases.push_back(c);
+  }
+  AttentionCase c;
+  c.name = "hopper_bf16_d128_causal_s1537_gqa4";
+  c.head_dim = 128;
+  c.seqlen_q = c.seqlen_k = 1537;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  c.backward = false;
+  c.forward_kernel = k::AttentionKernel::kHopper;
+  cases.push_back(c);
+  c.name = "hopper_fp16_d64_full_s1100_b2";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 64;
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 1100;
+  c.q_heads = c.kv_heads = 2;
+  c.causal = false;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "hopper_bf16_d128_packed_long_gqa2";
+  c.head_dim = 128;
+  c.packed_lengths = random_lengths(6, 700, 13);
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.backward = false;
+  c.forward_kernel = k::AttentionKernel::kHopper;
+  cases.push_back(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(HopperForward, AttentionKernel, ::testing::ValuesIn(hopper_cases()), case_name);
+
+TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
+  AttentionCase c;
+  c.head_dim = 128;
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)), "");
+  AttentionCase d96 = c;
+  d96.head_dim = 96;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d96)).find("head_dim 96"),
+            std::string::npos);
+  AttentionCase rope = c;
+  rope.rotary_dim = 64;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(rope)).find("RoPE"), std::string::npos);
+  AttentionCase softcap = c;
+  softcap.softcap = 30.0f;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(softcap)).find("softcap"),
+            std::string::npos);
+  AttentionCase window = c;
+  window.window_left = 31;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(window)).find("sliding window"),
+            std::string::npos);
+  k::AttentionParams separate_cu_seqlens = features_of(c);
+  static const int32_t cu_q = 0, cu_k = 0;
+  separate_cu_seqlens.cu_seqlens_q = &cu_q;
+  separate_cu_seqlens.cu_seqlens_k = &cu_k;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(separate_cu_seqlens).find("cu_seqlens"),
+            std::string::npos);
+  // K broadcast over its heads (an expanded tensor: head stride 0) cannot be described to TMA.
+  AttentionCase gqa = c;
+  gqa.kv_heads = 2;
+  k::AttentionParams broadcast_heads = features_of(gqa);
+  broadcast_heads.k_strides.head = 0;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(broadcast_heads).find("strides"), std::string::npos);
+  // A size-1 mode's stride is never stepped: any value is fine there.
+  AttentionCase single = c;
+  single.batch = 1;
+  single.q_heads = single.kv_heads = 1;
+  k::AttentionParams size_one_modes = features_of(single);
+  size_one_modes.q_strides.head = size_one_modes.k_strides.batch = 0;
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(size_one_modes), "");
+}
+
+// kAuto on an sm_90 device: a covered case runs on the Hopper kernel (its output bit for
+// bit), an uncovered one (softcap) on the general kernel.
+TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhereItCovers) {
+  BARQTRAIN_REQUIRE_GPU();
+  if (!k::attention::hopper::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
+  const char* opt_out = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
+  if (opt_out != nullptr && std::strcmp(opt_out, "0") == 0) GTEST_SKIP() << "opted out: kAuto is the general kernel";
+  constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;
+  std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+  std::vector<__nv_bfloat16> q, kk, v;
+  std::vector<double> unused;
+  random_values<__nv_bfloat16>(size_t{kRows} * kQHeads * kHeadDim, 0.0, 1.0, rng, q, unused);
+  random_values<__nv_bfloat16>(size_t{kRows} * kKvHeads * kHeadDim, 0.0, 1.0, rng, kk, unused);
+  random_values<__nv_bfloat16>(size_t{kRows} * kKvHeads * kHeadDim, 0.0, 1.0, rng, v, unused);
+  DeviceBuffer d_q = DeviceBuffer::from_host(q), d_k = DeviceBuffer::from_host(kk), d_v = DeviceBuffer::from_host(v);
+  DeviceBuffer d_o(q.size() * sizeof(__nv_bfloat16)), d_lse(size_t{kRows} * kQHeads * sizeof(float));
+  k::AttentionParams p;
+  p.q = d_q.get();
+  p.k = d_k.get();
+  p.v = d_v.get();
+  p.o = d_o.get();
+  p.lse = static_cast<float*>(d_lse.get());
+  p.q_strides = p.o_strides = {int64_t{kRows} * kQHeads * kHeadDim, kQHeads * kHeadDim, kHeadDim};
+  p.k_strides = p.v_strides = {int64_t{kRows} * kKvHeads * kHeadDim, kKvHeads * kHeadDim, kHeadDim};
+  p.batch = 1;
+  p.seqlen_q = p.seqlen_k = kRows;
+  p.q_rows = kRows;
+  p.q_heads = kQHeads;
+  p.kv_heads = kKvHeads;
+  p.head_dim = kHeadDim;
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+  p.causal = true;
+  auto output_of = [&](k::AttentionKernel kernel, float softcap) {
+    k::AttentionParams run = p;
+    run.forward_kernel = kernel;
+    run.softcap = softcap;
+    d_o.poison();
+    k::attention_forward(run, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d_o.to_host<uint16_t>(q.size());
+  };
+  const std::vector<uint16_t> hopper = output_of(k::AttentionKernel::kHopper, 0.0f);
+  ASSERT_NE(hopper, output_of(k::AttentionKernel::kGeneral, 0.0f))
+      << "both kernels round alike on these inputs, so equal outputs would not tell which one ran";
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 0.0f), hopper);
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 30.0f), output_of(k::AttentionKernel::kGeneral, 30.0f));
+}
+#endif
+
 // ---------------------------------------------------------------- argument checks (no GPU)
 
 k::AttentionParams valid_params() {
@@ -491,6 +666,17 @@ TEST(AttentionArguments, RejectsHalfGivenCuSeqlens) {
   static int32_t cu[2] = {0, 1};
   p.cu_seqlens_q = cu;
   expect_error(p, false, "cu_seqlens_q and cu_seqlens_k");
+}
+
+TEST(AttentionArguments, HopperKernelRequestNamesWhatKeepsItFromRunning) {
+  k::AttentionParams p = valid_params();
+  p.forward_kernel = k::AttentionKernel::kHopper;
+#if BARQTRAIN_HOPPER_KERNELS
+  p.softcap = 30.0f;
+  expect_error(p, false, "unsupported softcap");
+#else
+  expect_error(p, false, "this build has none");
+#endif
 }
 
 TEST(AttentionArguments, BackwardNeedsItsWorkspace) {

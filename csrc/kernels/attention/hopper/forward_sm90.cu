@@ -1,0 +1,140 @@
+// Host side of the Hopper attention forward: what it covers, the dispatch switch, and the
+// launch (TMA descriptors over the (rows, head_dim, heads, batch) views of q, k and v).
+#include "kernels/attention/checks.h"
+#include "kernels/attention/hopper/forward_sm90.cuh"
+#include "kernels/attention/hopper/forward_sm90.h"
+#include "kernels/device_utils.cuh"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace barqtrain::kernels::attention::hopper {
+namespace {
+
+// The TMA unit takes strides that are positive multiples of 16 bytes below 2^40 bytes. A
+// mode of extent 1 is never stepped, so whatever stride it has (torch gives 0 or anything
+// to size-1 dimensions) is replaced by one that qualifies.
+int64_t tma_stride(int64_t stride, int64_t extent, int head_dim) { return extent == 1 ? head_dim : stride; }
+
+bool tma_stride_valid(int64_t stride_elements) {
+  const int64_t bytes = stride_elements * 2;
+  return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40);
+}
+
+// The (rows, head_dim, heads, batch) extents of q (or k and v) that the descriptors cover.
+// A packed batch is one batch of q_rows rows (k has the same rows: one cu_seqlens for both).
+GmemShape operand_shape(const AttentionParams& p, bool keys) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int rows = packed ? static_cast<int>(p.q_rows) : keys ? p.seqlen_k : p.seqlen_q;
+  return GmemShape{rows, p.head_dim, keys ? p.kv_heads : p.q_heads, packed ? 1 : p.batch};
+}
+
+GmemStride tma_strides(const AttentionStrides& strides, const GmemShape& shape) {
+  const int head_dim = get<1>(shape);
+  return GmemStride{tma_stride(strides.row, get<0>(shape), head_dim), _1{},
+                    tma_stride(strides.head, get<2>(shape), head_dim), tma_stride(strides.batch, get<3>(shape), head_dim)};
+}
+
+template <typename T>
+Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(const void* ptr, const GmemShape& shape,
+                                                                                 const AttentionStrides& strides) {
+  return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), make_layout(shape, tma_strides(strides, shape)));
+}
+
+template <typename T, int kHeadDim>
+void launch(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = ForwardTraits<T, kHeadDim>;
+  const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
+  ForwardKernelParams<T, Traits> params{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.q, q_shape, p.q_strides), typename Traits::QLayout{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.k, k_shape, p.k_strides), typename Traits::KVLayout{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.v, k_shape, p.v_strides), typename Traits::KVLayout{}),
+      q_shape,
+      k_shape,
+  };
+
+  auto kernel = attention_forward_sm90_kernel<T, Traits>;
+  constexpr int kSmemBytes = sizeof(SharedStorage<T, Traits>);
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
+             "hopper attention forward shared memory");
+  const dim3 grid((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, p.q_heads, p.batch);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "hopper attention forward launch");
+}
+
+template <typename T>
+void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim == 64) return launch<T, 64>(p, stream);
+  return launch<T, 128>(p, stream);
+}
+
+bool opted_out() {
+  static const bool out = [] {
+    const char* value = std::getenv(kHopperAttentionSwitch);
+    if (value == nullptr || std::strcmp(value, "1") == 0) return false;
+    require(std::strcmp(value, "0") == 0, std::string(kHopperAttentionSwitch) + " must be 0 (the general attention "
+                                          "kernel) or 1 (the Hopper one where it runs), got '" + value + "'");
+    return true;
+  }();
+  return out;
+}
+
+}  // namespace
+
+std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype other than float16/bfloat16";
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim " + std::to_string(p.head_dim) + " (covers 64 and 128)";
+  if (p.rope_cos != nullptr) return "fused RoPE";
+  if (p.softcap > 0.0f) return "softcap";
+  if (p.window_left >= 0 || p.window_right > 0) return "sliding window";
+  if (p.cu_seqlens_q != nullptr && (p.cu_seqlens_q != p.cu_seqlens_k || p.seqlen_q != p.seqlen_k)) {
+    // The k descriptor's row count is cu_seqlens_k[batch], which lives on the device;
+    // with one cu_seqlens for both it is q_rows.
+    return "packed batch with separate cu_seqlens for q and k";
+  }
+  if (p.cu_seqlens_q != nullptr && p.q_rows > INT32_MAX) return "more than 2^31 packed rows";
+  // The descriptors need at least one row, and strides the TMA unit takes; a
+  // cuTensorMapEncodeTiled failure would otherwise surface only as a bad kernel.
+  if (p.seqlen_k == 0 || (p.cu_seqlens_q != nullptr && p.q_rows == 0)) return "no keys";
+  const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
+  auto tma_can_take = [](const AttentionStrides& strides, const GmemShape& shape) {
+    const GmemStride s = tma_strides(strides, shape);
+    return tma_stride_valid(get<0>(s)) && tma_stride_valid(get<2>(s)) && tma_stride_valid(get<3>(s));
+  };
+  if (!tma_can_take(p.q_strides, q_shape) || !tma_can_take(p.k_strides, k_shape) || !tma_can_take(p.v_strides, k_shape)) {
+    return "strides the TMA unit cannot take (zero, or 2^40 bytes and more)";
+  }
+  return "";
+}
+
+bool current_device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
+bool hopper_forward_selected(const AttentionParams& p) {
+  return !opted_out() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
+}
+
+void hopper_forward(const AttentionParams& params, cudaStream_t stream) {
+  check_params(params, /*backward=*/false);
+  const AttentionParams p = normalized(params);
+  const std::string reason = hopper_forward_unsupported_reason(p);
+  require(reason.empty(), "hopper attention forward: unsupported " + reason);
+  require(current_device_is_sm90(), "hopper attention forward: the current device is not compute capability 9.0");
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  if (p.dtype == DType::kBFloat16) {
+    dispatch_head_dim<CutlassElement<__nv_bfloat16>::type>(p, stream);
+  } else {
+    dispatch_head_dim<CutlassElement<__half>::type>(p, stream);
+  }
+}
+
+}  // namespace barqtrain::kernels::attention::hopper

@@ -1,0 +1,512 @@
+// Hopper (sm_90a) attention forward: why it exists. The sm_80 kernel (forward.cuh) is built
+// on mma.sync, whose operands pass through registers warp by warp and whose copies
+// (cp.async) are issued by the same warps that compute; on an H100 it stops near 290
+// TFLOP/s at B4 H32 S4096 D128 causal, where cuDNN reaches 591. Hopper's own instructions
+// remove both limits: wgmma reads its B operand (and for S = Q K^T its A operand too)
+// straight from swizzled shared memory for a whole warpgroup, and the tensor memory
+// accelerator (TMA) copies whole tiles on its own, signalling an mbarrier when the bytes
+// have landed.
+//
+// Structure (one CTA per 128-query block of one head of one sequence, 3 warpgroups):
+//   - warpgroup 0, the producer: one thread issues the TMA loads of Q once and of K and V
+//     per key block into a ring of kStages buffers; a buffer is refilled after both
+//     consumers have released it (an "empty" mbarrier), and each load completes on a
+//     "full" mbarrier with its byte count. It gives most of its registers back (setmaxnreg).
+//   - warpgroups 1 and 2, the consumers: 64 query rows each. Per key block: S = Q K^T
+//     (wgmma, both operands from shared memory), the online softmax in registers (running
+//     row max and sum in the log2 domain, O rescaled when the max grows), P rounded to
+//     16 bits in registers, then O += P V (wgmma with P from registers and V, stored
+//     [keys, head_dim], read as a head_dim-major B operand). Inside a warpgroup, S of a
+//     block is issued together with the previous block's P V and the softmax waits for S
+//     alone, so P V runs under the softmax (FlashAttention-3's intra-warpgroup overlap);
+//     and the two consumer warpgroups take turns issuing their GEMMs (ping-pong through
+//     named barriers), so that one's softmax runs under the other's GEMMs.
+// Key blocks run from the last to the first, as in the sm_80 kernel, so that the blocks
+// needing per-element masks (sequence end, causal diagonal) come first. O and the fp32 LSE
+// are written exactly as the sm_80 forward writes them, so its backward reads them.
+//
+// T below is cutlass::bfloat16_t or cutlass::half_t (CutlassElement).
+//
+// Covered: bf16/fp16, head_dim 64 and 128, causal or full (queries aligned to the end of
+// the keys), GQA/MQA, plain batches and packed self-attention batches (one cu_seqlens for
+// q and k). Everything else (RoPE, softcap, sliding window, other head dims) runs on the
+// sm_80 kernel; see hopper_forward_unsupported_reason.
+//
+// Not yet here (FlashAttention-3 ideas for the next steps, measured first): a persistent
+// grid with a tile scheduler, and the epilogue through TMA stores.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_atom.hpp>  // with the SM90 TMA traits
+#include <cute/atom/mma_atom.hpp>   // with the SM90 GMMA traits
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "kernels/attention/masking.cuh"
+#include "kernels/attention/params.h"
+
+namespace barqtrain::kernels::attention::hopper {
+
+using namespace cute;
+
+// Global-memory view that every TMA descriptor is built over: (rows, head_dim, heads, batch)
+// with unit stride along head_dim. A packed batch is one "batch" of all its rows; each
+// sequence then starts at its row offset (rows past it belong to the next sequence and are
+// masked; rows past the tensor are zero-filled by the TMA unit).
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+// CuTe's GMMA selectors and conversions speak CUTLASS's 16-bit types, which have the same
+// bits as CUDA's.
+template <typename T>
+struct CutlassElement;
+template <>
+struct CutlassElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassElement<__half> {
+  using type = cutlass::half_t;
+};
+
+template <typename T, int kHeadDim>
+struct ForwardTraits {
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows (wgmma's M)
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;    // K and V buffers in flight per CTA
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
+  // Register split after setmaxnreg: the producer only issues copies, the consumers hold
+  // S, P and O (at head_dim 128: 64 + 32 + 64 per thread). 24 * 128 + 240 * 256 <= 64K.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  using BlockM = Int<kBlockM>;
+  using BlockN = Int<kBlockN>;
+  using HeadDim = Int<kD>;
+
+  // 128-byte swizzled K-major tiles: the layout both TMA and wgmma read without bank
+  // conflicts (head_dim 64 in 16 bits is one 128-byte row; 128 is two).
+  using SwizzleAtom = decltype(GMMA::Layout_K_SW128_Atom<T>{});
+  using QLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockM, HeadDim>{}));
+  using KVLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockN, HeadDim>{}));
+  using KVStagedLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockN, HeadDim, Int<kStages>>{}));
+  // V read as the B operand of P V: (head_dim, keys) over the same bytes, head_dim-major.
+  using VTransposedStagedLayout = decltype(composition(
+      KVStagedLayout{}, make_ordered_layout(Shape<HeadDim, BlockN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using WarpgroupsAlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<T, T, float, Shape<_64, BlockN, HeadDim>>(),
+                                        WarpgroupsAlongM{}));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockN>, GMMA::Major::K, GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+
+  // The output tile staged for coalesced 16-byte row stores: row-major, rows padded by 16
+  // bytes so that the accumulators' column pairs spread over the banks.
+  static constexpr int kOStride = kD + 8;
+
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
+                                                  GmemStride{}),
+                                      QLayout{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                       make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
+                                                   GmemStride{}),
+                                       KVLayout{}));
+};
+
+template <typename T, typename Traits>
+struct SharedStorage {
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::QLayout>> q;  // 1024: the 128-byte swizzle's period
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> k;
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> v;
+  alignas(16) T o[Traits::kBlockM * Traits::kOStride];
+  uint64_t q_full;
+  uint64_t k_full[Traits::kStages], k_empty[Traits::kStages];
+  uint64_t v_full[Traits::kStages], v_empty[Traits::kStages];
+};
+
+template <typename T, typename Traits>
+struct ForwardKernelParams {
+  AttentionParams p;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  GmemShape q_shape, k_shape;  // the coordinate extents the descriptors were built with
+};
+
+// An accumulator fragment ((column pair, row half, column chunk), M tiles, N tiles) viewed
+// as (rows, columns) of this thread: two rows per 64-row warpgroup tile, as in mma.sync.
+template <typename Layout>
+CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
+  static_assert(decltype(rank<0>(layout))::value == 3, "expects a wgmma accumulator layout");
+  return make_layout(make_layout(get<0, 1>(layout), get<1>(layout)),
+                     make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
+}
+
+// Named barriers of the consumer warpgroups (0 is __syncthreads'): 1 joins all consumers
+// before the epilogue's shared-memory reads; 2 + w is consumer warpgroup w's turn to issue
+// its GEMMs (see consume).
+constexpr int kEpilogueBarrier = 1;
+constexpr int kFirstTurnBarrier = 2;
+
+// Ids as immediates: ptxas then reserves only the barriers used (a register id reserves all 16).
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+
+// The producer: one thread issues every TMA load of the CTA.
+template <typename T, typename Traits>
+__device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& params, SharedStorage<T, Traits>& smem,
+                                        const Sequence& seq, int b, int head, int kv_head, int m_block,
+                                        int first_block, int end_block) {
+  using BlockM = typename Traits::BlockM;
+  using BlockN = typename Traits::BlockN;
+  using HeadDim = typename Traits::HeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr uint32_t kQBytes = Traits::kBlockM * Traits::kD * sizeof(T);
+  constexpr uint32_t kKVBytes = Traits::kBlockN * Traits::kD * sizeof(T);
+
+  // A packed sequence is a row offset into batch 0; a plain one is its batch index.
+  const int batch_coord = seq.packed ? 0 : b;
+  const int q_row_offset = seq.packed ? static_cast<int>(seq.q_first_row) : 0;
+  const int k_row_offset = seq.packed ? static_cast<int>(seq.k_first_row) : 0;
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::QLayout{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::KVStagedLayout{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::KVStagedLayout{});
+
+  Tensor mQ = domain_offset(make_coord(q_row_offset, _0{}),
+                            params.tma_q.get_tma_tensor(params.q_shape)(_, _, head, batch_coord));
+  Tensor mK = domain_offset(make_coord(k_row_offset, _0{}),
+                            params.tma_k.get_tma_tensor(params.k_shape)(_, _, kv_head, batch_coord));
+  Tensor mV = domain_offset(make_coord(k_row_offset, _0{}),
+                            params.tma_v.get_tma_tensor(params.k_shape)(_, _, kv_head, batch_coord));
+  Tensor gQ = local_tile(mQ, Shape<BlockM, HeadDim>{}, make_coord(m_block, _0{}));  // (BlockM, D)
+  Tensor gK = local_tile(mK, Shape<BlockN, HeadDim>{}, make_coord(_, _0{}));        // (BlockN, D, key blocks)
+  Tensor gV = local_tile(mV, Shape<BlockN, HeadDim>{}, make_coord(_, _0{}));
+
+  auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  using cutlass::arch::ClusterBarrier;
+  using cutlass::arch::ClusterTransactionBarrier;
+  ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, kQBytes);
+  copy(params.tma_q.with(smem.q_full), tQgQ, tQsQ);
+
+  int iteration = 0;
+  for (int n_block = end_block - 1; n_block >= first_block; --n_block, ++iteration) {
+    const int stage = iteration % kStages;
+    // The empty barriers start in phase 0 with nothing released: waiting on the parity of
+    // the phase before it returns at once for the first pass over the ring.
+    const uint32_t empty_parity = ((iteration / kStages) & 1) ^ 1;
+    ClusterBarrier::wait(&smem.k_empty[stage], empty_parity);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[stage], kKVBytes);
+    copy(params.tma_k.with(smem.k_full[stage]), tKgK(_, n_block), tKsK(_, stage));
+    ClusterBarrier::wait(&smem.v_empty[stage], empty_parity);
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], kKVBytes);
+    copy(params.tma_v.with(smem.v_full[stage]), tVgV(_, n_block), tVsV(_, stage));
+  }
+}
+
+// The consumers: S, softmax, P V over every key block, then the epilogue. consumer_thread
+// is 0 .. kConsumerThreads - 1.
+template <typename T, typename Traits>
+__device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<T, Traits>& smem, const Sequence& seq,
+                                        int b, int head, int m_block, int first_block, int end_block,
+                                        int consumer_thread) {
+  using BlockM = typename Traits::BlockM;
+  using BlockN = typename Traits::BlockN;
+  using HeadDim = typename Traits::HeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kD;
+  const int m0 = m_block * kBlockM;
+  const Mask mask(p, seq);
+  const float multiplier = p.softmax_scale * kLog2e;  // softcap runs on the sm_80 kernel
+
+  typename Traits::MmaQK mma_qk;
+  typename Traits::MmaPV mma_pv;
+  auto thread_qk = mma_qk.get_thread_slice(consumer_thread);
+  auto thread_pv = mma_pv.get_thread_slice(consumer_thread);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::QLayout{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.begin()), typename Traits::KVStagedLayout{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::VTransposedStagedLayout{});
+  Tensor tSrQ = thread_qk.partition_fragment_A(sQ);   // shared-memory descriptors
+  Tensor tSrK = thread_qk.partition_fragment_B(sK);   // (.., stages)
+  Tensor tOrVt = thread_pv.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<BlockM, BlockN>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<BlockM, HeadDim>{});
+  Tensor tOrP = thread_pv.partition_fragment_A(make_tensor(static_cast<T*>(nullptr), Shape<BlockM, BlockN>{}));
+  // P's A-operand fragment holds, register for register, the S accumulators of the same
+  // (row, key): for 16-bit wgmma both are (pair, row half, 8-column chunk) in that order.
+  static_assert(size(tOrP) == size(tSrS), "P must reuse the layout of the S accumulators");
+  clear(tOrO);
+
+  // (rows, columns) views of this thread's accumulators and their tile coordinates.
+  Tensor scores = make_tensor(tSrS.data(), rows_by_columns(tSrS.layout()));
+  Tensor out = make_tensor(tOrO.data(), rows_by_columns(tOrO.layout()));
+  Tensor score_coords_flat = thread_qk.partition_C(make_identity_tensor(Shape<BlockM, BlockN>{}));
+  Tensor score_coords = make_tensor(score_coords_flat.data(), rows_by_columns(score_coords_flat.layout()));
+  constexpr int kRows = decltype(size<0>(scores))::value;
+  static_assert(kRows == 2, "a thread owns two rows of each 64-row wgmma tile");
+
+  float row_max[kRows], row_sum[kRows];  // row_sum: this thread's columns; summed over the quad at the end
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+  }
+
+  using cutlass::arch::ClusterBarrier;
+  ClusterBarrier::wait(&smem.q_full, 0);
+
+  // S = Q K^T of one key block, issued and left in flight.
+  auto issue_scores = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), tSrS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // O += P V of one key block, issued and left in flight; P is fenced so that its
+  // conversion is complete before the wgmma reads the registers.
+  auto issue_output = [&](int stage) {
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb) cute::gemm(mma_pv, tOrP(_, _, kb), tOrVt(_, _, kb, stage), tOrO);
+    warpgroup_commit_batch();
+  };
+  // The online softmax of the scores in tSrS (key block at n0): masks them (kMasked),
+  // updates the row maxima and sums, turns the scores into probabilities, and leaves in
+  // rescale the factor by which O (accumulated against the old maxima) must be scaled.
+  auto softmax = [&](int n0, float* rescale, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float block_max = -INFINITY;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        if constexpr (kMasked) {
+          const auto coord = score_coords(r, c);
+          if (!mask.visible(m0 + get<0>(coord), n0 + get<1>(coord))) scores(r, c) = -INFINITY;
+        }
+        block_max = fmaxf(block_max, scores(r, c));
+      }
+      // The four threads of a quad hold one row's columns.
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+      const float new_max = fmaxf(row_max[r], block_max);
+      // A row with no visible key yet keeps max -inf: exponentiate against 0 so that
+      // exp2(-inf - (-inf)) never makes a NaN.
+      const float base = new_max == -INFINITY ? 0.0f : new_max * multiplier;
+      rescale[r] = exp2_ftz(row_max[r] * multiplier - base);
+      row_max[r] = new_max;
+      row_sum[r] *= rescale[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        scores(r, c) = exp2_ftz(fmaf(scores(r, c), multiplier, -base));
+        row_sum[r] += scores(r, c);
+      }
+    }
+  };
+  auto softmax_of_block = [&](int n_block, float* rescale) {
+    const int n0 = n_block * kBlockN;
+    if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
+      softmax(n0, rescale, cute::false_type{});
+    } else {
+      softmax(n0, rescale, cute::true_type{});
+    }
+  };
+  // Once the row maxima settle most blocks leave them unchanged: skip the rescale of O
+  // when no row of the warp needs it (warp-uniform, so no divergence).
+  auto rescale_output = [&](const float* rescale) {
+    bool any_row_moved = false;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) any_row_moved |= rescale[r] != 1.0f;
+    if (!__any_sync(0xffffffffu, any_row_moved)) return;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(out); ++c) out(r, c) *= rescale[r];
+    }
+  };
+  // The whole fragment at once, so that pairs go through the packed two-value conversion.
+  using ProbabilityConverter = cutlass::NumericArrayConverter<T, float, decltype(size(tSrS))::value>;
+  auto convert_probabilities = [&] {
+    *reinterpret_cast<typename ProbabilityConverter::result_type*>(tOrP.data()) =
+        ProbabilityConverter::convert(*reinterpret_cast<const typename ProbabilityConverter::source_type*>(tSrS.data()));
+  };
+  auto full_parity = [](int iteration) { return static_cast<uint32_t>((iteration / kStages) & 1); };
+
+  // Between the two warpgroups (ping-pong): they take turns issuing their GEMMs, each
+  // handing the turn over right after its issue, so that one warpgroup's softmax runs while
+  // the other's GEMMs hold the tensor cores. Turn barrier 2 + w (256 threads: w syncs, the
+  // other arrives) opens when the other warpgroup passed the turn. Warpgroup 1 passes once
+  // before its first turn so that warpgroup 0 starts, and warpgroup 0 takes one turn more
+  // at the end to consume warpgroup 1's last pass: every arrival is matched.
+  static_assert(Traits::kConsumerWarpgroups == 2, "the turn-taking pairs two consumer warpgroups");
+  const int warpgroup = consumer_thread / 128;
+  constexpr int kPair = Traits::kConsumerThreads;
+  auto wait_for_turn = [&] {
+    if (warpgroup == 0) {
+      named_barrier_sync<kFirstTurnBarrier, kPair>();
+    } else {
+      named_barrier_sync<kFirstTurnBarrier + 1, kPair>();
+    }
+  };
+  auto pass_turn = [&] {
+    if (warpgroup == 0) {
+      named_barrier_arrive<kFirstTurnBarrier + 1, kPair>();
+    } else {
+      named_barrier_arrive<kFirstTurnBarrier, kPair>();
+    }
+  };
+  if (warpgroup == 1) pass_turn();
+
+  // Within a warpgroup, the softmax of key block n overlaps two GEMMs on the tensor cores:
+  // S of block n is issued together with O += P V of block n + 1 (the previous one), and
+  // only S is waited for before the softmax. O's rescale waits for P V.
+  int iteration = 0;
+  if (first_block < end_block) {
+    float rescale[kRows];
+    ClusterBarrier::wait(&smem.k_full[0], 0);
+    wait_for_turn();
+    issue_scores(0);
+    pass_turn();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    ClusterBarrier::arrive(&smem.k_empty[0]);
+    softmax_of_block(end_block - 1, rescale);  // O is still zero: nothing to rescale
+    convert_probabilities();
+    for (iteration = 1; end_block - 1 - iteration >= first_block; ++iteration) {
+      const int stage = iteration % kStages, previous = (iteration - 1) % kStages;
+      ClusterBarrier::wait(&smem.k_full[stage], full_parity(iteration));
+      ClusterBarrier::wait(&smem.v_full[previous], full_parity(iteration - 1));
+      wait_for_turn();
+      issue_scores(stage);
+      issue_output(previous);
+      pass_turn();
+      warpgroup_wait<1>();  // wgmma groups retire in order: S has landed, P V may still run
+      warpgroup_fence_operand(tSrS);
+      ClusterBarrier::arrive(&smem.k_empty[stage]);
+      softmax_of_block(end_block - 1 - iteration, rescale);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      ClusterBarrier::arrive(&smem.v_empty[previous]);
+      rescale_output(rescale);
+      convert_probabilities();
+    }
+    const int last = (iteration - 1) % kStages;
+    ClusterBarrier::wait(&smem.v_full[last], full_parity(iteration - 1));
+    wait_for_turn();
+    issue_output(last);
+    pass_turn();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    ClusterBarrier::arrive(&smem.v_empty[last]);
+  }
+  if (warpgroup == 0) wait_for_turn();
+
+  // Epilogue: normalize, write the lse, stage O as T in shared memory, store whole rows.
+  Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
+  Tensor out_coords = make_tensor(out_coords_flat.data(), rows_by_columns(out_coords_flat.layout()));
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int row = get<0>(out_coords(r, 0));
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(out); ++c) {
+      const auto coord = out_coords(r, c);
+      smem.o[get<0>(coord) * Traits::kOStride + get<1>(coord)] = static_cast<T>(out(r, c) * inverse);
+    }
+    const int i = m0 + row;
+    if (consumer_thread % 4 == 0 && i < seq.seqlen_q) {
+      p.lse[head * p.q_rows + seq.q_first_row + i] =
+          sum > 0.0f ? (row_max[r] * multiplier + log2f(sum)) * kLn2 : INFINITY;
+    }
+  }
+  named_barrier_sync<kEpilogueBarrier, Traits::kConsumerThreads>();
+
+  T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
+  constexpr int kChunks = kD / 8;
+  for (int idx = consumer_thread; idx < kBlockM * kChunks; idx += Traits::kConsumerThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    if (m0 + r >= seq.seqlen_q) continue;
+    *reinterpret_cast<uint4*>(o + static_cast<int64_t>(m0 + r) * p.o_strides.row + c * 8) =
+        *reinterpret_cast<const uint4*>(smem.o + r * Traits::kOStride + c * 8);
+  }
+}
+
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_forward_sm90_kernel(const __grid_constant__ ForwardKernelParams<T, Traits> params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const AttentionParams& p = params.p;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& smem = *reinterpret_cast<SharedStorage<T, Traits>*>(smem_raw);
+
+  // The longest-running (last, under a causal mask) query blocks start first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y, b = blockIdx.z;
+  const Sequence seq = Sequence::of(p, b);
+  const int m0 = m_block * Traits::kBlockM;
+  if (m0 >= seq.seqlen_q) return;
+  const int kv_head = head / (p.q_heads / p.kv_heads);
+  const Mask mask(p, seq);
+  const int2 keys = mask.key_range(m0, m0 + Traits::kBlockM);
+  const int first_block = keys.x / Traits::kBlockN;
+  const int end_block = keys.x < keys.y ? (keys.y + Traits::kBlockN - 1) / Traits::kBlockN : first_block;
+
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    using cutlass::arch::ClusterBarrier;
+    ClusterBarrier::init(&smem.q_full, 1);
+    for (int s = 0; s < Traits::kStages; ++s) {
+      ClusterBarrier::init(&smem.k_full[s], 1);
+      ClusterBarrier::init(&smem.v_full[s], 1);
+      ClusterBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads);
+      ClusterBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+      produce<T, Traits>(params, smem, seq, b, head, kv_head, m_block, first_block, end_block);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume<T, Traits>(p, smem, seq, b, head, m_block, first_block, end_block, threadIdx.x - 128);
+  }
+#endif
+}
+
+}  // namespace barqtrain::kernels::attention::hopper

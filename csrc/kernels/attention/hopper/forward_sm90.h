@@ -1,0 +1,36 @@
+// The Hopper (sm_90a, wgmma + TMA) attention forward: host entry points. Built only when
+// CMake finds the CUTLASS/CuTe headers and sm_90a is among the architectures (compile
+// definition BARQTRAIN_HOPPER_KERNELS=1). attention_forward sends a call here when
+// AttentionParams::forward_kernel asks for it, or, for kAuto, when hopper_forward_selected
+// says so; every other case stays on the general (sm_80) kernel.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "kernels/attention/params.h"
+
+namespace barqtrain::kernels::attention::hopper {
+
+// The opt-out: BARQTRAIN_HOPPER_ATTENTION=0 in the environment keeps kAuto on the general
+// kernel (read once per process; for comparisons). Unset or 1: the Hopper kernel where it runs.
+constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
+
+// Empty when the Hopper forward covers these (normalized) parameters, else the feature it
+// does not cover. Looks at the parameters only, not at the device.
+std::string hopper_forward_unsupported_reason(const AttentionParams& params);
+
+// True when the current device is compute capability 9.0 (the sm_90a code runs there only).
+bool current_device_is_sm90();
+
+// kAuto's rule: the opt-out not set, parameters covered, device sm_90. Throws
+// std::invalid_argument when the opt-out variable holds something other than 0 or 1.
+bool hopper_forward_selected(const AttentionParams& params);
+
+// Writes o and lse as attention_forward does (the same argument checks). Throws
+// std::invalid_argument when hopper_forward_unsupported_reason names a feature or the
+// device is not sm_90.
+void hopper_forward(const AttentionParams& params, cudaStream_t stream);
+
+}  // namespace barqtrain::kernels::attention::hopper
