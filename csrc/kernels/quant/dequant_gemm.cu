@@ -18,6 +18,7 @@
 
 #include "kernels/attention/warp_mma.cuh"
 #include "kernels/quant/quant.h"
+#include "kernels/quant/dequant_values.cuh"
 #include "kernels/quant/quant_device.cuh"
 
 namespace barqtrain::kernels {
@@ -99,8 +100,7 @@ struct Nf4Slices {
       uint32_t pairs[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t byte = (words[s] >> (8 * e)) & 0xFFu;  // the even element in the high nibble
-        pairs[e] = pack2<T>(tables[byte >> 4] * absmax, tables[byte & 0xFu] * absmax);
+        pairs[e] = quant::dequantize_4bit_byte<T>(words[s] >> (8 * e), absmax, tables);
       }
       *reinterpret_cast<uint4*>(dst + s * 8) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
     }
@@ -127,7 +127,6 @@ struct Int8Slices {
     return kScalesOutputColumns ? 1.0f : __ldg(p.row_absmax + row);
   }
   static __device__ void dequantize(const uint8_t* bytes, float absmax, const float*, T* dst) {
-    const float inverse127 = 1.0f / 127.0f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint4 chunk = *reinterpret_cast<const uint4*>(bytes + 16 * half);
@@ -137,21 +136,14 @@ struct Int8Slices {
         uint32_t pairs[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t word = words[2 * s + e / 2];
-          float lo = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2))));
-          float hi = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2) + 8)));
-          if (!kScalesOutputColumns) {
-            lo = __fmul_rn(__fmul_rn(lo, absmax), inverse127);
-            hi = __fmul_rn(__fmul_rn(hi, absmax), inverse127);
-          }
-          pairs[e] = pack2<T>(lo, hi);
+          pairs[e] = quant::dequantize_int8_pair<T, !kScalesOutputColumns>(words[2 * s + e / 2] >> (16 * (e % 2)), absmax);
         }
         *reinterpret_cast<uint4*>(dst + 16 * half + 8 * s) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
       }
     }
   }
   static __device__ float output_column_scale(const Params& p, int64_t col) {
-    return __fdiv_rn(__ldg(p.row_absmax + col), 127.0f);
+    return quant::int8_output_column_scale(__ldg(p.row_absmax + col));
   }
 };
 
