@@ -15,10 +15,15 @@
 //   backward (C = A · W) :  64 W rows (depth) x 128 W columns (output columns), ldmatrix.trans
 // so one loader and one dequantizer serve both.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/attention/warp_mma.cuh"
 #include "kernels/quant/quant.h"
 #include "kernels/quant/dequant_values.cuh"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/quant/dequant_gemm_sm90.h"
+#endif
 #include "kernels/quant/quant_device.cuh"
 
 namespace barqtrain::kernels {
@@ -341,7 +346,36 @@ void check_gemm(const QuantGemmParams& p, const std::string& what) {
   require(p.m <= 65535LL * kBM, what + " supports at most 8388480 rows");
 }
 
+// Whether a GEMM runs on the Hopper kernel (QuantGemmKernel's rules). It covers every shape
+// check_gemm and the format's checks accept, so the choice depends on the device alone.
+bool use_hopper_kernel(const QuantGemmParams& p) {
+  if (p.kernel == QuantGemmKernel::kGeneral) return false;
+  if (p.kernel == QuantGemmKernel::kHopper) {
+    require(hopper_quant_gemm_available(),
+            "the Hopper dequant-GEMM was asked for, but it is not built in (BARQTRAIN_ENABLE_HOPPER_KERNELS) "
+            "or the current device is not sm_90");
+    return true;
+  }
+  static const bool switched_on = [] {
+    const char* value = std::getenv("BARQTRAIN_HOPPER_QGEMM");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return switched_on && hopper_quant_gemm_available();
+}
+
 }  // namespace
+
+bool hopper_quant_gemm_available() {
+#if BARQTRAIN_HOPPER_KERNELS
+  int device = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 alone
+#else
+  return false;
+#endif
+}
 
 void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
   check_gemm(p, "the 4-bit GEMM");
@@ -355,6 +389,12 @@ void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
     require(p.absmax.absmax != nullptr, "absmax is missing");
   }
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  if (use_hopper_kernel(p)) {  // never true in a build without the Hopper kernels
+#if BARQTRAIN_HOPPER_KERNELS
+    hopper::nf4_gemm_sm90(p, stream);
+    return;
+#endif
+  }
   dispatch<Nf4Slices>(p, stream, "nf4_gemm");
 }
 
@@ -364,6 +404,12 @@ void int8_gemm(const Int8GemmParams& p, cudaStream_t stream) {
   require(is_aligned(p.q, 16), "the int8 weight must be 16-byte aligned");
   require(p.row_absmax != nullptr, "the int8 weight's row_absmax is missing");
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  if (use_hopper_kernel(p)) {  // never true in a build without the Hopper kernels
+#if BARQTRAIN_HOPPER_KERNELS
+    hopper::int8_gemm_sm90(p, stream);
+    return;
+#endif
+  }
   dispatch<Int8Slices>(p, stream, "int8_gemm");
 }
 
