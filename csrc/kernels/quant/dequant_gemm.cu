@@ -368,9 +368,12 @@ bool use_hopper_kernel(const QuantGemmParams& p) {
 bool hopper_quant_gemm_available() {
 #if BARQTRAIN_HOPPER_KERNELS
   int device = 0, major = 0, minor = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "compute capability");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "compute capability");
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
+    return false;
+  }
   return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 alone
 #else
   return false;
