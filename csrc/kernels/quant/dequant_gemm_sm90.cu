@@ -27,8 +27,12 @@
 // Bytes and FLOPs of a step (bf16, NF4): A 16 KB + W 4 KB in, 2 * 128 * 128 * 64 = 2.1 MFLOP;
 // the converter's 8192 values are 64 per producer thread. At cuBLAS's ~750 TFLOP/s on 132
 // SMs one step's wgmmas take ~370 ns; the producer has that long to convert the next step.
-// At 8192 x 4096 -> 14336: A 64 MiB + W 28 MiB read per column of CTAs through L2, C 224
-// MiB written once; 962 GFLOP, ~1.3 ms at cuBLAS's rate.
+// At 8192 x 4096 -> 14336: A 64 MiB and W 28 MiB read from DRAM about once (L2 keeps the
+// W tiles a row of CTAs shares), C 224 MiB written once; 962 GFLOP, ~1.3 ms at cuBLAS's rate.
+// Shared memory is the budget to watch (128 B/clock an SM): per step the wgmmas read 48 KB,
+// TMA writes 20 KB, the converter writes 16 KB and makes 8192 table lookups (256 warp-wide
+// loads), against ~512 clocks of tensor-core work at peak; ncu's shared-memory throughput
+// says whether the lookups need to move into registers.
 // CuTe's headers depend on their order: the tensor algebra first, then the atoms.
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_atom.hpp>
