@@ -384,7 +384,7 @@ TEST_P(Nf4Gemm, MatchesDequantizedMatmulInDouble) {
 }
 
 // Odd m and n, padded rows, partial tiles; the last two cases walk 24-32 depth steps (the
-// Hopper kernel's ring of stages wraps 6-8 times) over 60 CTAs, the backward's last one partial.
+// Hopper kernel's ring of stages wraps 4-6 times) over 60 CTAs, the backward's last one partial.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Nf4Gemm,
     ::testing::Combine(::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
