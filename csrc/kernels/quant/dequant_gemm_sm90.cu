@@ -17,7 +17,7 @@
 //     one 16-byte store at the swizzled address) and arrive on its `converted` mbarrier;
 //   consumers (warpgroups 1 and 2): 64 rows of C each, wgmma 64x128x16 from shared memory
 //     with fp32 accumulators, one step in flight while the next is issued; when a step's
-//     wgmmas are done they arrive on its `free` mbarrier, which lets the producer reuse it.
+//     wgmmas are done they arrive on its `released` mbarrier, which lets the producer reuse it.
 // The W tile is W's own rows in both directions, its columns contiguous: the forward's B is
 // K-major (128 W rows x 64 depth), the backward's MN-major (64 W rows of depth x 128 W
 // columns), so one loader and one converter serve both and wgmma reads either major-ness.
@@ -33,6 +33,7 @@
 // TMA writes 20 KB, the converter writes 16 KB and makes 8192 table lookups (256 warp-wide
 // loads), against ~512 clocks of tensor-core work at peak; ncu's shared-memory throughput
 // says whether the lookups need to move into registers.
+
 // CuTe's headers depend on their order: the tensor algebra first, then the atoms.
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_atom.hpp>
