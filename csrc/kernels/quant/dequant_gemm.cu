@@ -15,8 +15,6 @@
 //   backward (C = A · W) :  64 W rows (depth) x 128 W columns (output columns), ldmatrix.trans
 // so one loader and one dequantizer serve both.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/attention/warp_mma.cuh"
 #include "kernels/quant/quant.h"
@@ -356,11 +354,7 @@ bool use_hopper_kernel(const QuantGemmParams& p) {
             "or the current device is not sm_90");
     return true;
   }
-  static const bool switched_on = [] {
-    const char* value = std::getenv("BARQTRAIN_HOPPER_QGEMM");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
-  return switched_on && hopper_quant_gemm_available();
+  return hopper_quant_gemm_available();
 }
 
 }  // namespace

@@ -123,9 +123,9 @@ enum class QuantGemmOp : int { kForward = 0, kBackward = 1 };
 // Which kernel runs a dequant-GEMM. Both give the same 16-bit W values; they differ in the
 // order of the fp32 sums.
 //   kAuto   : the Hopper kernel (wgmma + TMA, dequant_gemm_sm90.cu) when it was built
-//             (BARQTRAIN_HOPPER_KERNELS), the current device has compute capability 9.0 and
-//             the environment sets BARQTRAIN_HOPPER_QGEMM=1; otherwise the general kernel.
-//             The switch stays off by default until the Hopper kernel has run on a GPU.
+//             (BARQTRAIN_HOPPER_KERNELS) and the current device has compute capability 9.0
+//             (2-2.8x faster than the general kernel there, docs/qlora.md); otherwise the
+//             general kernel.
 //   kGeneral: the general kernel (mma.sync, cp.async), sm_80 and up.
 //   kHopper : the Hopper kernel, an error where hopper_quant_gemm_available() is false.
 enum class QuantGemmKernel : int { kAuto = 0, kGeneral = 1, kHopper = 2 };
