@@ -18,6 +18,10 @@
 
 #include "kernels/attention/warp_mma.cuh"
 #include "kernels/quant/quant.h"
+#include "kernels/quant/dequant_values.cuh"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/quant/dequant_gemm_sm90.h"
+#endif
 #include "kernels/quant/quant_device.cuh"
 
 namespace barqtrain::kernels {
@@ -99,8 +103,7 @@ struct Nf4Slices {
       uint32_t pairs[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t byte = (words[s] >> (8 * e)) & 0xFFu;  // the even element in the high nibble
-        pairs[e] = pack2<T>(tables[byte >> 4] * absmax, tables[byte & 0xFu] * absmax);
+        pairs[e] = quant::dequantize_4bit_byte<T>(words[s] >> (8 * e), absmax, tables);
       }
       *reinterpret_cast<uint4*>(dst + s * 8) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
     }
@@ -127,7 +130,6 @@ struct Int8Slices {
     return kScalesOutputColumns ? 1.0f : __ldg(p.row_absmax + row);
   }
   static __device__ void dequantize(const uint8_t* bytes, float absmax, const float*, T* dst) {
-    const float inverse127 = 1.0f / 127.0f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint4 chunk = *reinterpret_cast<const uint4*>(bytes + 16 * half);
@@ -137,21 +139,14 @@ struct Int8Slices {
         uint32_t pairs[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t word = words[2 * s + e / 2];
-          float lo = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2))));
-          float hi = static_cast<float>(static_cast<int8_t>(word >> (16 * (e % 2) + 8)));
-          if (!kScalesOutputColumns) {
-            lo = __fmul_rn(__fmul_rn(lo, absmax), inverse127);
-            hi = __fmul_rn(__fmul_rn(hi, absmax), inverse127);
-          }
-          pairs[e] = pack2<T>(lo, hi);
+          pairs[e] = quant::dequantize_int8_pair<T, !kScalesOutputColumns>(words[2 * s + e / 2] >> (16 * (e % 2)), absmax);
         }
         *reinterpret_cast<uint4*>(dst + 16 * half + 8 * s) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
       }
     }
   }
   static __device__ float output_column_scale(const Params& p, int64_t col) {
-    return __fdiv_rn(__ldg(p.row_absmax + col), 127.0f);
+    return quant::int8_output_column_scale(__ldg(p.row_absmax + col));
   }
 };
 
@@ -349,7 +344,35 @@ void check_gemm(const QuantGemmParams& p, const std::string& what) {
   require(p.m <= 65535LL * kBM, what + " supports at most 8388480 rows");
 }
 
+// Whether a GEMM runs on the Hopper kernel (QuantGemmKernel's rules). It covers every shape
+// check_gemm and the format's checks accept, so the choice depends on the device alone.
+bool use_hopper_kernel(const QuantGemmParams& p) {
+  if (p.kernel == QuantGemmKernel::kGeneral) return false;
+  if (p.kernel == QuantGemmKernel::kHopper) {
+    require(hopper_quant_gemm_available(),
+            "the Hopper dequant-GEMM was asked for, but it is not built in (BARQTRAIN_ENABLE_HOPPER_KERNELS) "
+            "or the current device is not sm_90");
+    return true;
+  }
+  return hopper_quant_gemm_available();
+}
+
 }  // namespace
+
+bool hopper_quant_gemm_available() {
+#if BARQTRAIN_HOPPER_KERNELS
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
+    return false;
+  }
+  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 alone
+#else
+  return false;
+#endif
+}
 
 void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
   check_gemm(p, "the 4-bit GEMM");
@@ -363,6 +386,12 @@ void nf4_gemm(const Nf4GemmParams& p, cudaStream_t stream) {
     require(p.absmax.absmax != nullptr, "absmax is missing");
   }
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  if (use_hopper_kernel(p)) {  // never true in a build without the Hopper kernels
+#if BARQTRAIN_HOPPER_KERNELS
+    hopper::nf4_gemm_sm90(p, stream);
+    return;
+#endif
+  }
   dispatch<Nf4Slices>(p, stream, "nf4_gemm");
 }
 
@@ -372,6 +401,12 @@ void int8_gemm(const Int8GemmParams& p, cudaStream_t stream) {
   require(is_aligned(p.q, 16), "the int8 weight must be 16-byte aligned");
   require(p.row_absmax != nullptr, "the int8 weight's row_absmax is missing");
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  if (use_hopper_kernel(p)) {  // never true in a build without the Hopper kernels
+#if BARQTRAIN_HOPPER_KERNELS
+    hopper::int8_gemm_sm90(p, stream);
+    return;
+#endif
+  }
   dispatch<Int8Slices>(p, stream, "int8_gemm");
 }
 

@@ -120,6 +120,16 @@ struct DequantizeInt8Params {
 
 enum class QuantGemmOp : int { kForward = 0, kBackward = 1 };
 
+// Which kernel runs a dequant-GEMM. Both give the same 16-bit W values; they differ in the
+// order of the fp32 sums.
+//   kAuto   : the Hopper kernel (wgmma + TMA, dequant_gemm_sm90.cu) when it was built
+//             (BARQTRAIN_HOPPER_KERNELS) and the current device has compute capability 9.0
+//             (2-2.8x faster than the general kernel there, docs/qlora.md); otherwise the
+//             general kernel.
+//   kGeneral: the general kernel (mma.sync, cp.async), sm_80 and up.
+//   kHopper : the Hopper kernel, an error where hopper_quant_gemm_available() is false.
+enum class QuantGemmKernel : int { kAuto = 0, kGeneral = 1, kHopper = 2 };
+
 // What every dequant-GEMM takes besides its weight.
 struct QuantGemmParams {
   QuantGemmOp op = QuantGemmOp::kForward;
@@ -131,6 +141,7 @@ struct QuantGemmParams {
   int64_t a_row_stride = 0;         // elements, a multiple of 8 (16-byte rows)
   int64_t c_row_stride = 0;         // elements (an even stride stores pairs at once)
   DType dtype = DType::kBFloat16;   // of A and C: bfloat16 or float16
+  QuantGemmKernel kernel = QuantGemmKernel::kAuto;
 };
 
 struct Nf4GemmParams : QuantGemmParams {
@@ -152,5 +163,7 @@ void quantize_int8_rows(const QuantizeInt8Params& params, cudaStream_t stream);
 void dequantize_int8_rows(const DequantizeInt8Params& params, cudaStream_t stream);
 void nf4_gemm(const Nf4GemmParams& params, cudaStream_t stream);
 void int8_gemm(const Int8GemmParams& params, cudaStream_t stream);
+// Whether QuantGemmKernel::kHopper can run: built in, and the current device is sm_90.
+bool hopper_quant_gemm_available();
 
 }  // namespace barqtrain::kernels

@@ -264,18 +264,32 @@ void PrintTo(const GemmCase& c, std::ostream* os) {
       << " n=" << c.n << " k=" << c.k << (c.double_quantized ? " double-quantized" : "") << (c.padded_rows ? " padded" : "");
 }
 
-std::string gemm_name(const ::testing::TestParamInfo<GemmCase>& info) {
-  const GemmCase& c = info.param;
-  return std::string(k::dtype_name(c.dtype)) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" +
-         std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + (c.double_quantized ? "_dq" : "") +
+// Every case runs on each kernel: the general one (mma.sync) and the Hopper one (wgmma),
+// which skips where hopper_quant_gemm_available() is false (not built, or not an sm_90 GPU).
+using GemmParam = std::tuple<GemmCase, k::QuantGemmKernel>;
+
+std::string gemm_name(const ::testing::TestParamInfo<GemmParam>& info) {
+  const GemmCase& c = std::get<0>(info.param);
+  return std::string(std::get<1>(info.param) == k::QuantGemmKernel::kHopper ? "hopper_" : "general_") +
+         k::dtype_name(c.dtype) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" + std::to_string(c.m) +
+         "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + (c.double_quantized ? "_dq" : "") +
          (c.padded_rows ? "_padded" : "");
 }
+
+const auto kBothKernels = ::testing::Values(k::QuantGemmKernel::kGeneral, k::QuantGemmKernel::kHopper);
+
+// Skips a Hopper-kernel case where that kernel cannot run.
+#define SKIP_UNLESS_KERNEL_AVAILABLE(kernel)                                                              \
+  if ((kernel) == k::QuantGemmKernel::kHopper && !k::hopper_quant_gemm_available()) {                     \
+    GTEST_SKIP() << "the Hopper dequant-GEMM is not built in or this device is not sm_90";                \
+  }
 
 // A fresh random A (with padded rows when the case asks), C from `launch` (given the shared
 // GEMM parameters, C poisoned), and C against A · W(ᵀ) in double, W [n, k] given as the
 // values the kernel multiplies by.
 template <typename T, typename Launch>
-void check_gemm_against_double(const GemmCase& c, std::mt19937_64& rng, const std::vector<double>& w, Launch launch) {
+void check_gemm_against_double(const GemmCase& c, k::QuantGemmKernel kernel, std::mt19937_64& rng,
+                               const std::vector<double>& w, Launch launch) {
   const bool forward = c.op == k::QuantGemmOp::kForward;
   const int64_t a_cols = forward ? c.k : c.n, out_cols = forward ? c.n : c.k;
   const int64_t a_stride = a_cols + (c.padded_rows ? 24 : 0), c_stride = out_cols + (c.padded_rows ? 6 : 0);
@@ -299,6 +313,7 @@ void check_gemm_against_double(const GemmCase& c, std::mt19937_64& rng, const st
   p.a_row_stride = a_stride;
   p.c_row_stride = c_stride;
   p.dtype = c.dtype;
+  p.kernel = kernel;
   launch(p);
   CUDA_OK(cudaDeviceSynchronize());
   const auto out = d_c.to_host<T>(c.m * c_stride);
@@ -309,12 +324,14 @@ void check_gemm_against_double(const GemmCase& c, std::mt19937_64& rng, const st
   EXPECT_LT(relative_error(dense, expected), storage_tolerance(c.dtype));
 }
 
-class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
+class Nf4Gemm : public ::testing::TestWithParam<GemmParam> {
  protected:
   template <typename T>
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
-    const GemmCase c = GetParam();
+    const GemmCase c = std::get<0>(GetParam());
+    const k::QuantGemmKernel kernel = std::get<1>(GetParam());
+    SKIP_UNLESS_KERNEL_AVAILABLE(kernel);
     std::mt19937_64 rng = fresh_rng(c.m * 31 + c.n * 7 + c.k);
     // W from the quantizer: random bf16-scale weights, quantized on the device.
     std::vector<T> w;
@@ -348,7 +365,7 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
     const std::vector<float> w_fp32 = ref::dequantize_4bit(packed, scales, true);
     std::vector<double> w_rounded(w_fp32.size());
     for (size_t i = 0; i < w_fp32.size(); ++i) w_rounded[i] = Storage<T>::to_double(Storage<T>::from_double(w_fp32[i]));
-    check_gemm_against_double<T>(c, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
+    check_gemm_against_double<T>(c, kernel, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
       k::Nf4GemmParams p;
       static_cast<k::QuantGemmParams&>(p) = shared;
       p.packed = static_cast<const uint8_t*>(d_packed.get());
@@ -359,34 +376,41 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmCase> {
 };
 
 TEST_P(Nf4Gemm, MatchesDequantizedMatmulInDouble) {
-  if (GetParam().dtype == k::DType::kBFloat16) {
+  if (std::get<0>(GetParam()).dtype == k::DType::kBFloat16) {
     run_case<__nv_bfloat16>();
   } else {
     run_case<__half>();
   }
 }
 
+// Odd m and n, padded rows, partial tiles; the last two cases walk 24-32 depth steps (the
+// Hopper kernel's ring of stages wraps 4-6 times) over 60 CTAs, the backward's last one partial.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Nf4Gemm,
-    ::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
+    ::testing::Combine(::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 192, true, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 384, 448, false, true},
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, true, true},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 64, true, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 192, true, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
-                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true}),
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, true, true}),
+                       kBothKernels),
     gemm_name);
 
 // The int8 GEMM with W from the int8 quantizer (a zero row included). The forward is checked
 // against the exact weight q * absmax / 127 (it scales its fp32 sums, never rounding W), the
 // backward against dequantize_int8_rows' 16-bit values (the ones it multiplies by).
-class Int8Gemm : public ::testing::TestWithParam<GemmCase> {
+class Int8Gemm : public ::testing::TestWithParam<GemmParam> {
  protected:
   template <typename T>
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
-    const GemmCase c = GetParam();
+    const GemmCase c = std::get<0>(GetParam());
+    const k::QuantGemmKernel kernel = std::get<1>(GetParam());
+    SKIP_UNLESS_KERNEL_AVAILABLE(kernel);
     std::mt19937_64 rng = fresh_rng(c.m * 37 + c.n * 5 + c.k);
     std::vector<T> w;
     std::vector<double> w_exact;
@@ -411,7 +435,7 @@ class Int8Gemm : public ::testing::TestWithParam<GemmCase> {
       const std::vector<float> w_fp32 = ref::dequantize_int8_rows(q, row_absmax, c.k);
       for (float v : w_fp32) w_reference.push_back(Storage<T>::to_double(Storage<T>::from_double(v)));
     }
-    check_gemm_against_double<T>(c, rng, w_reference, [&](const k::QuantGemmParams& shared) {
+    check_gemm_against_double<T>(c, kernel, rng, w_reference, [&](const k::QuantGemmParams& shared) {
       k::Int8GemmParams p;
       static_cast<k::QuantGemmParams&>(p) = shared;
       p.q = static_cast<const int8_t*>(d_q.get());
@@ -422,24 +446,28 @@ class Int8Gemm : public ::testing::TestWithParam<GemmCase> {
 };
 
 TEST_P(Int8Gemm, MatchesDequantizedMatmulInDouble) {
-  if (GetParam().dtype == k::DType::kBFloat16) {
+  if (std::get<0>(GetParam()).dtype == k::DType::kBFloat16) {
     run_case<__nv_bfloat16>();
   } else {
     run_case<__half>();
   }
 }
 
-// k a multiple of 16 but not of 32 or 64 (partial slices and depth steps), odd m and n.
+// k a multiple of 16 but not of 32 or 64 (partial slices and depth steps), odd m and n; the
+// last two cases as the 4-bit ones, both with a partial last depth step.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Int8Gemm,
-    ::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 16, false, false},
+    ::testing::Combine(::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 16, false, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 208, false, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, false},
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 336, false, true},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 16, false, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 208, false, false},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
-                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 336, false, true}),
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 336, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 515, 1537, 2000, false, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2008, 1536, false, false}),
+                       kBothKernels),
     gemm_name);
 
 TEST(Int8GemmChecks, RejectsDepthNotMultipleOf16) {
@@ -454,6 +482,29 @@ TEST(Int8GemmChecks, RejectsDepthNotMultipleOf16) {
     ADD_FAILURE() << "k = 40 was accepted";
   } catch (const std::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("multiple of 16"), std::string::npos) << error.what();
+  }
+}
+
+TEST(QuantGemmKernelChoice, HopperRefusedWhereUnavailable) {
+  if (k::hopper_quant_gemm_available()) GTEST_SKIP() << "the Hopper dequant-GEMM can run here";
+  k::Nf4GemmParams p;
+  p.m = 4;
+  p.n = 64;
+  p.k = 64;
+  p.a_row_stride = 64;
+  p.c_row_stride = 64;
+  p.kernel = k::QuantGemmKernel::kHopper;
+  // Never read: the choice is refused before any launch. Aligned so that only the choice fails.
+  alignas(16) static const uint8_t aligned_bytes[64] = {};
+  p.a = aligned_bytes;
+  p.c = const_cast<uint8_t*>(aligned_bytes);
+  p.packed = aligned_bytes;
+  p.absmax.absmax = reinterpret_cast<const float*>(aligned_bytes);
+  try {
+    k::nf4_gemm(p, nullptr);
+    ADD_FAILURE() << "kHopper was accepted where the Hopper kernel cannot run";
+  } catch (const std::invalid_argument& error) {
+    EXPECT_NE(std::string(error.what()).find("Hopper"), std::string::npos) << error.what();
   }
 }
 

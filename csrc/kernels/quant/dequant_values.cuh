@@ -1,0 +1,38 @@
+// The values a dequant-GEMM multiplies by, one formula per weight format, shared by the
+// general (mma.sync) kernel and the Hopper (wgmma) kernel so that both put the same bits in
+// their 16-bit W tiles: the bits dequantize_4bit and dequantize_int8_rows write.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/attention/warp_mma.cuh"
+
+namespace barqtrain::kernels::quant {
+
+// One byte of a 4-bit tensor (the even element in the high nibble) as two T values, the even
+// element in the low half: round_to_T(code[q] * absmax).
+template <typename T>
+__device__ __forceinline__ uint32_t dequantize_4bit_byte(uint32_t byte, float absmax, const float* code4) {
+  return attention::pack2<T>(code4[(byte >> 4) & 0xFu] * absmax, code4[byte & 0xFu] * absmax);
+}
+
+// An int8 value of a W row with absmax `absmax`: (q * absmax) * (1 / 127), two roundings.
+__device__ __forceinline__ float dequantize_int8_value(int8_t q, float absmax) {
+  return __fmul_rn(__fmul_rn(static_cast<float>(q), absmax), 1.0f / 127.0f);
+}
+
+// Two int8 values (bytes 0 and 1 of `pair`) as a T pair. With kScaled false they enter as
+// they are (|q| <= 127 is exact in 16 bits) and int8_output_column_scale is applied to the
+// fp32 sums instead: the forward GEMM, where a W row is an output column.
+template <typename T, bool kScaled>
+__device__ __forceinline__ uint32_t dequantize_int8_pair(uint32_t pair, float absmax) {
+  const int8_t lo = static_cast<int8_t>(pair & 0xFFu), hi = static_cast<int8_t>((pair >> 8) & 0xFFu);
+  if (kScaled) return attention::pack2<T>(dequantize_int8_value(lo, absmax), dequantize_int8_value(hi, absmax));
+  return attention::pack2<T>(static_cast<float>(lo), static_cast<float>(hi));
+}
+
+__device__ __forceinline__ float int8_output_column_scale(float absmax) { return __fdiv_rn(absmax, 127.0f); }
+
+}  // namespace barqtrain::kernels::quant
