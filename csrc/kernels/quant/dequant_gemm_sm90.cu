@@ -18,9 +18,9 @@
 //     the stage, and arrive on its `loaded` mbarrier with the copies' transaction count;
 //   consumers (warpgroups 1 and 2, 232 registers): per 16-deep k-block, one wgmma
 //     64x256x16 from the fragment registers, at most 4 in flight: while k-block j runs they
-//     compute k-block j + 1's fp32 values (the next step's first at j = 3, with the wait for
-//     its stage), then wait for the wgmma four back and pack the values into its registers.
-//     When a step's wgmmas are done, `released` lets the producer refill the stage.
+//     dequantize k-block j + 1 (the next step's first at j = 3) into the registers the
+//     wgmma four back has finished with. When a step's wgmmas are done, `released` lets the
+//     producer refill the stage.
 // A thread's two fragment rows are two adjacent output columns (fragment row g <-> column
 // 2g, row g + 8 <-> column 2g + 1), so the epilogue stores the accumulators as 4-byte
 // pairs of C straight from registers, and in the backward both values come from one byte
@@ -124,8 +124,8 @@ struct StoredTile {
 // A format gives: Params; kBitsPerValue; kTableFloats and load_tables (shared lookup
 // tables); kStepScales and step_scale (the producer's per-step scale of slot `slot`, 0 past
 // W's edges); Raw, load_raw (a consumer thread's W bytes and scales of a step, from shared
-// memory) and values (k-block kb of Raw -> the 8 fp32 values of wgmma's A fragment, register
-// i = values 2i (low half) and 2i + 1: rows g and g + 8 by depth 2q, 2q + 1 and 2q + 8, 2q + 9);
+// memory) and fragment (k-block kb of Raw -> the 4 registers of wgmma's A fragment: rows g
+// and g + 8 by depth 2q, 2q + 1 and 2q + 8, 2q + 9, the lower depth in the low half);
 // kScalesOutputColumns and output_column_scale (a factor on the fp32 sums per output column).
 
 // 4-bit, blocks of 64 along W's rows (k is a multiple of 64, tiles start at multiples of 64).
@@ -195,20 +195,20 @@ struct Nf4Format {
     }
     return raw;
   }
-  static __device__ void values(const Raw& raw, int kb, const float* code4, const ThreadCoords& t, float (&v)[8]) {
+  static __device__ void fragment(const Raw& raw, int kb, const float* code4, const ThreadCoords& t, uint32_t (&a)[4]) {
     if constexpr (kOp == QuantGemmOp::kForward) {
       const int shift = 8 * t.quad;
-      quant::dequantize_4bit_values(raw.words[2 * kb] >> shift, raw.scales[0], code4, v[0], v[1]);
-      quant::dequantize_4bit_values(raw.words[8 + 2 * kb] >> shift, raw.scales[1], code4, v[2], v[3]);
-      quant::dequantize_4bit_values(raw.words[2 * kb + 1] >> shift, raw.scales[0], code4, v[4], v[5]);
-      quant::dequantize_4bit_values(raw.words[8 + 2 * kb + 1] >> shift, raw.scales[1], code4, v[6], v[7]);
+      a[0] = quant::dequantize_4bit_byte<T>(raw.words[2 * kb] >> shift, raw.scales[0], code4);
+      a[1] = quant::dequantize_4bit_byte<T>(raw.words[8 + 2 * kb] >> shift, raw.scales[1], code4);
+      a[2] = quant::dequantize_4bit_byte<T>(raw.words[2 * kb + 1] >> shift, raw.scales[0], code4);
+      a[3] = quant::dequantize_4bit_byte<T>(raw.words[8 + 2 * kb + 1] >> shift, raw.scales[1], code4);
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // depth 2q, 2q + 1, then 2q + 8, 2q + 9
         const uint32_t b0 = raw.words[4 * kb + 2 * half], b1 = raw.words[4 * kb + 2 * half + 1];
         const float s0 = raw.scales[4 * kb + 2 * half], s1 = raw.scales[4 * kb + 2 * half + 1];
-        v[4 * half] = code4[b0 >> 4] * s0, v[4 * half + 1] = code4[b1 >> 4] * s1;
-        v[4 * half + 2] = code4[b0 & 0xFu] * s0, v[4 * half + 3] = code4[b1 & 0xFu] * s1;
+        a[2 * half] = attention::pack2<T>(code4[b0 >> 4] * s0, code4[b1 >> 4] * s1);
+        a[2 * half + 1] = attention::pack2<T>(code4[b0 & 0xFu] * s0, code4[b1 & 0xFu] * s1);
       }
     }
   }
@@ -264,26 +264,24 @@ struct Int8Format {
     }
     return raw;
   }
-  static __device__ void values(const Raw& raw, int kb, const float*, const ThreadCoords& t, float (&v)[8]) {
+  static __device__ void fragment(const Raw& raw, int kb, const float*, const ThreadCoords& t, uint32_t (&a)[4]) {
     if constexpr (kOp == QuantGemmOp::kForward) {
       const bool upper = t.quad >= 2;  // byte 2q is in word q / 2 of a 4-word group
       const int shift = 16 * (t.quad & 1);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // register i: row 2g + (i & 1), depth + 8 * (i >> 1)
+      for (int i = 0; i < 4; ++i) {  // a[i]: row 2g + (i & 1), depth + 8 * (i >> 1)
         const int word = 16 * (i & 1) + 4 * kb + 2 * (i >> 1);
-        const uint32_t pair = (upper ? raw.words[word + 1] : raw.words[word]) >> shift;
-        v[2 * i] = static_cast<float>(static_cast<int8_t>(pair & 0xFFu));
-        v[2 * i + 1] = static_cast<float>(static_cast<int8_t>((pair >> 8) & 0xFFu));
+        a[i] = quant::dequantize_int8_pair<T, false>((upper ? raw.words[word + 1] : raw.words[word]) >> shift, 1.0f);
       }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t p0 = raw.words[4 * kb + 2 * half], p1 = raw.words[4 * kb + 2 * half + 1];
         const float s0 = raw.scales[4 * kb + 2 * half], s1 = raw.scales[4 * kb + 2 * half + 1];
-        v[4 * half] = quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0);
-        v[4 * half + 1] = quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1);
-        v[4 * half + 2] = quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0);
-        v[4 * half + 3] = quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1);
+        a[2 * half] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0),
+                                          quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1));
+        a[2 * half + 1] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0),
+                                              quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1));
       }
     }
   }
@@ -413,19 +411,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       TransactionBarrier::wait(&shared.loaded[stage], (step / kStages) & 1);
       return Fmt::load_raw(shared.stored.data() + stage * Tile::kBytes, shared.scales[stage], coords);
     };
-    // A k-block's values are computed before the wait for the wgmma that last read its
-    // registers (shared-memory lookups and products overlap it); only the rounding to 16-bit
-    // pairs comes after.
-    float next_values[8];
-    auto pack_fragment = [&](int kb) {
+    auto set_fragment = [&](const typename Fmt::Raw& raw, int kb) {
+      uint32_t a[4];
+      Fmt::fragment(raw, kb, code4, coords, a);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) fragment_words(4 * kb + i) = attention::pack2<T>(next_values[2 * i], next_values[2 * i + 1]);
+      for (int i = 0; i < 4; ++i) fragment_words(4 * kb + i) = a[i];
     };
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     typename Fmt::Raw raw = stage_raw(0);
-    Fmt::values(raw, 0, code4, coords, next_values);
-    pack_fragment(0);
+    set_fragment(raw, 0);
     for (int step = 0; step < steps; ++step) {
       const int stage = step % kStages;
       warpgroup_fence_operand(accumulators);
@@ -435,18 +430,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accumulators);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         warpgroup_commit_batch();
-        const bool more = kb + 1 < kKBlocks || step + 1 < steps;
-        if (kb + 1 < kKBlocks) {
-          Fmt::values(raw, kb + 1, code4, coords, next_values);
-        } else if (more) {
-          raw = stage_raw(step + 1);
-          Fmt::values(raw, 0, code4, coords, next_values);
-        }
         // The wgmmas up to four back are done: k-block kb + 1's registers are free, and at
         // kb = 3 the previous step's stage.
         warpgroup_wait<kKBlocks - 1>();
-        if (kb + 1 == kKBlocks && step > 0) Barrier::arrive(&shared.released[(step - 1) % kStages]);
-        if (more) pack_fragment((kb + 1) % kKBlocks);
+        if (kb + 1 < kKBlocks) {
+          set_fragment(raw, kb + 1);
+        } else {
+          if (step > 0) Barrier::arrive(&shared.released[(step - 1) % kStages]);
+          if (step + 1 < steps) {
+            raw = stage_raw(step + 1);
+            set_fragment(raw, 0);
+          }
+        }
       }
       warpgroup_fence_operand(accumulators);
     }

@@ -11,20 +11,11 @@
 
 namespace barqtrain::kernels::quant {
 
-// One byte of a 4-bit tensor (the even element in the high nibble) as its two fp32 values
-// code[q] * absmax, before the rounding to T.
-__device__ __forceinline__ void dequantize_4bit_values(uint32_t byte, float absmax, const float* code4, float& even,
-                                                       float& odd) {
-  even = code4[(byte >> 4) & 0xFu] * absmax;
-  odd = code4[byte & 0xFu] * absmax;
-}
-
-// The same byte as two T values, the even element in the low half: round_to_T(code[q] * absmax).
+// One byte of a 4-bit tensor (the even element in the high nibble) as two T values, the even
+// element in the low half: round_to_T(code[q] * absmax).
 template <typename T>
 __device__ __forceinline__ uint32_t dequantize_4bit_byte(uint32_t byte, float absmax, const float* code4) {
-  float even, odd;
-  dequantize_4bit_values(byte, absmax, code4, even, odd);
-  return attention::pack2<T>(even, odd);
+  return attention::pack2<T>(code4[(byte >> 4) & 0xFu] * absmax, code4[byte & 0xFu] * absmax);
 }
 
 // An int8 value of a W row with absmax `absmax`: (q * absmax) * (1 / 127), two roundings.
