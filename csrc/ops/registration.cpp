@@ -67,12 +67,13 @@ TORCH_LIBRARY(barqtrain, m) {
   // softcap > 0: softcap * tanh(scores / softcap). RoPE fused into the q/k loads with fp32
   // tables rope_cos/rope_sin [positions, rotary_dim / 2] and int32 positions per row (None:
   // the index within each sequence). lse is fp32 [Hq, rows] (rows = B * S or total).
-  // kernel: "auto" (the Hopper kernel on sm_90 where it covers the case), "general" or
-  // "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops.
+  // forward_kernel: "auto" (the Hopper kernel on sm_90 where it covers the case), "general" or
+  // "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops. (Not
+  // named `kernel`: Inductor's fallback lowering takes a keyword of that name.)
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,"
       " int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal, int window_left,"
-      " int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions, str kernel=\"auto\")"
+      " int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions, str forward_kernel=\"auto\")"
       " -> (Tensor o, Tensor lse)");
   // Gradients of the unrotated q, k and v (dk, dv summed over each GQA group); deterministic.
   m.def(
@@ -668,11 +669,12 @@ k::AttentionParams attention_params(const AttentionArgs& a, const at::Tensor& q,
   return p;
 }
 
-k::AttentionKernel parse_attention_kernel(c10::string_view kernel) {
-  if (kernel == "auto") return k::AttentionKernel::kAuto;
-  if (kernel == "general") return k::AttentionKernel::kGeneral;
-  if (kernel == "hopper") return k::AttentionKernel::kHopper;
-  TORCH_CHECK(false, "barqtrain: attention kernel must be 'auto', 'general' or 'hopper', got '", std::string(kernel), "'");
+k::AttentionKernel parse_attention_kernel(c10::string_view forward_kernel) {
+  if (forward_kernel == "auto") return k::AttentionKernel::kAuto;
+  if (forward_kernel == "general") return k::AttentionKernel::kGeneral;
+  if (forward_kernel == "hopper") return k::AttentionKernel::kHopper;
+  TORCH_CHECK(false, "barqtrain: attention forward_kernel must be 'auto', 'general' or 'hopper', got '",
+              std::string(forward_kernel), "'");
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
@@ -680,7 +682,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double softmax_scale, double softcap, bool causal, int64_t window_left,
     int64_t window_right, const std::optional<at::Tensor>& rope_cos, const std::optional<at::Tensor>& rope_sin,
-    const std::optional<at::Tensor>& positions, c10::string_view kernel) {
+    const std::optional<at::Tensor>& positions, c10::string_view forward_kernel) {
   TORCH_CHECK(q_in.is_cuda(), "barqtrain: attention q must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
@@ -690,7 +692,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
   const int64_t rows = q.dim() == 3 ? q.size(0) : q.size(0) * q.size(1);
   at::Tensor lse = at::empty({q.size(-2), rows}, q.options().dtype(at::kFloat));
   k::AttentionParams p = attention_params(args, q, k, v, o, lse);
-  p.forward_kernel = parse_attention_kernel(kernel);
+  p.forward_kernel = parse_attention_kernel(forward_kernel);
   k::attention_forward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {o, lse};
 }

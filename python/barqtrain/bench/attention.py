@@ -74,7 +74,7 @@ def _barqtrain(kernel: str) -> Attention | Unavailable:
     def run(q, k, v, causal):
         o, _ = torch.ops.barqtrain.attention_forward(
             q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, 0.0, causal, -1, -1, None, None, None,
-            kernel=kernel,
+            forward_kernel=kernel,
         )
         return o
 

@@ -178,10 +178,10 @@ def _reference_from_op_args(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, 
 
 @torch.library.impl("barqtrain::attention_forward", "CPU")
 def _attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap,
-                           causal, window_left, window_right, rope_cos, rope_sin, positions, kernel="auto"):
-    if kernel != "auto":
-        raise ValueError(f"barqtrain: attention kernel {kernel!r} names a CUDA kernel; on the CPU the op runs its "
-                         "reference (kernel='auto')")
+                           causal, window_left, window_right, rope_cos, rope_sin, positions, forward_kernel="auto"):
+    if forward_kernel != "auto":
+        raise ValueError(f"barqtrain: attention forward_kernel {forward_kernel!r} names a CUDA kernel; on the CPU "
+                         "the op runs its reference (forward_kernel='auto')")
     with torch.no_grad():
         o, lse = _reference_from_op_args(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, softcap, causal,
                                          window_left, window_right, rope_cos, rope_sin, positions)

@@ -74,7 +74,7 @@ def fused_linear_cross_entropy(
 
 @torch.library.register_fake("barqtrain::attention_forward")
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, softcap, causal,
-                      window_left, window_right, rope_cos, rope_sin, positions, kernel="auto"):
+                      window_left, window_right, rope_cos, rope_sin, positions, forward_kernel="auto"):
     rows = q.shape[0] if q.dim() == 3 else q.shape[0] * q.shape[1]
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     return o, q.new_empty((q.shape[-2], rows), dtype=torch.float32)

@@ -219,9 +219,9 @@ def test_errors_name_the_problem():
 
 def test_cpu_op_refuses_a_named_cuda_kernel():
     q, k, v = qkv(1, 3, 2, 2, 8, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="'hopper' names a CUDA kernel"):
+    with pytest.raises(ValueError, match="forward_kernel 'hopper' names a CUDA kernel"):
         torch.ops.barqtrain.attention_forward(q, k, v, None, None, 3, 3, 0.3, 0.0, True, -1, -1, None, None, None,
-                                              kernel="hopper")
+                                              forward_kernel="hopper")
 
 
 def test_lse_is_not_differentiable():
@@ -353,22 +353,22 @@ def test_cuda_unsupported_head_dim_falls_back_with_one_warning(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_forward_kernel_choice():
-    """The op's kernel argument (bench attn's side-by-side runs): each kernel no worse than SDPA
+    """The op's forward_kernel argument (bench attn's side-by-side runs): each kernel no worse than SDPA
     in the same dtype; 'auto' is the Hopper kernel on sm_90 (unless BARQTRAIN_HOPPER_ATTENTION=0);
     an unknown name, or the Hopper kernel off sm_90, is an error naming it."""
     q, k, v = qkv(2, 1000, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     args = (q, k, v, None, None, 1000, 1000, 128 ** -0.5, 0.0, True, -1, -1, None, None, None)
     exact = attention_reference(q.double(), k.double(), v.double(), softmax_scale=128 ** -0.5)[0]
     theirs = sdpa(q, k, v, scale=128 ** -0.5)
-    general, _ = torch.ops.barqtrain.attention_forward(*args, kernel="general")
+    general, _ = torch.ops.barqtrain.attention_forward(*args, forward_kernel="general")
     assert_no_worse_than_torch("o general", general, theirs, exact)
-    with pytest.raises(RuntimeError, match="kernel must be 'auto', 'general' or 'hopper', got 'sm80'"):
-        torch.ops.barqtrain.attention_forward(*args, kernel="sm80")
+    with pytest.raises(RuntimeError, match="forward_kernel must be 'auto', 'general' or 'hopper', got 'sm80'"):
+        torch.ops.barqtrain.attention_forward(*args, forward_kernel="sm80")
     if torch.cuda.get_device_capability() != (9, 0):
         with pytest.raises(RuntimeError, match="compute capability 9.0|this build has none"):
-            torch.ops.barqtrain.attention_forward(*args, kernel="hopper")
+            torch.ops.barqtrain.attention_forward(*args, forward_kernel="hopper")
         return
-    hopper, _ = torch.ops.barqtrain.attention_forward(*args, kernel="hopper")
+    hopper, _ = torch.ops.barqtrain.attention_forward(*args, forward_kernel="hopper")
     assert_no_worse_than_torch("o hopper", hopper, theirs, exact)
     auto, _ = torch.ops.barqtrain.attention_forward(*args)
     expected = general if os.environ.get("BARQTRAIN_HOPPER_ATTENTION") == "0" else hopper
