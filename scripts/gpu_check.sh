@@ -71,7 +71,7 @@ check_package_hopper_kernel() {
 import torch, barqtrain
 q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
 o, _ = torch.ops.barqtrain.attention_forward(q, q, q, None, None, 128, 128, 0.125, 0.0, True, -1, -1, None, None, None,
-                                             kernel="hopper")
+                                             forward_kernel="hopper")
 assert torch.isfinite(o).all(), "the Hopper attention kernel wrote non-finite values"
 print("the package runs the Hopper attention kernel")
 HOPPER_IN_PACKAGE
