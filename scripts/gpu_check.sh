@@ -91,7 +91,7 @@ build_and_run_cpp_tests() {
   cmake -S . -B build/gpu-cpp -G Ninja -DBARQTRAIN_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
     -DBARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_CMAKE_ARGS[@]}" "${gtest_args[@]}" &&
     cmake --build build/gpu-cpp -j "$(nproc)" &&
-    build/gpu-cpp/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
+    BARQTRAIN_HOPPER_ATTENTION=1 build/gpu-cpp/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
 }
 
 run_python_tests() {

@@ -26,7 +26,7 @@ struct AttentionStrides {
 // Which kernel runs a forward (the backward has one kernel, which reads either's O and LSE).
 //   kAuto   : the Hopper kernel (wgmma + TMA, hopper/forward_sm90.h) when it was built in
 //             (BARQTRAIN_HOPPER_KERNELS), the current device has compute capability 9.0, it
-//             covers the case and the environment does not set BARQTRAIN_HOPPER_ATTENTION=0;
+//             covers the case and the environment sets BARQTRAIN_HOPPER_ATTENTION=1;
 //             the general kernel otherwise.
 //   kGeneral: the general kernel (mma.sync, cp.async; sm_80 and up), every case.
 //   kHopper : the Hopper kernel; an error naming the reason where it cannot run the case.

@@ -15,7 +15,7 @@ its sequence). Gradients flow to the unrotated q and k.
 
 On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic; on sm_90
 the forward of cases without RoPE, softcap or window at head_dim 64/128 runs the Hopper
-kernel, unless BARQTRAIN_HOPPER_ATTENTION=0); cases they do not cover fall back to PyTorch
+kernel with BARQTRAIN_HOPPER_ATTENTION=1); cases they do not cover fall back to PyTorch
 (SDPA, or eager math for softcap), with one warning per reason. On the CPU the op runs its
 PyTorch reference.
 """

@@ -539,11 +539,11 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
 
 // kAuto on an sm_90 device: a covered case runs on the Hopper kernel (its output bit for
 // bit), an uncovered one (softcap) on the general kernel.
-TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhereItCovers) {
+TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   BARQTRAIN_REQUIRE_GPU();
   if (!k::attention::hopper::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
-  const char* opt_out = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
-  if (opt_out != nullptr && std::strcmp(opt_out, "0") == 0) GTEST_SKIP() << "opted out: kAuto is the general kernel";
+  const char* opt_in = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
+  if (opt_in == nullptr || std::strcmp(opt_in, "1") != 0) GTEST_SKIP() << "not opted in: kAuto is the general kernel";
   constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;
   std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
   std::vector<__nv_bfloat16> q, kk, v;

@@ -69,15 +69,15 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch<T, 128>(p, stream);
 }
 
-bool opted_out() {
-  static const bool out = [] {
+bool opted_in() {
+  static const bool in = [] {
     const char* value = std::getenv(kHopperAttentionSwitch);
-    if (value == nullptr || std::strcmp(value, "1") == 0) return false;
-    require(std::strcmp(value, "0") == 0, std::string(kHopperAttentionSwitch) + " must be 0 (the general attention "
+    if (value == nullptr || std::strcmp(value, "0") == 0) return false;
+    require(std::strcmp(value, "1") == 0, std::string(kHopperAttentionSwitch) + " must be 0 (the general attention "
                                           "kernel) or 1 (the Hopper one where it runs), got '" + value + "'");
     return true;
   }();
-  return out;
+  return in;
 }
 
 }  // namespace
@@ -120,7 +120,7 @@ bool current_device_is_sm90() {
 }
 
 bool hopper_forward_selected(const AttentionParams& p) {
-  return !opted_out() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
+  return opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
 void hopper_forward(const AttentionParams& params, cudaStream_t stream) {

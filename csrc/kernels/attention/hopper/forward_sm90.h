@@ -13,8 +13,10 @@
 
 namespace barqtrain::kernels::attention::hopper {
 
-// The opt-out: BARQTRAIN_HOPPER_ATTENTION=0 in the environment keeps kAuto on the general
-// kernel (read once per process; for comparisons). Unset or 1: the Hopper kernel where it runs.
+// The opt-in: BARQTRAIN_HOPPER_ATTENTION=1 in the environment lets kAuto take the Hopper kernel
+// where it runs (read once per process). Unset or 0: the general kernel. Opt-in while
+// compute-sanitizer's racecheck reports hazards on its epilogue's shared-memory tile that are
+// not yet explained (NOTES.md), though every correctness test passes.
 constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
 
 // Empty when the Hopper forward covers these (normalized) parameters, else the feature it
@@ -24,8 +26,8 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& params);
 // True when the current device is compute capability 9.0 (the sm_90a code runs there only).
 bool current_device_is_sm90();
 
-// kAuto's rule: the opt-out not set, parameters covered, device sm_90. Throws
-// std::invalid_argument when the opt-out variable holds something other than 0 or 1.
+// kAuto's rule: the opt-in set, parameters covered, device sm_90. Throws
+// std::invalid_argument when the variable holds something other than 0 or 1.
 bool hopper_forward_selected(const AttentionParams& params);
 
 // Writes o and lse as attention_forward does (the same argument checks). Throws
