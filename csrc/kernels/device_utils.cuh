@@ -23,6 +23,19 @@ inline void check_cuda(cudaError_t status, const char* what) {
   }
 }
 
+// True when the current device has compute capability 9.0, where the sm_90a kernels run;
+// false, not an error, where no device can be queried (nothing runs there).
+inline bool current_device_is_sm90() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // the error is not this call's to report
+    return false;
+  }
+  return major == 9 && minor == 0;
+}
+
 // ------------------------------------------------------------------ conversions
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }

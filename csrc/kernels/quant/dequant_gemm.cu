@@ -33,7 +33,6 @@ using attention::cp_async_wait;
 using attention::ldmatrix_x4;
 using attention::ldmatrix_x4_trans;
 using attention::mma_16816;
-using attention::pack2;
 
 constexpr int kBM = 128, kBN = 128, kBK = 64;
 constexpr int kThreads = 256;
@@ -294,13 +293,7 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
           lo = __fmul_rn(lo, column_scale[nt][0]);
           hi = __fmul_rn(hi, column_scale[nt][1]);
         }
-        T* dst = c + row * p.c_row_stride + col;
-        if (paired_stores && col + 1 < out_cols) {
-          *reinterpret_cast<uint32_t*>(dst) = pack2<T>(lo, hi);
-        } else {
-          if (col < out_cols) dst[0] = from_float<T>(lo);
-          if (col + 1 < out_cols) dst[1] = from_float<T>(hi);
-        }
+        quant::store_column_pair<T>(c + row * p.c_row_stride + col, lo, hi, paired_stores, col, out_cols);
       }
     }
   }
@@ -361,14 +354,7 @@ bool use_hopper_kernel(const QuantGemmParams& p) {
 
 bool hopper_quant_gemm_available() {
 #if BARQTRAIN_HOPPER_KERNELS
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
-    return false;
-  }
-  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 alone
+  return current_device_is_sm90();
 #else
   return false;
 #endif

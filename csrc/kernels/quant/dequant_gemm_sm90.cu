@@ -61,6 +61,7 @@
 
 #include <string>
 
+#include "kernels/cutlass_element.cuh"
 #include "kernels/quant/dequant_gemm_sm90.h"
 #include "kernels/quant/dequant_values.cuh"
 #include "kernels/quant/quant_device.cuh"
@@ -84,17 +85,6 @@ constexpr int kScaleSlots = kWarpgroupThreads;  // per stage: one per producer t
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
               "the warpgroups' registers fit the register file");
-
-template <typename T>
-struct CuteElement;
-template <>
-struct CuteElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CuteElement<__half> {
-  using type = cutlass::half_t;
-};
 
 // Where a consumer thread sits in wgmma's fragments: its warpgroup (64 output columns), its
 // warp (16 of them), its group of four lanes (g: output columns 2g, 2g + 1 of the warp's 16;
@@ -294,7 +284,7 @@ struct Int8Format {
 
 template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
 struct Layouts {
-  using Element = typename CuteElement<T>::type;
+  using Element = typename CutlassElement<T>::type;
   using Fmt = Format<T, kOp>;
   using Tile = typename Fmt::Tile;
   using AStages = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
@@ -468,13 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (row >= p.m) continue;
         float lo = accumulators(i + e), hi = accumulators(i + 2 + e);
         if (Fmt::kScalesOutputColumns) lo = __fmul_rn(lo, col_scale[0]), hi = __fmul_rn(hi, col_scale[1]);
-        T* dst = c + row * p.c_row_stride + col;
-        if (paired_stores && col + 1 < out_cols) {
-          *reinterpret_cast<uint32_t*>(dst) = attention::pack2<T>(lo, hi);
-        } else {
-          if (col < out_cols) dst[0] = from_float<T>(lo);
-          if (col + 1 < out_cols) dst[1] = from_float<T>(hi);
-        }
+        quant::store_column_pair<T>(c + row * p.c_row_stride + col, lo, hi, paired_stores, col, out_cols);
       }
     }
   }

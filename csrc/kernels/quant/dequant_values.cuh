@@ -1,6 +1,7 @@
 // The values a dequant-GEMM multiplies by, one formula per weight format, shared by the
 // general (mma.sync) kernel and the Hopper (wgmma) kernel so that both put the same bits in
-// their 16-bit W tiles: the bits dequantize_4bit and dequantize_int8_rows write.
+// their 16-bit W tiles: the bits dequantize_4bit and dequantize_int8_rows write; and how both
+// store their outputs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels/attention/warp_mma.cuh"
+#include "kernels/device_utils.cuh"
 
 namespace barqtrain::kernels::quant {
 
@@ -34,5 +36,19 @@ __device__ __forceinline__ uint32_t dequantize_int8_pair(uint32_t pair, float ab
 }
 
 __device__ __forceinline__ float int8_output_column_scale(float absmax) { return __fdiv_rn(absmax, 127.0f); }
+
+// Columns col and col + 1 of one row of C (dst points at col): one 4-byte store when the row
+// keeps them 4-byte aligned (`paired`) and both lie within the out_cols columns, else each
+// that does.
+template <typename T>
+__device__ __forceinline__ void store_column_pair(T* dst, float lo, float hi, bool paired, int64_t col,
+                                                  int64_t out_cols) {
+  if (paired && col + 1 < out_cols) {
+    *reinterpret_cast<uint32_t*>(dst) = attention::pack2<T>(lo, hi);
+  } else {
+    if (col < out_cols) dst[0] = from_float<T>(lo);
+    if (col + 1 < out_cols) dst[1] = from_float<T>(hi);
+  }
+}
 
 }  // namespace barqtrain::kernels::quant

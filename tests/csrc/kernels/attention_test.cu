@@ -19,6 +19,7 @@
 #include "kernels/attention/attention_reference.h"
 #if BARQTRAIN_HOPPER_KERNELS
 #include "kernels/attention/hopper/forward_sm90.h"
+#include "kernels/device_utils.cuh"
 #endif
 #include "test_utils.cuh"
 
@@ -107,7 +108,7 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     BARQTRAIN_REQUIRE_GPU();
     const AttentionCase c = GetParam();
 #if BARQTRAIN_HOPPER_KERNELS
-    if (c.forward_kernel == k::AttentionKernel::kHopper && !k::attention::hopper::current_device_is_sm90()) {
+    if (c.forward_kernel == k::AttentionKernel::kHopper && !k::current_device_is_sm90()) {
       GTEST_SKIP() << "the Hopper forward runs on compute capability 9.0 only";
     }
 #endif
@@ -541,7 +542,7 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
 // bit), an uncovered one (softcap) on the general kernel.
 TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   BARQTRAIN_REQUIRE_GPU();
-  if (!k::attention::hopper::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
+  if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
   const char* opt_in = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
   if (opt_in == nullptr || std::strcmp(opt_in, "1") != 0) GTEST_SKIP() << "not opted in: kAuto is the general kernel";
   constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;

@@ -108,17 +108,6 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   return "";
 }
 
-bool current_device_is_sm90() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    cudaGetLastError();  // no usable device: nothing runs here, and the error is not this call's to report
-    return false;
-  }
-  return major == 9 && minor == 0;
-}
-
 bool hopper_forward_selected(const AttentionParams& p) {
   return opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }

@@ -45,6 +45,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "kernels/attention/masking.cuh"
+#include "kernels/cutlass_element.cuh"
 #include "kernels/attention/params.h"
 
 namespace barqtrain::kernels::attention::hopper {
@@ -57,19 +58,6 @@ using namespace cute;
 // masked; rows past the tensor are zero-filled by the TMA unit).
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-
-// CuTe's GMMA selectors and conversions speak CUTLASS's 16-bit types, which have the same
-// bits as CUDA's.
-template <typename T>
-struct CutlassElement;
-template <>
-struct CutlassElement<__nv_bfloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CutlassElement<__half> {
-  using type = cutlass::half_t;
-};
 
 template <typename T, int kHeadDim>
 struct ForwardTraits {

@@ -23,9 +23,6 @@ constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
 // does not cover. Looks at the parameters only, not at the device.
 std::string hopper_forward_unsupported_reason(const AttentionParams& params);
 
-// True when the current device is compute capability 9.0 (the sm_90a code runs there only).
-bool current_device_is_sm90();
-
 // kAuto's rule: the opt-in set, parameters covered, device sm_90. Throws
 // std::invalid_argument when the variable holds something other than 0 or 1.
 bool hopper_forward_selected(const AttentionParams& params);
