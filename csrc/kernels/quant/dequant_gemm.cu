@@ -312,17 +312,11 @@ void launch(const typename Format<T, kOp>::Params& p, cudaStream_t stream, const
   check_cuda(cudaGetLastError(), (std::string(name) + " launch").c_str());
 }
 
-// The four instantiations of a format: bf16/fp16 x direction.
 template <template <typename, QuantGemmOp> class Format, typename Params>
 void dispatch(const Params& p, cudaStream_t stream, const char* name) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.op == QuantGemmOp::kForward) {
-    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kForward, Format>(p, stream, name)
-         : launch<__half, QuantGemmOp::kForward, Format>(p, stream, name);
-  } else {
-    bf16 ? launch<__nv_bfloat16, QuantGemmOp::kBackward, Format>(p, stream, name)
-         : launch<__half, QuantGemmOp::kBackward, Format>(p, stream, name);
-  }
+  quant::dispatch_quant_gemm(p, [&](auto type_tag, auto op) {
+    launch<decltype(type_tag), decltype(op)::value, Format>(p, stream, name);
+  });
 }
 
 // The checks every format shares: A and C's dtype, alignment and strides, the grid's rows.

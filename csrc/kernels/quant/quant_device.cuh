@@ -1,8 +1,13 @@
-// Device pieces shared by the quantization kernels and the dequant-GEMM: the 4-bit code
-// table in shared memory, bitsandbytes' fast-math roundings, and the per-block absmax.
+// Pieces shared by the quantization kernels and the dequant-GEMMs: the 4-bit code table in
+// shared memory, bitsandbytes' fast-math roundings, the per-block absmax, and the GEMMs'
+// dispatch over 16-bit type and direction.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "kernels/device_utils.cuh"
 #include "kernels/quant/codes.h"
@@ -47,6 +52,24 @@ __device__ __forceinline__ float block_absmax(const Absmax4bit& a, const float* 
 __device__ __forceinline__ void load_code8(float* table, const Absmax4bit& a) {
   if (!a.double_quantized()) return;
   for (int i = threadIdx.x; i < kDynamicCodeSize; i += blockDim.x) table[i] = __ldg(a.code + i);
+}
+
+// Calls f(T{}, op) for the dequant-GEMM's 16-bit type and direction (op an
+// std::integral_constant<QuantGemmOp, ...>): the four instantiations of a weight format.
+template <typename F>
+void dispatch_quant_gemm(const QuantGemmParams& p, F&& f) {
+  const auto with_op = [&](auto type_tag) {
+    if (p.op == QuantGemmOp::kForward) {
+      f(type_tag, std::integral_constant<QuantGemmOp, QuantGemmOp::kForward>{});
+    } else {
+      f(type_tag, std::integral_constant<QuantGemmOp, QuantGemmOp::kBackward>{});
+    }
+  };
+  if (p.dtype == DType::kBFloat16) {
+    with_op(__nv_bfloat16{});
+  } else {
+    with_op(__half{});
+  }
 }
 
 }  // namespace barqtrain::kernels::quant
