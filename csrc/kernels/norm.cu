@@ -35,11 +35,12 @@ struct RowTiling {
   int threads;          // multiple of 32
 };
 
-RowTiling choose_tiling(int64_t hidden, bool vectorizable, DType dtype) {
+// min_vecs_per_thread > 1 trades threads for loads in flight per thread.
+RowTiling choose_tiling(int64_t hidden, bool vectorizable, DType dtype, int min_vecs_per_thread) {
   RowTiling t{};
   t.vec = vectorizable ? 16 / dtype_size(dtype) : 1;
   const int64_t num_vecs = hidden / t.vec;
-  for (t.vecs_per_thread = 1; t.vecs_per_thread < kMaxVecsPerThread; t.vecs_per_thread *= 2) {
+  for (t.vecs_per_thread = min_vecs_per_thread; t.vecs_per_thread < kMaxVecsPerThread; t.vecs_per_thread *= 2) {
     if ((num_vecs + t.vecs_per_thread - 1) / t.vecs_per_thread <= kMaxThreads) break;
   }
   const int64_t threads = (num_vecs + t.vecs_per_thread - 1) / t.vecs_per_thread;
@@ -364,7 +365,7 @@ RowTiling backward_tiling(const NormBackwardParams& p) {
                                          p.dx_row_stride},
                                         p.hidden);
   });
-  return choose_tiling(p.hidden, vectorizable, p.dtype);
+  return choose_tiling(p.hidden, vectorizable, p.dtype, /*min_vecs_per_thread=*/1);
 }
 
 using NormBackwardKernel = void (*)(NormBackwardParams, float*, float*);
@@ -450,7 +451,10 @@ void norm_forward(const NormForwardParams& p, cudaStream_t stream) {
                                          p.y_row_stride},
                                         p.hidden);
   });
-  const RowTiling tiling = choose_tiling(p.hidden, vectorizable, p.dtype);
+  // Two vectors a thread: a block's row (one a block) is read by half the threads, with twice
+  // the loads in flight per thread. H100, 16384 x 4096 bf16, of a same-size device copy: RMSNorm
+  // 96.2% -> 97.9%, LayerNorm 87.9% -> 90.4% (the backward measured best at one vector a thread).
+  const RowTiling tiling = choose_tiling(p.hidden, vectorizable, p.dtype, /*min_vecs_per_thread=*/2);
   dispatch_norm(p.dtype, tiling, p.kind, fused, [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto f) {
     using T = decltype(type_tag);
     norm_forward_kernel<T, vec, vpt, layer_norm, f>
