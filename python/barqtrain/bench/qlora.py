@@ -2,7 +2,8 @@
 
   dequant : NF4 (double-quantized absmax) -> bf16 standalone, as % of the copy ceiling measured
             in the same run (bytes: 0.5 read + 2 written per element, plus the absmax bytes);
-            bitsandbytes' dequantize_4bit beside it.
+            bitsandbytes' dequantize_4bit beside it, and a device copy moving the same bytes (at
+            these sizes, 37-147 MB, a copy itself stays below the 1 GiB ceiling).
   gemm    : the fused dequant-GEMMs (x Wᵀ forward, dy W backward), NF4 and int8, against the
             bf16 cuBLAS GEMM of the same shape, and bitsandbytes' dequantize + matmul, at 8192
             tokens x 4096 -> 14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096).
@@ -54,6 +55,12 @@ def _dequant_rows(quant: Any, bnb: Any, copy_tbps: float, device: torch.device) 
         row = {"shape": f"{out_features}x{in_features}", "barqtrain_ms": ms,
                "barqtrain_tbps": moved / (ms * 1e-3) / 1e12}  # fmt: skip
         row["barqtrain_vs_copy"] = row["barqtrain_tbps"] / copy_tbps
+        same_bytes = torch.empty(moved // 2, device=device, dtype=torch.uint8)
+        same_bytes_out = torch.empty_like(same_bytes)
+        copy_ms = _time(lambda: same_bytes_out.copy_(same_bytes))
+        row.update(same_bytes_copy_ms=copy_ms, same_bytes_copy_vs_copy=moved / (copy_ms * 1e-3) / 1e12 / copy_tbps,
+                   barqtrain_vs_same_bytes_copy=copy_ms / ms)
+        del same_bytes, same_bytes_out
         if bnb is not None:
             bnb_packed, state = _bnb_state(bnb, weight)
             bnb_ms = _time(lambda: bnb.functional.dequantize_4bit(bnb_packed, state))
@@ -152,8 +159,9 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
     dequant, gemm, step = (_dequant_rows(quant, bnb, ceilings.copy_tbps, device), _gemm_rows(quant, bnb, device),
                            _step_rows(quant, bnb, peft, device))  # fmt: skip
     print(format_table(
-        ("W", "barqtrain ms", "% of copy", "bitsandbytes ms", "% of copy"),
+        ("W", "barqtrain ms", "% of copy", "same-bytes copy ms", "% of copy", "bitsandbytes ms", "% of copy"),
         [(r["shape"], format_value(r["barqtrain_ms"], ".3f"), format_value(100 * r["barqtrain_vs_copy"], ".0f"),
+          format_value(r["same_bytes_copy_ms"], ".3f"), format_value(100 * r["same_bytes_copy_vs_copy"], ".0f"),
           format_value(r.get("bitsandbytes_ms"), ".3f"), format_value(100 * r.get("bitsandbytes_vs_copy", 0), ".0f"))
          for r in dequant],
     ))  # fmt: skip
