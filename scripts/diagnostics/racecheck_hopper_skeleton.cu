@@ -31,12 +31,13 @@ __global__ void __launch_bounds__(384, 1) skeleton(float* out, int turns) {
     }
     if (wg == 0) nsync<2, 256>();
   }
-  // epilogue: each thread writes 36 scattered 2-byte values, then 16-byte reads of whole rows
-  for (int j = 0; j < 36; ++j) { const int idx = (t * 36 + j); o[(idx / 64) * 72 + idx % 64] = (unsigned short)idx; }
+  // epilogue: each thread writes 32 scattered 2-byte values of a 128 x 64 tile (row stride
+  // 72), then 16-byte reads of whole rows
+  for (int j = 0; j < 32; ++j) { const int idx = (t * 32 + j); o[(idx / 64) * 72 + idx % 64] = (unsigned short)idx; }
   nsync<1, 256>();
   float acc = 0;
   for (int idx = t; idx < 128 * 8; idx += 256) {
-    const uint4 v = *reinterpret_cast<const uint4*>(o + (idx / 8) * 72 + (idx % 8) * 8);
+    const uint4 v = *reinterpret_cast<const uint4*>(o + (idx / 8) * 72 + (idx % 8) * 8);  // 8 chunks a row
     acc += v.x + v.y + v.z + v.w;
   }
   out[t] = acc;
