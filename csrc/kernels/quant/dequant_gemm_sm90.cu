@@ -122,11 +122,14 @@ struct StoredTile {
 // kScalesOutputColumns and output_column_scale (a factor on the fp32 sums per output column).
 
 // 4-bit, blocks of 64 along W's rows (k is a multiple of 64, tiles start at multiples of 64).
-// kRelaidBytes holds a step's bytes as 4 fragment words (fragment_bytes.cuh), one a k-block, and take a word's 8 values with 4 masks and 8 byte
+// kRelaidBytes and kGatheredBytes (forward) hold a step's bytes as 4 fragment words
+// (fragment_bytes.cuh), one a k-block, and take a word's 8 values with 4 masks and 8 byte
 // permutes (12 integer instructions, 20 for the current code).
 template <typename T, QuantGemmOp kOp, Sm90Variant kVariant>
 struct Nf4Format {
-  static_assert(kVariant == Sm90Variant::kCurrent || kVariant == Sm90Variant::kRelaidBytes, "an NF4 variant");
+  static_assert(kVariant == Sm90Variant::kCurrent || kVariant == Sm90Variant::kRelaidBytes ||
+                    (kVariant == Sm90Variant::kGatheredBytes && kOp == QuantGemmOp::kForward),
+                "an NF4 variant");
   using Params = Nf4GemmParams;
   static constexpr int kBitsPerValue = 4;
   using Tile = StoredTile<kOp, kBitsPerValue>;
@@ -134,7 +137,7 @@ struct Nf4Format {
   static constexpr bool kStepScales = true;
   static constexpr bool kScalesOutputColumns = false;
   static constexpr bool kRelaid = kVariant == Sm90Variant::kRelaidBytes;
-  static constexpr bool kFragmentWords = kRelaid;
+  static constexpr bool kFragmentWords = kVariant != Sm90Variant::kCurrent;
   static_assert(!kRelaid || Tile::kBytes == quant::kRelaidStageBytes, "the re-laid stage holds the stored one");
 
   static const uint8_t* stored_bytes(const Params& p) { return p.packed; }
@@ -181,8 +184,14 @@ struct Nf4Format {
           const uint4 v = rows[i];
           words[4 * i] = v.x, words[4 * i + 1] = v.y, words[4 * i + 2] = v.z, words[4 * i + 3] = v.w;
         }
+        if constexpr (kFragmentWords) {
+          const uint32_t selector = quant::gather_selector(t.quad);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) raw.words[i] = words[i];
+          for (int kb = 0; kb < kKBlocks; ++kb) raw.words[kb] = quant::gather_forward_word(words, kb, selector);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) raw.words[i] = words[i];
+        }
       }
       const float2 s = *reinterpret_cast<const float2*>(scales + t.out_col());
       raw.scales[0] = s.x, raw.scales[1] = s.y;
@@ -579,7 +588,12 @@ void launch(const typename Format<T, kOp, kVariant>::Params& p, cudaStream_t str
 template <template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant, typename Params>
 void dispatch(const Params& p, cudaStream_t stream, const char* name) {
   quant::dispatch_quant_gemm(p, [&](auto type_tag, auto op) {
-    launch<decltype(type_tag), decltype(op)::value, Format, kVariant>(p, stream, name);
+    constexpr QuantGemmOp kOp = decltype(op)::value;
+    if constexpr (kOp == QuantGemmOp::kBackward && kVariant == Sm90Variant::kGatheredBytes) {
+      throw std::invalid_argument(std::string(name) + ": Sm90Variant::kGatheredBytes is a forward variant");
+    } else {
+      launch<decltype(type_tag), kOp, Format, kVariant>(p, stream, name);
+    }
   });
 }
 
@@ -590,6 +604,7 @@ void nf4_gemm_sm90(const Nf4GemmParams& p, cudaStream_t stream, Sm90Variant vari
   switch (variant) {
     case Sm90Variant::kCurrent: return dispatch<Nf4Format, Sm90Variant::kCurrent>(p, stream, name);
     case Sm90Variant::kRelaidBytes: return dispatch<Nf4Format, Sm90Variant::kRelaidBytes>(p, stream, name);
+    case Sm90Variant::kGatheredBytes: return dispatch<Nf4Format, Sm90Variant::kGatheredBytes>(p, stream, name);
     default: throw std::invalid_argument(std::string(name) + ": not an NF4 variant (" + std::to_string(static_cast<int>(variant)) + ")");
   }
 }

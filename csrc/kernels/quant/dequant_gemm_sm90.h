@@ -19,10 +19,13 @@ enum class Sm90Variant : int {
   // consumers' fragment order (and the backward's scales), so that a consumer thread loads
   // a step's bytes with one 16-byte load; values from a fragment word by prmt.
   kRelaidBytes = 1,
+  // NF4 forward: no re-layout; a thread's bytes gathered from its loaded words by prmt, then
+  // the values as kRelaidBytes takes them.
+  kGatheredBytes = 2,
 };
 
-// The variant must be one of the weight format's: kCurrent or kRelaidBytes for NF4; kCurrent
-// for int8 (std::invalid_argument otherwise).
+// The variant must be one of the weight format's: kCurrent, kRelaidBytes or kGatheredBytes
+// (forward only) for NF4; kCurrent for int8 (std::invalid_argument otherwise).
 void nf4_gemm_sm90(const Nf4GemmParams& params, cudaStream_t stream, Sm90Variant variant = Sm90Variant::kCurrent);
 void int8_gemm_sm90(const Int8GemmParams& params, cudaStream_t stream, Sm90Variant variant = Sm90Variant::kCurrent);
 

@@ -2,7 +2,7 @@
 // callable on the host too, so that tests/csrc/kernels/quant_fragment_bytes_test.cu checks
 // the index logic the kernel runs, without a GPU:
 //   - the producer's re-layout of a step's 4-bit W bytes into the consumers' fragment order
-//     (Sm90Variant::kRelaidBytes);
+//     (Sm90Variant::kRelaidBytes), and the forward's in-register gather (kGatheredBytes);
 //   - which nibble and scale each of a fragment word's 8 values takes.
 // Fragment order: k-block word kb of consumer thread t (t = 128 warpgroup + 32 warp + 4 g + q)
 // holds, as its bytes 0..3, the 4 stored bytes of wgmma's A fragment registers of that k-block:
@@ -51,6 +51,16 @@ __host__ __device__ __forceinline__ void transpose_bytes(const uint32_t (&in)[4]
   out[1] = byte_perm(low01, low23, 0x7632u);
   out[2] = byte_perm(high01, high23, 0x5410u);
   out[3] = byte_perm(high01, high23, 0x7632u);
+}
+
+// Forward, no re-layout: k-block word kb of quad lane q from the thread's two loaded W rows
+// (words[0..7] row c, words[8..15] row c + 1; byte q of word 2 kb holds depth 16 kb + 2q):
+// 3 permutes with the per-thread selector gather_selector(q).
+__host__ __device__ constexpr uint32_t gather_selector(int quad) { return static_cast<uint32_t>(quad | (quad + 4) << 4); }
+__host__ __device__ __forceinline__ uint32_t gather_forward_word(const uint32_t (&words)[16], int kb, uint32_t selector) {
+  const uint32_t depth_low = byte_perm(words[2 * kb], words[8 + 2 * kb], selector);
+  const uint32_t depth_high = byte_perm(words[2 * kb + 1], words[8 + 2 * kb + 1], selector);
+  return byte_perm(depth_low, depth_high, 0x5410u);
 }
 
 // ---------------------------------------------------------------- the re-laid stage

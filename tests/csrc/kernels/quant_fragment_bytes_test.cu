@@ -1,6 +1,6 @@
 // The byte logic of the Hopper dequant-GEMM's candidate variants (kernels/quant/fragment_bytes.cuh),
 // checked on the host with the same functions the kernel runs (no GPU): the producer's
-// re-layout delivers to every consumer thread the nibbles and scales
+// re-layout and the forward's gather deliver to every consumer thread the nibbles and scales
 // of wgmma's A fragments, and every shared-memory access meets each bank once.
 #include <gtest/gtest.h>
 
@@ -111,6 +111,18 @@ std::vector<std::vector<uint32_t>> relaid_words(const std::vector<uint8_t>& stor
   return words;
 }
 
+// kGatheredBytes: the forward consumer's own two W rows (as load_raw reads them) gathered.
+std::vector<std::vector<uint32_t>> gathered_words(const std::vector<uint8_t>& stored) {
+  std::vector<std::vector<uint32_t>> words(q::kRelayConsumerThreads, std::vector<uint32_t>(4));
+  for (int t = 0; t < q::kRelayConsumerThreads; ++t) {
+    const int out_col = fragment_element(t, 0, 0, 0).out_col;
+    uint32_t rows[16];
+    std::memcpy(rows, stored.data() + out_col * 32, sizeof(rows));
+    for (int kb = 0; kb < 4; ++kb) words[t][kb] = q::gather_forward_word(rows, kb, q::gather_selector(t % 4));
+  }
+  return words;
+}
+
 // Every value of every consumer thread's fragments, as the kernel's fragment() takes it from
 // a word (FragmentValue), is the stored nibble wgmma's fragment layout puts there.
 template <QuantGemmOp kOp>
@@ -147,6 +159,12 @@ TEST(FragmentBytes, RelaidBackwardWordsHoldEachThreadsFragmentNibbles) {
   std::mt19937 rng = fresh_rng();
   const std::vector<uint8_t> stored = random_stage(rng);
   expect_fragment_nibbles<QuantGemmOp::kBackward>(stored, relaid_words<QuantGemmOp::kBackward>(stored));
+}
+
+TEST(FragmentBytes, GatheredForwardWordsHoldEachThreadsFragmentNibbles) {
+  std::mt19937 rng = fresh_rng();
+  const std::vector<uint8_t> stored = random_stage(rng);
+  expect_fragment_nibbles<QuantGemmOp::kForward>(stored, gathered_words(stored));
 }
 
 // The forward producer loads a row's 16 bytes at once: its k-block words are in[k] =

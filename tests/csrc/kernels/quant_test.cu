@@ -272,7 +272,7 @@ void PrintTo(const GemmCase& c, std::ostream* os) {
 // nf4_gemm / int8_gemm run it, and the Hopper kernel's candidate variants (hopper::Sm90Variant,
 // launched directly); the Hopper ones skip where hopper_quant_gemm_available() is false (not
 // built, or not an sm_90 GPU).
-enum class GemmKernel { kGeneral, kHopper, kHopperRelaidBytes };
+enum class GemmKernel { kGeneral, kHopper, kHopperRelaidBytes, kHopperGatheredBytes };
 using GemmParam = std::tuple<GemmCase, GemmKernel>;
 
 const char* kernel_name(GemmKernel kernel) {
@@ -280,6 +280,7 @@ const char* kernel_name(GemmKernel kernel) {
     case GemmKernel::kGeneral: return "general_";
     case GemmKernel::kHopper: return "hopper_";
     case GemmKernel::kHopperRelaidBytes: return "hopper_relaid_";
+    case GemmKernel::kHopperGatheredBytes: return "hopper_gathered_";
   }
   return "";
 }
@@ -307,8 +308,9 @@ template <typename Params>
 void run_gemm(const Params& p, GemmKernel kernel) {
 #if BARQTRAIN_HOPPER_KERNELS
   namespace hopper = barqtrain::kernels::hopper;
-  const hopper::Sm90Variant variant =
-      kernel == GemmKernel::kHopperRelaidBytes ? hopper::Sm90Variant::kRelaidBytes : hopper::Sm90Variant::kCurrent;
+  const hopper::Sm90Variant variant = kernel == GemmKernel::kHopperRelaidBytes    ? hopper::Sm90Variant::kRelaidBytes
+                                      : kernel == GemmKernel::kHopperGatheredBytes ? hopper::Sm90Variant::kGatheredBytes
+                                                                                   : hopper::Sm90Variant::kCurrent;
   if (variant != hopper::Sm90Variant::kCurrent) {
     if constexpr (std::is_same_v<Params, k::Nf4GemmParams>) {
       hopper::nf4_gemm_sm90(p, nullptr, variant);
@@ -442,7 +444,8 @@ const GemmCase kNf4BackwardCases[] = {
 INSTANTIATE_TEST_SUITE_P(Forward, Nf4Gemm,
                          ::testing::Combine(::testing::ValuesIn(kNf4ForwardCases),
                                             ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper,
-                                                              GemmKernel::kHopperRelaidBytes)),
+                                                              GemmKernel::kHopperRelaidBytes,
+                                                              GemmKernel::kHopperGatheredBytes)),
                          gemm_name);
 INSTANTIATE_TEST_SUITE_P(Backward, Nf4Gemm,
                          ::testing::Combine(::testing::ValuesIn(kNf4BackwardCases),
