@@ -61,6 +61,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cutlass_element.cuh"
 #include "kernels/quant/dequant_gemm_sm90.h"
@@ -256,10 +257,12 @@ struct Nf4Format {
 };
 
 // Int8 with absmax per W row: the forward scales the fp32 sums per output column (W enters
-// unrounded), the backward scales each depth row.
+// unrounded), the backward scales each depth row. kMagicInt8 converts q without I2F
+// (fragment_bytes.cuh): bf16 forward pairs as two exact floats packed, fp16 forward pairs as
+// one permute and one half2 subtraction, backward values as exact floats.
 template <typename T, QuantGemmOp kOp, Sm90Variant kVariant>
 struct Int8Format {
-  static_assert(kVariant == Sm90Variant::kCurrent, "an int8 variant");
+  static_assert(kVariant == Sm90Variant::kCurrent || kVariant == Sm90Variant::kMagicInt8, "an int8 variant");
   using Params = Int8GemmParams;
   static constexpr int kBitsPerValue = 8;
   using Tile = StoredTile<kOp, kBitsPerValue>;
@@ -267,6 +270,7 @@ struct Int8Format {
   static constexpr bool kScalesOutputColumns = kOp == QuantGemmOp::kForward;
   static constexpr bool kStepScales = !kScalesOutputColumns;
   static constexpr bool kRelaid = false;
+  static constexpr bool kMagic = kVariant == Sm90Variant::kMagicInt8;
 
   static const uint8_t* stored_bytes(const Params& p) { return reinterpret_cast<const uint8_t*>(p.q); }
   static __device__ void load_tables(const Params&, float*) {}
@@ -310,21 +314,40 @@ struct Int8Format {
   static __device__ void fragment(const Raw& raw, int kb, const float*, const ThreadCoords& t, uint32_t (&a)[4]) {
     if constexpr (kOp == QuantGemmOp::kForward) {
       const bool upper = t.quad >= 2;  // byte 2q is in word q / 2 of a 4-word group
-      const int shift = 16 * (t.quad & 1);
+      const int first_byte = 2 * (t.quad & 1);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // a[i]: row 2g + (i & 1), depth + 8 * (i >> 1)
         const int word = 16 * (i & 1) + 4 * kb + 2 * (i >> 1);
-        a[i] = quant::dequantize_int8_pair<T, false>((upper ? raw.words[word + 1] : raw.words[word]) >> shift, 1.0f);
+        const uint32_t pieces = upper ? raw.words[word + 1] : raw.words[word];
+        if constexpr (!kMagic) {
+          a[i] = quant::dequantize_int8_pair<T, false>(pieces >> (8 * first_byte), 1.0f);
+        } else if constexpr (std::is_same_v<T, __half>) {
+          const __half2 pair = quant::biased_int8_pair_to_half2(quant::bias_int8_bytes(pieces), first_byte, first_byte + 1);
+          a[i] = *reinterpret_cast<const uint32_t*>(&pair);
+        } else {
+          const uint32_t biased = quant::bias_int8_bytes(pieces);
+          a[i] = attention::pack2<T>(quant::biased_int8_to_float(biased, first_byte),
+                                     quant::biased_int8_to_float(biased, first_byte + 1));
+        }
       }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t p0 = raw.words[4 * kb + 2 * half], p1 = raw.words[4 * kb + 2 * half + 1];
         const float s0 = raw.scales[4 * kb + 2 * half], s1 = raw.scales[4 * kb + 2 * half + 1];
-        a[2 * half] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0),
-                                          quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1));
-        a[2 * half + 1] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0),
-                                              quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1));
+        if constexpr (kMagic) {
+          // Both pieces' two bytes in one word: p0's low, p1's low, p0's high, p1's high.
+          const uint32_t biased = quant::bias_int8_bytes(quant::byte_perm(p0, p1, 0x5140u));
+          a[2 * half] = attention::pack2<T>(quant::scale_int8_value(quant::biased_int8_to_float(biased, 0), s0),
+                                            quant::scale_int8_value(quant::biased_int8_to_float(biased, 1), s1));
+          a[2 * half + 1] = attention::pack2<T>(quant::scale_int8_value(quant::biased_int8_to_float(biased, 2), s0),
+                                                quant::scale_int8_value(quant::biased_int8_to_float(biased, 3), s1));
+        } else {
+          a[2 * half] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0),
+                                            quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1));
+          a[2 * half + 1] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0),
+                                                quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1));
+        }
       }
     }
   }
@@ -613,6 +636,7 @@ void int8_gemm_sm90(const Int8GemmParams& p, cudaStream_t stream, Sm90Variant va
   constexpr const char* name = "int8_gemm (sm_90a)";
   switch (variant) {
     case Sm90Variant::kCurrent: return dispatch<Int8Format, Sm90Variant::kCurrent>(p, stream, name);
+    case Sm90Variant::kMagicInt8: return dispatch<Int8Format, Sm90Variant::kMagicInt8>(p, stream, name);
     default: throw std::invalid_argument(std::string(name) + ": not an int8 variant (" + std::to_string(static_cast<int>(variant)) + ")");
   }
 }

@@ -22,10 +22,13 @@ enum class Sm90Variant : int {
   // NF4 forward: no re-layout; a thread's bytes gathered from its loaded words by prmt, then
   // the values as kRelaidBytes takes them.
   kGatheredBytes = 2,
+  // Int8, both directions: q -> float (fp16 pairs: half2) by a byte permute under a magic
+  // exponent and one subtraction, no I2F.
+  kMagicInt8 = 3,
 };
 
 // The variant must be one of the weight format's: kCurrent, kRelaidBytes or kGatheredBytes
-// (forward only) for NF4; kCurrent for int8 (std::invalid_argument otherwise).
+// (forward only) for NF4; kCurrent or kMagicInt8 for int8 (std::invalid_argument otherwise).
 void nf4_gemm_sm90(const Nf4GemmParams& params, cudaStream_t stream, Sm90Variant variant = Sm90Variant::kCurrent);
 void int8_gemm_sm90(const Int8GemmParams& params, cudaStream_t stream, Sm90Variant variant = Sm90Variant::kCurrent);
 

@@ -3,7 +3,8 @@
 // the index logic the kernel runs, without a GPU:
 //   - the producer's re-layout of a step's 4-bit W bytes into the consumers' fragment order
 //     (Sm90Variant::kRelaidBytes), and the forward's in-register gather (kGatheredBytes);
-//   - which nibble and scale each of a fragment word's 8 values takes.
+//   - which nibble and scale each of a fragment word's 8 values takes;
+//   - an exact int8 -> float conversion without I2F (kMagicInt8).
 // Fragment order: k-block word kb of consumer thread t (t = 128 warpgroup + 32 warp + 4 g + q)
 // holds, as its bytes 0..3, the 4 stored bytes of wgmma's A fragment registers of that k-block:
 //   forward : bytes of W rows (output columns) c, c + 1 at depth 16 kb + 2q, then at + 8
@@ -12,9 +13,11 @@
 //             holds output columns c, c + 1).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/quant/quant.h"
 
@@ -156,5 +159,36 @@ struct FragmentValue {
     return byte_of(high_nibble(i, e) ? offsets.high : offsets.low, byte(i, e));
   }
 };
+
+// ---------------------------------------------------------------- int8 without I2F
+
+__host__ __device__ __forceinline__ float float_from_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(bits);
+#else
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+#endif
+}
+
+// `biased` holds int8 values q as bytes q ^ 0x80 = q + 128 (one XOR a word): byte j placed
+// under the exponent of 2^23 is the float 2^23 + 128 + q, and one subtraction leaves q,
+// exactly (every integer below 2^24 is a float).
+__host__ __device__ __forceinline__ uint32_t bias_int8_bytes(uint32_t word) { return word ^ 0x80808080u; }
+__host__ __device__ __forceinline__ float biased_int8_to_float(uint32_t biased, int j) {
+  return float_from_bits(byte_perm(biased, 0x4B000000u, 0x7650u | j)) - 8388736.0f;
+}
+// Bytes j0, j1 as the halves 1024 + 128 + q of one word, one permute; minus 1152 (0x6480)
+// each gives the fp16 pair (q0, q1) exactly.
+__host__ __device__ constexpr uint32_t half_pair_selector(int j0, int j1) {
+  return static_cast<uint32_t>(j0 | 4 << 4 | j1 << 8 | 4 << 12);
+}
+__host__ __device__ __forceinline__ __half2 biased_int8_pair_to_half2(uint32_t biased, int j0, int j1) {
+  const uint32_t bits = byte_perm(biased, 0x64646464u, half_pair_selector(j0, j1));
+  __half2 offset_pair;
+  std::memcpy(&offset_pair, &bits, sizeof(bits));
+  return __hsub2(offset_pair, __half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u)));
+}
 
 }  // namespace barqtrain::kernels::quant

@@ -1,7 +1,8 @@
 // The byte logic of the Hopper dequant-GEMM's candidate variants (kernels/quant/fragment_bytes.cuh),
 // checked on the host with the same functions the kernel runs (no GPU): the producer's
 // re-layout and the forward's gather deliver to every consumer thread the nibbles and scales
-// of wgmma's A fragments, and every shared-memory access meets each bank once.
+// of wgmma's A fragments, every shared-memory access meets each bank once, and the int8
+// conversion without I2F is exact for all 256 values.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -263,6 +264,33 @@ void expect_relay_accesses_conflict_free() {
 
 TEST(FragmentBytes, RelayForwardAccessesMeetEachBankOnce) { expect_relay_accesses_conflict_free<QuantGemmOp::kForward>(); }
 TEST(FragmentBytes, RelayBackwardAccessesMeetEachBankOnce) { expect_relay_accesses_conflict_free<QuantGemmOp::kBackward>(); }
+
+// ---------------------------------------------------------------- int8 without I2F
+
+TEST(FragmentBytes, MagicInt8ToFloatIsExactForAllValues) {
+  for (int value = -128; value < 128; ++value) {
+    const uint32_t byte = static_cast<uint8_t>(static_cast<int8_t>(value));
+    for (int j = 0; j < 4; ++j) {
+      // The other bytes hold other values: the permute must take byte j alone.
+      const uint32_t word = (0x5A3C7F81u & ~(0xFFu << (8 * j))) | byte << (8 * j);
+      ASSERT_EQ(q::biased_int8_to_float(q::bias_int8_bytes(word), j), static_cast<float>(value)) << "byte " << j;
+    }
+  }
+}
+
+TEST(FragmentBytes, MagicInt8PairToHalf2IsExactForAllValues) {
+  for (int lo = -128; lo < 128; ++lo) {
+    for (int hi = -128; hi < 128; ++hi) {
+      const uint32_t lo_byte = static_cast<uint8_t>(static_cast<int8_t>(lo)), hi_byte = static_cast<uint8_t>(static_cast<int8_t>(hi));
+      for (const int first : {0, 2}) {  // the forward's pair starts at byte 0 or 2
+        const uint32_t word = (lo_byte | hi_byte << 8) << (8 * first) | (first == 0 ? 0x81C30000u : 0x000081C3u);
+        const __half2 pair = q::biased_int8_pair_to_half2(q::bias_int8_bytes(word), first, first + 1);
+        ASSERT_EQ(__half2float(pair.x), static_cast<float>(lo)) << lo << ", " << hi;
+        ASSERT_EQ(__half2float(pair.y), static_cast<float>(hi)) << lo << ", " << hi;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace barqtrain::testing

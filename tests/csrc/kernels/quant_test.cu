@@ -272,7 +272,7 @@ void PrintTo(const GemmCase& c, std::ostream* os) {
 // nf4_gemm / int8_gemm run it, and the Hopper kernel's candidate variants (hopper::Sm90Variant,
 // launched directly); the Hopper ones skip where hopper_quant_gemm_available() is false (not
 // built, or not an sm_90 GPU).
-enum class GemmKernel { kGeneral, kHopper, kHopperRelaidBytes, kHopperGatheredBytes };
+enum class GemmKernel { kGeneral, kHopper, kHopperRelaidBytes, kHopperGatheredBytes, kHopperMagicInt8 };
 using GemmParam = std::tuple<GemmCase, GemmKernel>;
 
 const char* kernel_name(GemmKernel kernel) {
@@ -281,6 +281,7 @@ const char* kernel_name(GemmKernel kernel) {
     case GemmKernel::kHopper: return "hopper_";
     case GemmKernel::kHopperRelaidBytes: return "hopper_relaid_";
     case GemmKernel::kHopperGatheredBytes: return "hopper_gathered_";
+    case GemmKernel::kHopperMagicInt8: return "hopper_magic_";
   }
   return "";
 }
@@ -310,6 +311,7 @@ void run_gemm(const Params& p, GemmKernel kernel) {
   namespace hopper = barqtrain::kernels::hopper;
   const hopper::Sm90Variant variant = kernel == GemmKernel::kHopperRelaidBytes    ? hopper::Sm90Variant::kRelaidBytes
                                       : kernel == GemmKernel::kHopperGatheredBytes ? hopper::Sm90Variant::kGatheredBytes
+                                      : kernel == GemmKernel::kHopperMagicInt8     ? hopper::Sm90Variant::kMagicInt8
                                                                                    : hopper::Sm90Variant::kCurrent;
   if (variant != hopper::Sm90Variant::kCurrent) {
     if constexpr (std::is_same_v<Params, k::Nf4GemmParams>) {
@@ -520,7 +522,7 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 336, false, true},
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 515, 1537, 2000, false, true},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2008, 1536, false, false}),
-                       ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper)),
+                       ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper, GemmKernel::kHopperMagicInt8)),
     gemm_name);
 
 TEST(Int8GemmChecks, RejectsDepthNotMultipleOf16) {
