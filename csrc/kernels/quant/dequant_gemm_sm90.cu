@@ -157,6 +157,7 @@ struct Nf4Format {
     return quant::block_absmax(p.absmax, tables + 16, (row * p.k + col) / kQuantBlock4bit);
   }
   // Where the producer puts slot's scale: the re-laid backward reads its 16 as 4 float4.
+  static constexpr int kScaleFloats = kRelaid && kOp == QuantGemmOp::kBackward ? quant::kRelaidScaleFloats : kScaleSlots;
   static __device__ int scale_position(int slot) {
     return kRelaid && kOp == QuantGemmOp::kBackward ? quant::relaid_scale_slot(slot) : slot;
   }
@@ -279,6 +280,7 @@ struct Int8Format {
     const int64_t row = int64_t{step} * kTileDepth + slot;
     return slot < kTileDepth && row < p.n ? __ldg(p.row_absmax + row) : 0.0f;
   }
+  static constexpr int kScaleFloats = kScaleSlots;
   static __device__ int scale_position(int slot) { return slot; }
 
   // Forward: the thread's two W rows, 64 bytes each (16 words; the 16-bit piece at byte
@@ -381,7 +383,7 @@ struct SharedStorage {
   using L = Layouts<T, kOp, Format, kVariant>;
   array_aligned<typename L::Element, cosize_v<typename L::AStages>, 1024> a;
   array_aligned<uint8_t, L::Tile::kBytes * kStages, 128> stored;
-  float scales[kStages][kScaleSlots];
+  alignas(16) float scales[kStages][L::Fmt::kScaleFloats];
   float tables[L::Fmt::kTableFloats > 0 ? L::Fmt::kTableFloats : 1];
   // kRelaidBytes: each stage's W bytes in the consumers' fragment order (fragment_bytes.cuh).
   array_aligned<uint8_t, L::Fmt::kRelaid ? quant::kRelaidStageBytes * kStages : 16, 128> relaid;

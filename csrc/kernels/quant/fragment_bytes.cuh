@@ -126,12 +126,18 @@ struct RelayTask {
 
 // Backward scales: producer slot s (64 W columns' half s / 64, depth row s % 64) goes where
 // consumer thread (warpgroup = half, quad lane q) reads its 16 as 4 float4, [kb][byte]:
-// depth 16 kb + 2q + 8 (byte / 2) + byte % 2.
+// depth 16 kb + 2q + 8 (byte / 2) + byte % 2. The quad lanes' 16 floats lie 24 apart (not 16),
+// so that a quarter-warp's 4 float4 and a producer warp's 32 stores meet each bank once.
+constexpr int kRelaidScaleQuadStride = 24;
+constexpr int kRelaidScaleHalfStride = 4 * kRelaidScaleQuadStride;
+constexpr int kRelaidScaleFloats = 2 * kRelaidScaleHalfStride;
+__host__ __device__ constexpr int relaid_scales_of(int warpgroup, int quad) {
+  return kRelaidScaleHalfStride * warpgroup + kRelaidScaleQuadStride * quad;
+}
 __host__ __device__ constexpr int relaid_scale_slot(int slot) {
   const int half = slot / 64, depth = slot % 64;
-  return 64 * half + 16 * ((depth >> 1) & 3) + 4 * (depth >> 4) + 2 * ((depth >> 3) & 1) + (depth & 1);
+  return relaid_scales_of(half, (depth >> 1) & 3) + 4 * (depth >> 4) + 2 * ((depth >> 3) & 1) + (depth & 1);
 }
-__host__ __device__ constexpr int relaid_scales_of(int warpgroup, int quad) { return 64 * warpgroup + 16 * quad; }
 
 // ---------------------------------------------------------------- a fragment word's values
 
