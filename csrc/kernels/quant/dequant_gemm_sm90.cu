@@ -47,6 +47,9 @@
 // register lookup table (the step's 16 products per row, picked by byte permutes) in place of
 // the shared-memory lookups measured 1.2-1.4x slower: more instructions cost more than the
 // shared-memory wavefronts they saved.
+// Candidate changes (Sm90Variant, dequant_gemm_sm90.h: the producer re-laying the NF4 bytes,
+// the forward's gathered bytes, int8 without I2F) are compiled beside the current code until
+// an H100 times them: csrc/kernels/quant/NOTES.md.
 
 // CuTe's headers depend on their order: the tensor algebra first, then the atoms.
 #include <cute/tensor.hpp>
