@@ -3,7 +3,8 @@
 // Why this version exists: the general kernel (dequant_gemm.cu) runs mma.sync, which on an
 // H100 peaks near a third of wgmma's rate; it measured 3.0-3.5x cuBLAS bf16 at the 8B
 // model's LoRA shapes (docs/qlora.md). This kernel computes the same sums over the same
-// dequantized bits (dequant_values.cuh) with wgmma.
+// dequantized bits (dequant_values.cuh) with wgmma; its forward conversions are the fastest
+// of the forms timed side by side on an H100 (below, and NOTES.md).
 //
 // Transposed, with W from registers. Each CTA computes a tile of Cᵀ: 128 output columns
 // (W rows in the forward, W columns in the backward; 64 per consumer warpgroup) by 256 rows
@@ -37,19 +38,30 @@
 // At 8192 x 4096 -> 14336: A 64 MiB and W 28 MiB read from DRAM about once (L2 keeps the W
 // tiles a row of CTAs shares), C 224 MiB written once; 962 GFLOP, ~1.3 ms at cuBLAS's rate.
 //
-// Measured on an H100 (NF4, bf16, M = 8192, K -> N of 4096 -> 14336, 4096 -> 4096 and
-// 14336 -> 4096; x cuBLAS bf16 on the dequantized weight): forward 1.23-1.45x, backward
-// 1.36-1.58x (int8 within 10% of NF4); the previous version of this kernel (the producer
+// The forward's conversions (fragment_bytes.cuh, checked exhaustively on the host): NF4
+// gathers each k-block's 4 fragment bytes from the thread's loaded words by byte permutes and
+// takes their 8 code offsets with 4 masks and 8 permutes (12 integer instructions a k-block,
+// against 20 shifts and masks); int8 turns q into a float without I2F (16 a clock
+// an SM, against 128 for PRMT and FADD): byte q ^ 0x80 permuted under the exponent of 2^23,
+// minus 2^23 + 128; fp16 pairs as one permute into 0x64xx halves and one HADD2.
+//
+// Measured on an H100 (2026-11-22, the session-5 harness run, .scratch/bench_hopper.cu; bf16,
+// M = 8192, K -> N of 4096 -> 14336, 4096 -> 4096, 14336 -> 4096; x cuBLAS bf16 on the
+// dequantized weight, cuBLAS fwd 1.259 / 0.359 / 1.288 ms, bwd 1.353 / 0.359 / 1.349 ms):
+//   NF4 forward 1.36 / 1.18 / 1.25x (the previous byte-by-byte form 1.48 / 1.20 / 1.39x),
+//       backward 1.30 / 1.34 / 1.42x; double-quantized forward 1.32 / 1.17 / 1.22x,
+//       backward 1.34 / 1.34 / 1.40x;
+//   int8 forward 1.38 / 1.16 / 1.17x (with I2F 1.73 / 1.34 / 1.64x), backward 1.29 / 1.33 /
+//       1.43x (the backward keeps I2F: without it 1.32 / 1.39 / 1.46x, no faster).
+// Every form timed gave bit-identical C. The previous version of this kernel (the producer
 // warpgroup dequantizing into a shared 16-bit tile for wgmma SS) was 3.7-4x, the general
-// kernel 3-3.6x. Run to run, the same binary varies by up to ~8%.
+// kernel 3-3.6x. Run to run, the same binary varies by up to ~8%. Also measured and dropped:
+// the producer re-laying each stage's NF4 bytes into fragment order (NOTES.md).
 // With the conversion taken out (fragments = the raw bytes, timing only) the forward ran at
 // 0.94-1.03x cuBLAS and the backward 1.08-1.24x: the dequantization is the remaining gap. A
 // register lookup table (the step's 16 products per row, picked by byte permutes) in place of
 // the shared-memory lookups measured 1.2-1.4x slower: more instructions cost more than the
 // shared-memory wavefronts they saved.
-// Candidate changes (Sm90Variant, dequant_gemm_sm90.h: the producer re-laying the NF4 bytes,
-// the forward's gathered bytes, int8 without I2F) are compiled beside the current code until
-// an H100 times them: csrc/kernels/quant/NOTES.md.
 
 // CuTe's headers depend on their order: the tensor algebra first, then the atoms.
 #include <cute/tensor.hpp>
@@ -62,7 +74,6 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -97,10 +108,9 @@ static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kC
 // C rows 8j + 2q, 8j + 2q + 1) and its lane in the group (q: depth 2q, 2q + 1, 2q + 8,
 // 2q + 9 of each 16-deep k-block).
 struct ThreadCoords {
-  int tid, warpgroup, warp, group, quad;
+  int warpgroup, warp, group, quad;
   __device__ explicit ThreadCoords(int consumer_tid)
-      : tid(consumer_tid),
-        warpgroup(consumer_tid / kWarpgroupThreads),
+      : warpgroup(consumer_tid / kWarpgroupThreads),
         warp(consumer_tid % kWarpgroupThreads / 32),
         group(consumer_tid % 32 / 4),
         quad(consumer_tid % 4) {}
@@ -126,23 +136,14 @@ struct StoredTile {
 // kScalesOutputColumns and output_column_scale (a factor on the fp32 sums per output column).
 
 // 4-bit, blocks of 64 along W's rows (k is a multiple of 64, tiles start at multiples of 64).
-// kRelaidBytes and kGatheredBytes (forward) hold a step's bytes as 4 fragment words
-// (fragment_bytes.cuh), one a k-block, and take a word's 8 values with 4 masks and 8 byte
-// permutes (12 integer instructions, 20 for the current code).
-template <typename T, QuantGemmOp kOp, Sm90Variant kVariant>
+template <typename T, QuantGemmOp kOp>
 struct Nf4Format {
-  static_assert(kVariant == Sm90Variant::kCurrent || kVariant == Sm90Variant::kRelaidBytes ||
-                    (kVariant == Sm90Variant::kGatheredBytes && kOp == QuantGemmOp::kForward),
-                "an NF4 variant");
   using Params = Nf4GemmParams;
   static constexpr int kBitsPerValue = 4;
   using Tile = StoredTile<kOp, kBitsPerValue>;
   static constexpr int kTableFloats = 16 + kDynamicCodeSize;
   static constexpr bool kStepScales = true;
   static constexpr bool kScalesOutputColumns = false;
-  static constexpr bool kRelaid = kVariant == Sm90Variant::kRelaidBytes;
-  static constexpr bool kFragmentWords = kVariant != Sm90Variant::kCurrent;
-  static_assert(!kRelaid || Tile::kBytes == quant::kRelaidStageBytes, "the re-laid stage holds the stored one");
 
   static const uint8_t* stored_bytes(const Params& p) { return p.packed; }
   static __device__ void load_tables(const Params& p, float* tables) {
@@ -159,54 +160,29 @@ struct Nf4Format {
     if (row >= p.n || col >= p.k) return 0.0f;
     return quant::block_absmax(p.absmax, tables + 16, (row * p.k + col) / kQuantBlock4bit);
   }
-  // Where the producer puts slot's scale: the re-laid backward reads its 16 as 4 float4.
-  static constexpr int kScaleFloats = kRelaid && kOp == QuantGemmOp::kBackward ? quant::kRelaidScaleFloats : kScaleSlots;
-  static __device__ int scale_position(int slot) {
-    return kRelaid && kOp == QuantGemmOp::kBackward ? quant::relaid_scale_slot(slot) : slot;
-  }
 
-  // Current code. Forward: the thread's two W rows, 32 bytes each (8 words; byte q of word
-  // 2 kb holds depth 16 kb + 2q, 2q + 1, of word 2 kb + 1 depth + 8). Backward: byte column
-  // `out_col / 2` of the 16 depth rows of the fragments (high nibble: column g, low: g + 8),
-  // with their scales. Fragment words: words[kb], scales as FragmentValue::scale picks them
-  // (the backward's k-block kb at 4 kb).
+  // Forward: one fragment word a k-block (fragment_bytes.cuh), gathered from the thread's two
+  // W rows, 32 bytes each, and their 2 scales. Backward: byte column `out_col / 2` of the 16
+  // depth rows of the fragments (high nibble: column g, low: g + 8), with their scales.
   struct Raw {
-    uint32_t words[kFragmentWords ? kKBlocks : 16];
+    uint32_t words[kOp == QuantGemmOp::kForward ? kKBlocks : 16];
     float scales[kOp == QuantGemmOp::kForward ? 2 : 16];
   };
-  static __device__ Raw load_raw(const uint8_t* stored, const uint8_t* relaid, const float* scales, const ThreadCoords& t) {
+  static __device__ Raw load_raw(const uint8_t* stored, const float* scales, const ThreadCoords& t) {
     Raw raw;
-    if constexpr (kRelaid) {
-      const uint4 v = *reinterpret_cast<const uint4*>(relaid + quant::relaid_offset(t.tid));
-      raw.words[0] = v.x, raw.words[1] = v.y, raw.words[2] = v.z, raw.words[3] = v.w;
-    }
     if constexpr (kOp == QuantGemmOp::kForward) {
-      if constexpr (!kRelaid) {
-        uint32_t words[16];
-        const uint4* rows = reinterpret_cast<const uint4*>(stored + t.out_col() * Tile::kRowBytes);
+      uint32_t row_words[16];
+      const uint4* rows = reinterpret_cast<const uint4*>(stored + t.out_col() * Tile::kRowBytes);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 v = rows[i];
-          words[4 * i] = v.x, words[4 * i + 1] = v.y, words[4 * i + 2] = v.z, words[4 * i + 3] = v.w;
-        }
-        if constexpr (kFragmentWords) {
-          const uint32_t selector = quant::gather_selector(t.quad);
-#pragma unroll
-          for (int kb = 0; kb < kKBlocks; ++kb) raw.words[kb] = quant::gather_forward_word(words, kb, selector);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) raw.words[i] = words[i];
-        }
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = rows[i];
+        row_words[4 * i] = v.x, row_words[4 * i + 1] = v.y, row_words[4 * i + 2] = v.z, row_words[4 * i + 3] = v.w;
       }
+      const uint32_t selector = quant::gather_selector(t.quad);
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) raw.words[kb] = quant::gather_forward_word(row_words, kb, selector);
       const float2 s = *reinterpret_cast<const float2*>(scales + t.out_col());
       raw.scales[0] = s.x, raw.scales[1] = s.y;
-    } else if constexpr (kRelaid) {
-      const float4* thread_scales = reinterpret_cast<const float4*>(scales + quant::relaid_scales_of(t.warpgroup, t.quad));
-#pragma unroll
-      for (int kb = 0; kb < kKBlocks; ++kb) {
-        const float4 s = thread_scales[kb];
-        raw.scales[4 * kb] = s.x, raw.scales[4 * kb + 1] = s.y, raw.scales[4 * kb + 2] = s.z, raw.scales[4 * kb + 3] = s.w;
-      }
     } else {
       // Rows 2q and 2q + 1 are 64 bytes apart, on the same banks for every even q: odd q load
       // their odd row first, so that each load meets two rows on a bank instead of four
@@ -230,23 +206,17 @@ struct Nf4Format {
     }
     return raw;
   }
-  static __device__ void fragment(const Raw& raw, int kb, const float* code4, const ThreadCoords& t, uint32_t (&a)[4]) {
-    if constexpr (kFragmentWords) {
-      using Value = quant::FragmentValue<kOp>;
+  static __device__ void fragment(const Raw& raw, int kb, const float* code4, const ThreadCoords&, uint32_t (&a)[4]) {
+    if constexpr (kOp == QuantGemmOp::kForward) {
+      // The word's 8 code offsets by 4 masks, each value's by one byte permute.
       const quant::NibbleOffsets offsets = quant::nibble_offsets(raw.words[kb]);
       const char* table = reinterpret_cast<const char*>(code4);
-      const float* scales = raw.scales + (kOp == QuantGemmOp::kForward ? 0 : 4 * kb);
       auto value = [&](int i, int e) {
-        return *reinterpret_cast<const float*>(table + Value::table_offset(offsets, i, e)) * scales[Value::scale(i, e)];
+        using Value = quant::ForwardFragmentValue;
+        return *reinterpret_cast<const float*>(table + Value::table_offset(offsets, i, e)) * raw.scales[Value::scale(i)];
       };
 #pragma unroll
       for (int i = 0; i < 4; ++i) a[i] = attention::pack2<T>(value(i, 0), value(i, 1));
-    } else if constexpr (kOp == QuantGemmOp::kForward) {
-      const int shift = 8 * t.quad;
-      a[0] = quant::dequantize_4bit_byte<T>(raw.words[2 * kb] >> shift, raw.scales[0], code4);
-      a[1] = quant::dequantize_4bit_byte<T>(raw.words[8 + 2 * kb] >> shift, raw.scales[1], code4);
-      a[2] = quant::dequantize_4bit_byte<T>(raw.words[2 * kb + 1] >> shift, raw.scales[0], code4);
-      a[3] = quant::dequantize_4bit_byte<T>(raw.words[8 + 2 * kb + 1] >> shift, raw.scales[1], code4);
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // depth 2q, 2q + 1, then 2q + 8, 2q + 9
@@ -261,20 +231,15 @@ struct Nf4Format {
 };
 
 // Int8 with absmax per W row: the forward scales the fp32 sums per output column (W enters
-// unrounded), the backward scales each depth row. kMagicInt8 converts q without I2F
-// (fragment_bytes.cuh): bf16 forward pairs as two exact floats packed, fp16 forward pairs as
-// one permute and one half2 subtraction, backward values as exact floats.
-template <typename T, QuantGemmOp kOp, Sm90Variant kVariant>
+// unrounded; q converted without I2F, fragment_bytes.cuh), the backward scales each depth row.
+template <typename T, QuantGemmOp kOp>
 struct Int8Format {
-  static_assert(kVariant == Sm90Variant::kCurrent || kVariant == Sm90Variant::kMagicInt8, "an int8 variant");
   using Params = Int8GemmParams;
   static constexpr int kBitsPerValue = 8;
   using Tile = StoredTile<kOp, kBitsPerValue>;
   static constexpr int kTableFloats = 0;
   static constexpr bool kScalesOutputColumns = kOp == QuantGemmOp::kForward;
   static constexpr bool kStepScales = !kScalesOutputColumns;
-  static constexpr bool kRelaid = false;
-  static constexpr bool kMagic = kVariant == Sm90Variant::kMagicInt8;
 
   static const uint8_t* stored_bytes(const Params& p) { return reinterpret_cast<const uint8_t*>(p.q); }
   static __device__ void load_tables(const Params&, float*) {}
@@ -283,8 +248,6 @@ struct Int8Format {
     const int64_t row = int64_t{step} * kTileDepth + slot;
     return slot < kTileDepth && row < p.n ? __ldg(p.row_absmax + row) : 0.0f;
   }
-  static constexpr int kScaleFloats = kScaleSlots;
-  static __device__ int scale_position(int slot) { return slot; }
 
   // Forward: the thread's two W rows, 64 bytes each (16 words; the 16-bit piece at byte
   // 16 kb + 2q holds depth 16 kb + 2q, 2q + 1). Backward: the 16-bit piece at column out_col
@@ -293,7 +256,7 @@ struct Int8Format {
     uint32_t words[kOp == QuantGemmOp::kForward ? 32 : 16];
     float scales[kOp == QuantGemmOp::kForward ? 1 : 16];
   };
-  static __device__ Raw load_raw(const uint8_t* stored, const uint8_t*, const float* scales, const ThreadCoords& t) {
+  static __device__ Raw load_raw(const uint8_t* stored, const float* scales, const ThreadCoords& t) {
     Raw raw;
     if constexpr (kOp == QuantGemmOp::kForward) {
       const uint4* rows = reinterpret_cast<const uint4*>(stored + t.out_col() * Tile::kRowBytes);
@@ -323,14 +286,11 @@ struct Int8Format {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // a[i]: row 2g + (i & 1), depth + 8 * (i >> 1)
         const int word = 16 * (i & 1) + 4 * kb + 2 * (i >> 1);
-        const uint32_t pieces = upper ? raw.words[word + 1] : raw.words[word];
-        if constexpr (!kMagic) {
-          a[i] = quant::dequantize_int8_pair<T, false>(pieces >> (8 * first_byte), 1.0f);
-        } else if constexpr (std::is_same_v<T, __half>) {
-          const __half2 pair = quant::biased_int8_pair_to_half2(quant::bias_int8_bytes(pieces), first_byte, first_byte + 1);
+        const uint32_t biased = quant::bias_int8_bytes(upper ? raw.words[word + 1] : raw.words[word]);
+        if constexpr (std::is_same_v<T, __half>) {
+          const __half2 pair = quant::biased_int8_pair_to_half2(biased, first_byte, first_byte + 1);
           a[i] = *reinterpret_cast<const uint32_t*>(&pair);
         } else {
-          const uint32_t biased = quant::bias_int8_bytes(pieces);
           a[i] = attention::pack2<T>(quant::biased_int8_to_float(biased, first_byte),
                                      quant::biased_int8_to_float(biased, first_byte + 1));
         }
@@ -340,19 +300,10 @@ struct Int8Format {
       for (int half = 0; half < 2; ++half) {
         const uint32_t p0 = raw.words[4 * kb + 2 * half], p1 = raw.words[4 * kb + 2 * half + 1];
         const float s0 = raw.scales[4 * kb + 2 * half], s1 = raw.scales[4 * kb + 2 * half + 1];
-        if constexpr (kMagic) {
-          // Both pieces' two bytes in one word: p0's low, p1's low, p0's high, p1's high.
-          const uint32_t biased = quant::bias_int8_bytes(quant::byte_perm(p0, p1, 0x5140u));
-          a[2 * half] = attention::pack2<T>(quant::scale_int8_value(quant::biased_int8_to_float(biased, 0), s0),
-                                            quant::scale_int8_value(quant::biased_int8_to_float(biased, 1), s1));
-          a[2 * half + 1] = attention::pack2<T>(quant::scale_int8_value(quant::biased_int8_to_float(biased, 2), s0),
-                                                quant::scale_int8_value(quant::biased_int8_to_float(biased, 3), s1));
-        } else {
-          a[2 * half] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0),
-                                            quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1));
-          a[2 * half + 1] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0),
-                                                quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1));
-        }
+        a[2 * half] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 & 0xFFu), s0),
+                                          quant::dequantize_int8_value(static_cast<int8_t>(p1 & 0xFFu), s1));
+        a[2 * half + 1] = attention::pack2<T>(quant::dequantize_int8_value(static_cast<int8_t>(p0 >> 8), s0),
+                                              quant::dequantize_int8_value(static_cast<int8_t>(p1 >> 8), s1));
       }
     }
   }
@@ -363,10 +314,10 @@ struct Int8Format {
 
 // ---------------------------------------------------------------- shared memory
 
-template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant>
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
 struct Layouts {
   using Element = typename CutlassElement<T>::type;
-  using Fmt = Format<T, kOp, kVariant>;
+  using Fmt = Format<T, kOp>;
   using Tile = typename Fmt::Tile;
   using AStages = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kTileRows>, Int<kTileDepth>, Int<kStages>>{}));
@@ -381,33 +332,30 @@ struct Layouts {
       Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>{}));
 };
 
-template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant>
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
 struct SharedStorage {
-  using L = Layouts<T, kOp, Format, kVariant>;
+  using L = Layouts<T, kOp, Format>;
   array_aligned<typename L::Element, cosize_v<typename L::AStages>, 1024> a;
   array_aligned<uint8_t, L::Tile::kBytes * kStages, 128> stored;
-  alignas(16) float scales[kStages][L::Fmt::kScaleFloats];
+  float scales[kStages][kScaleSlots];
   float tables[L::Fmt::kTableFloats > 0 ? L::Fmt::kTableFloats : 1];
-  // kRelaidBytes: each stage's W bytes in the consumers' fragment order (fragment_bytes.cuh).
-  array_aligned<uint8_t, L::Fmt::kRelaid ? quant::kRelaidStageBytes * kStages : 16, 128> relaid;
   uint64_t loaded[kStages];    // the producer's 128 threads (scales) and the TMA transactions
   uint64_t released[kStages];  // the consumers' 256 threads are done with the stage
-  uint64_t relaid_ready[kStages];  // kRelaidBytes: the producer's 128 threads re-laid the stage
 };
 
 // ---------------------------------------------------------------- the kernel
 
-template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant, class TmaA, class TmaW>
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format, class TmaA, class TmaW>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_dequant_gemm_kernel(const __grid_constant__ typename Format<T, kOp, kVariant>::Params p,
+    hopper_dequant_gemm_kernel(const __grid_constant__ typename Format<T, kOp>::Params p,
                                const __grid_constant__ TmaA tma_a, const __grid_constant__ TmaW tma_w) {
-  using L = Layouts<T, kOp, Format, kVariant>;
+  using L = Layouts<T, kOp, Format>;
   using Fmt = typename L::Fmt;
   using Tile = typename L::Tile;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ __align__(1024) unsigned char smem[];
-  auto& shared = *reinterpret_cast<SharedStorage<T, kOp, Format, kVariant>*>(smem);
+  auto& shared = *reinterpret_cast<SharedStorage<T, kOp, Format>*>(smem);
 
   const int64_t out_cols = kOp == QuantGemmOp::kForward ? p.n : p.k;
   const int depth = static_cast<int>(kOp == QuantGemmOp::kForward ? p.k : p.n);
@@ -424,7 +372,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       TransactionBarrier::init(&shared.loaded[s], kWarpgroupThreads);
       Barrier::init(&shared.released[s], kWarpgroupThreads * kConsumerWarpgroups);
-      if (Fmt::kRelaid) Barrier::init(&shared.relaid_ready[s], kWarpgroupThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -447,43 +394,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     Tensor tWgW = get<0>(w_copies);  // ((TMA, TMA_iterations), row tiles, column tiles)
     Tensor tWsW = get<1>(w_copies);  // ((TMA, TMA_iterations), stage)
 
-    // kRelaidBytes: once a stage's copies landed, the 128 threads re-lay its W bytes, one step
-    // behind the copies so that the next stage's copies are in flight meanwhile.
-    const quant::RelayTask<kOp> relay_task(tid);
-    const quant::PairSelectors pair_selectors = quant::pair_selectors(relay_task.swapped);
-    auto relay = [&](int step) {
-      const int stage = step % kStages;
-      TransactionBarrier::wait(&shared.loaded[stage], (step / kStages) & 1);
-      const uint8_t* stored = shared.stored.data() + stage * Tile::kBytes;
-      uint32_t in[2][4];
-      if constexpr (kOp == QuantGemmOp::kForward) {
-        // A row's 16 bytes hold both k-blocks' words: (kb 0, depth + 0), (0, + 8), (1, + 0), (1, + 8).
-        const uint4 first = *reinterpret_cast<const uint4*>(stored + relay_task.load_offset(0, 0));
-        const uint4 second = *reinterpret_cast<const uint4*>(stored + relay_task.load_offset(0, 1));
-        in[0][0] = first.x, in[0][1] = second.x, in[0][2] = first.y, in[0][3] = second.y;
-        in[1][0] = first.z, in[1][1] = second.z, in[1][2] = first.w, in[1][3] = second.w;
-      } else {
-#pragma unroll
-        for (int kbi = 0; kbi < 2; ++kbi) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) in[kbi][k] = *reinterpret_cast<const uint32_t*>(stored + relay_task.load_offset(kbi, k));
-        }
-      }
-      uint32_t out[2][4];
-      quant::transpose_bytes(in[0], pair_selectors, out[0]);
-      quant::transpose_bytes(in[1], pair_selectors, out[1]);
-      uint8_t* relaid = shared.relaid.data() + stage * quant::kRelaidStageBytes;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint2*>(relaid + relay_task.store_offset(j)) = make_uint2(out[0][j], out[1][j]);
-      Barrier::arrive(&shared.relaid_ready[stage]);
-    };
-
     for (int step = 0; step < steps; ++step) {
       const int stage = step % kStages;
       // The scale's global loads go out before the wait for the stage.
       const float scale = Fmt::kStepScales ? Fmt::step_scale(p, shared.tables, tid, step, col_tile) : 0.0f;
       if (step >= kStages) Barrier::wait(&shared.released[stage], ((step / kStages) & 1) ^ 1);
-      if (Fmt::kStepScales) shared.scales[stage][Fmt::scale_position(tid)] = scale;
+      if (Fmt::kStepScales) shared.scales[stage][tid] = scale;
       if (tid == 0) {
         TransactionBarrier::arrive_and_expect_tx(&shared.loaded[stage], L::kStepBytes);
         copy(tma_a.with(shared.loaded[stage]), tAgA(_, step), tAsA(_, stage));
@@ -493,11 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         Barrier::arrive(&shared.loaded[stage]);  // releases this thread's scale to the consumers
       }
-      if constexpr (Fmt::kRelaid) {
-        if (step > 0) relay(step - 1);
-      }
     }
-    if constexpr (Fmt::kRelaid) relay(steps - 1);
   } else {
     // ------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -519,9 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto stage_raw = [&](int step) {
       const int stage = step % kStages;
       TransactionBarrier::wait(&shared.loaded[stage], (step / kStages) & 1);
-      if (Fmt::kRelaid) Barrier::wait(&shared.relaid_ready[stage], (step / kStages) & 1);
-      return Fmt::load_raw(shared.stored.data() + stage * Tile::kBytes,
-                           shared.relaid.data() + stage * quant::kRelaidStageBytes, shared.scales[stage], coords);
+      return Fmt::load_raw(shared.stored.data() + stage * Tile::kBytes, shared.scales[stage], coords);
     };
     auto set_fragment = [&](const typename Fmt::Raw& raw, int kb) {
       uint32_t a[4];
@@ -586,9 +496,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant>
-void launch(const typename Format<T, kOp, kVariant>::Params& p, cudaStream_t stream, const char* name) {
-  using L = Layouts<T, kOp, Format, kVariant>;
+template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
+void launch(const typename Format<T, kOp>::Params& p, cudaStream_t stream, const char* name) {
+  using L = Layouts<T, kOp, Format>;
   using Fmt = typename L::Fmt;
   using Element = typename L::Element;
   const int depth = static_cast<int>(kOp == QuantGemmOp::kForward ? p.k : p.n);
@@ -600,9 +510,9 @@ void launch(const typename Format<T, kOp, kVariant>::Params& p, cudaStream_t str
                           make_stride(stored_row_bytes, _1{}));
   auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename L::StoredStage{});
 
-  constexpr size_t bytes = sizeof(SharedStorage<T, kOp, Format, kVariant>);
+  constexpr size_t bytes = sizeof(SharedStorage<T, kOp, Format>);
   static_assert(bytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
-  auto* kernel = hopper_dequant_gemm_kernel<T, kOp, Format, kVariant, decltype(tma_a), decltype(tma_w)>;
+  auto* kernel = hopper_dequant_gemm_kernel<T, kOp, Format, decltype(tma_a), decltype(tma_w)>;
   // Set on every launch: the attribute belongs to the current device, and it is cheap.
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
              (std::string(name) + " shared memory").c_str());
@@ -613,37 +523,18 @@ void launch(const typename Format<T, kOp, kVariant>::Params& p, cudaStream_t str
   check_cuda(cudaGetLastError(), (std::string(name) + " launch").c_str());
 }
 
-template <template <typename, QuantGemmOp, Sm90Variant> class Format, Sm90Variant kVariant, typename Params>
+template <template <typename, QuantGemmOp> class Format, typename Params>
 void dispatch(const Params& p, cudaStream_t stream, const char* name) {
   quant::dispatch_quant_gemm(p, [&](auto type_tag, auto op) {
-    constexpr QuantGemmOp kOp = decltype(op)::value;
-    if constexpr (kOp == QuantGemmOp::kBackward && kVariant == Sm90Variant::kGatheredBytes) {
-      throw std::invalid_argument(std::string(name) + ": Sm90Variant::kGatheredBytes is a forward variant");
-    } else {
-      launch<decltype(type_tag), kOp, Format, kVariant>(p, stream, name);
-    }
+    launch<decltype(type_tag), decltype(op)::value, Format>(p, stream, name);
   });
 }
 
 }  // namespace
 
-void nf4_gemm_sm90(const Nf4GemmParams& p, cudaStream_t stream, Sm90Variant variant) {
-  constexpr const char* name = "nf4_gemm (sm_90a)";
-  switch (variant) {
-    case Sm90Variant::kCurrent: return dispatch<Nf4Format, Sm90Variant::kCurrent>(p, stream, name);
-    case Sm90Variant::kRelaidBytes: return dispatch<Nf4Format, Sm90Variant::kRelaidBytes>(p, stream, name);
-    case Sm90Variant::kGatheredBytes: return dispatch<Nf4Format, Sm90Variant::kGatheredBytes>(p, stream, name);
-    default: throw std::invalid_argument(std::string(name) + ": not an NF4 variant (" + std::to_string(static_cast<int>(variant)) + ")");
-  }
-}
-
-void int8_gemm_sm90(const Int8GemmParams& p, cudaStream_t stream, Sm90Variant variant) {
-  constexpr const char* name = "int8_gemm (sm_90a)";
-  switch (variant) {
-    case Sm90Variant::kCurrent: return dispatch<Int8Format, Sm90Variant::kCurrent>(p, stream, name);
-    case Sm90Variant::kMagicInt8: return dispatch<Int8Format, Sm90Variant::kMagicInt8>(p, stream, name);
-    default: throw std::invalid_argument(std::string(name) + ": not an int8 variant (" + std::to_string(static_cast<int>(variant)) + ")");
-  }
+void nf4_gemm_sm90(const Nf4GemmParams& p, cudaStream_t stream) { dispatch<Nf4Format>(p, stream, "nf4_gemm (sm_90a)"); }
+void int8_gemm_sm90(const Int8GemmParams& p, cudaStream_t stream) {
+  dispatch<Int8Format>(p, stream, "int8_gemm (sm_90a)");
 }
 
 }  // namespace barqtrain::kernels::hopper

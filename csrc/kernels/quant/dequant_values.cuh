@@ -20,13 +20,9 @@ __device__ __forceinline__ uint32_t dequantize_4bit_byte(uint32_t byte, float ab
   return attention::pack2<T>(code4[(byte >> 4) & 0xFu] * absmax, code4[byte & 0xFu] * absmax);
 }
 
-// An int8 value q (as its exact float) of a W row with absmax `absmax`: (q * absmax) * (1 / 127),
-// two roundings.
-__device__ __forceinline__ float scale_int8_value(float q, float absmax) {
-  return __fmul_rn(__fmul_rn(q, absmax), 1.0f / 127.0f);
-}
+// An int8 value of a W row with absmax `absmax`: (q * absmax) * (1 / 127), two roundings.
 __device__ __forceinline__ float dequantize_int8_value(int8_t q, float absmax) {
-  return scale_int8_value(static_cast<float>(q), absmax);
+  return __fmul_rn(__fmul_rn(static_cast<float>(q), absmax), 1.0f / 127.0f);
 }
 
 // Two int8 values (bytes 0 and 1 of `pair`) as a T pair. With kScaled false they enter as

@@ -4,14 +4,10 @@
 
 #include <algorithm>
 #include <string>
-#include <type_traits>
 
 #include "kernels/quant/quant.h"
 #include "kernels/quant/quant_reference.h"
 #include "test_utils.cuh"
-#if BARQTRAIN_HOPPER_KERNELS
-#include "kernels/quant/dequant_gemm_sm90.h"
-#endif
 
 namespace barqtrain::testing {
 namespace {
@@ -268,72 +264,31 @@ void PrintTo(const GemmCase& c, std::ostream* os) {
       << " n=" << c.n << " k=" << c.k << (c.double_quantized ? " double-quantized" : "") << (c.padded_rows ? " padded" : "");
 }
 
-// Every case runs on each kernel: the general one (mma.sync), the Hopper one (wgmma) as
-// nf4_gemm / int8_gemm run it, and the Hopper kernel's candidate variants (hopper::Sm90Variant,
-// launched directly); the Hopper ones skip where hopper_quant_gemm_available() is false (not
-// built, or not an sm_90 GPU).
-enum class GemmKernel { kGeneral, kHopper, kHopperRelaidBytes, kHopperGatheredBytes, kHopperMagicInt8 };
-using GemmParam = std::tuple<GemmCase, GemmKernel>;
-
-const char* kernel_name(GemmKernel kernel) {
-  switch (kernel) {
-    case GemmKernel::kGeneral: return "general_";
-    case GemmKernel::kHopper: return "hopper_";
-    case GemmKernel::kHopperRelaidBytes: return "hopper_relaid_";
-    case GemmKernel::kHopperGatheredBytes: return "hopper_gathered_";
-    case GemmKernel::kHopperMagicInt8: return "hopper_magic_";
-  }
-  return "";
-}
+// Every case runs on each kernel: the general one (mma.sync) and the Hopper one (wgmma),
+// which skips where hopper_quant_gemm_available() is false (not built, or not an sm_90 GPU).
+using GemmParam = std::tuple<GemmCase, k::QuantGemmKernel>;
 
 std::string gemm_name(const ::testing::TestParamInfo<GemmParam>& info) {
   const GemmCase& c = std::get<0>(info.param);
-  return std::string(kernel_name(std::get<1>(info.param))) + k::dtype_name(c.dtype) +
-         (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" + std::to_string(c.m) + "_n" + std::to_string(c.n) +
-         "_k" + std::to_string(c.k) + (c.double_quantized ? "_dq" : "") + (c.padded_rows ? "_padded" : "");
+  return std::string(std::get<1>(info.param) == k::QuantGemmKernel::kHopper ? "hopper_" : "general_") +
+         k::dtype_name(c.dtype) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" + std::to_string(c.m) +
+         "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + (c.double_quantized ? "_dq" : "") +
+         (c.padded_rows ? "_padded" : "");
 }
 
-k::QuantGemmKernel kernel_choice(GemmKernel kernel) {
-  return kernel == GemmKernel::kGeneral ? k::QuantGemmKernel::kGeneral : k::QuantGemmKernel::kHopper;
-}
+const auto kBothKernels = ::testing::Values(k::QuantGemmKernel::kGeneral, k::QuantGemmKernel::kHopper);
 
 // Skips a Hopper-kernel case where that kernel cannot run.
 #define SKIP_UNLESS_KERNEL_AVAILABLE(kernel)                                                              \
-  if ((kernel) != GemmKernel::kGeneral && !k::hopper_quant_gemm_available()) {                            \
+  if ((kernel) == k::QuantGemmKernel::kHopper && !k::hopper_quant_gemm_available()) {                     \
     GTEST_SKIP() << "the Hopper dequant-GEMM is not built in or this device is not sm_90";                \
   }
-
-// Runs a GEMM on `kernel`: a variant through the Hopper launcher (reached only where the
-// Hopper kernels are built in: the cases skip otherwise), else through the public entry.
-template <typename Params>
-void run_gemm(const Params& p, GemmKernel kernel) {
-#if BARQTRAIN_HOPPER_KERNELS
-  namespace hopper = barqtrain::kernels::hopper;
-  const hopper::Sm90Variant variant = kernel == GemmKernel::kHopperRelaidBytes    ? hopper::Sm90Variant::kRelaidBytes
-                                      : kernel == GemmKernel::kHopperGatheredBytes ? hopper::Sm90Variant::kGatheredBytes
-                                      : kernel == GemmKernel::kHopperMagicInt8     ? hopper::Sm90Variant::kMagicInt8
-                                                                                   : hopper::Sm90Variant::kCurrent;
-  if (variant != hopper::Sm90Variant::kCurrent) {
-    if constexpr (std::is_same_v<Params, k::Nf4GemmParams>) {
-      hopper::nf4_gemm_sm90(p, nullptr, variant);
-    } else {
-      hopper::int8_gemm_sm90(p, nullptr, variant);
-    }
-    return;
-  }
-#endif
-  if constexpr (std::is_same_v<Params, k::Nf4GemmParams>) {
-    k::nf4_gemm(p, nullptr);
-  } else {
-    k::int8_gemm(p, nullptr);
-  }
-}
 
 // A fresh random A (with padded rows when the case asks), C from `launch` (given the shared
 // GEMM parameters, C poisoned), and C against A · W(ᵀ) in double, W [n, k] given as the
 // values the kernel multiplies by.
 template <typename T, typename Launch>
-void check_gemm_against_double(const GemmCase& c, GemmKernel kernel, std::mt19937_64& rng,
+void check_gemm_against_double(const GemmCase& c, k::QuantGemmKernel kernel, std::mt19937_64& rng,
                                const std::vector<double>& w, Launch launch) {
   const bool forward = c.op == k::QuantGemmOp::kForward;
   const int64_t a_cols = forward ? c.k : c.n, out_cols = forward ? c.n : c.k;
@@ -358,7 +313,7 @@ void check_gemm_against_double(const GemmCase& c, GemmKernel kernel, std::mt1993
   p.a_row_stride = a_stride;
   p.c_row_stride = c_stride;
   p.dtype = c.dtype;
-  p.kernel = kernel_choice(kernel);
+  p.kernel = kernel;
   launch(p);
   CUDA_OK(cudaDeviceSynchronize());
   const auto out = d_c.to_host<T>(c.m * c_stride);
@@ -375,7 +330,7 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmParam> {
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
     const GemmCase c = std::get<0>(GetParam());
-    const GemmKernel kernel = std::get<1>(GetParam());
+    const k::QuantGemmKernel kernel = std::get<1>(GetParam());
     SKIP_UNLESS_KERNEL_AVAILABLE(kernel);
     std::mt19937_64 rng = fresh_rng(c.m * 31 + c.n * 7 + c.k);
     // W from the quantizer: random bf16-scale weights, quantized on the device.
@@ -415,7 +370,7 @@ class Nf4Gemm : public ::testing::TestWithParam<GemmParam> {
       static_cast<k::QuantGemmParams&>(p) = shared;
       p.packed = static_cast<const uint8_t*>(d_packed.get());
       p.absmax = absmax;
-      run_gemm(p, kernel);
+      k::nf4_gemm(p, nullptr);
     });
   }
 };
@@ -430,30 +385,20 @@ TEST_P(Nf4Gemm, MatchesDequantizedMatmulInDouble) {
 
 // Odd m and n, padded rows, partial tiles; the last two cases walk 24-32 depth steps (the
 // Hopper kernel's ring of stages wraps 4-6 times) over 60 CTAs, the backward's last one partial.
-const GemmCase kNf4ForwardCases[] = {
-    {k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
-    {k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 192, true, false},
-    {k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 384, 448, false, true},
-    {k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, true, true},
-    {k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, true, false}};
-const GemmCase kNf4BackwardCases[] = {
-    {k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 64, true, false},
-    {k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 192, true, false},
-    {k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
-    {k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true},
-    {k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, true, true}};
-
-INSTANTIATE_TEST_SUITE_P(Forward, Nf4Gemm,
-                         ::testing::Combine(::testing::ValuesIn(kNf4ForwardCases),
-                                            ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper,
-                                                              GemmKernel::kHopperRelaidBytes,
-                                                              GemmKernel::kHopperGatheredBytes)),
-                         gemm_name);
-INSTANTIATE_TEST_SUITE_P(Backward, Nf4Gemm,
-                         ::testing::Combine(::testing::ValuesIn(kNf4BackwardCases),
-                                            ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper,
-                                                              GemmKernel::kHopperRelaidBytes)),
-                         gemm_name);
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Nf4Gemm,
+    ::testing::Combine(::testing::Values(GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 64, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 192, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 384, 448, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, true, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 64, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 192, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true},
+                      GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, true, true},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, true, false},
+                      GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, true, true}),
+                       kBothKernels),
+    gemm_name);
 
 // The int8 GEMM with W from the int8 quantizer (a zero row included). The forward is checked
 // against the exact weight q * absmax / 127 (it scales its fp32 sums, never rounding W), the
@@ -464,7 +409,7 @@ class Int8Gemm : public ::testing::TestWithParam<GemmParam> {
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
     const GemmCase c = std::get<0>(GetParam());
-    const GemmKernel kernel = std::get<1>(GetParam());
+    const k::QuantGemmKernel kernel = std::get<1>(GetParam());
     SKIP_UNLESS_KERNEL_AVAILABLE(kernel);
     std::mt19937_64 rng = fresh_rng(c.m * 37 + c.n * 5 + c.k);
     std::vector<T> w;
@@ -495,7 +440,7 @@ class Int8Gemm : public ::testing::TestWithParam<GemmParam> {
       static_cast<k::QuantGemmParams&>(p) = shared;
       p.q = static_cast<const int8_t*>(d_q.get());
       p.row_absmax = static_cast<const float*>(d_absmax.get());
-      run_gemm(p, kernel);
+      k::int8_gemm(p, nullptr);
     });
   }
 };
@@ -522,7 +467,7 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 336, false, true},
                       GemmCase{k::DType::kFloat16, k::QuantGemmOp::kForward, 515, 1537, 2000, false, true},
                       GemmCase{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2008, 1536, false, false}),
-                       ::testing::Values(GemmKernel::kGeneral, GemmKernel::kHopper, GemmKernel::kHopperMagicInt8)),
+                       kBothKernels),
     gemm_name);
 
 TEST(Int8GemmChecks, RejectsDepthNotMultipleOf16) {
