@@ -3,6 +3,7 @@
 #include "kernels/attention/checks.h"
 #include "kernels/attention/hopper/forward_sm90.cuh"
 #include "kernels/attention/hopper/forward_sm90.h"
+#include "kernels/attention/hopper/operands_sm90.cuh"
 #include "kernels/device_utils.cuh"
 
 #include <cstdlib>
@@ -10,36 +11,6 @@
 
 namespace barqtrain::kernels::attention::hopper {
 namespace {
-
-// The TMA unit takes strides that are positive multiples of 16 bytes below 2^40 bytes. A
-// mode of extent 1 is never stepped, so whatever stride it has (torch gives 0 or anything
-// to size-1 dimensions) is replaced by one that qualifies.
-int64_t tma_stride(int64_t stride, int64_t extent, int head_dim) { return extent == 1 ? head_dim : stride; }
-
-bool tma_stride_valid(int64_t stride_elements) {
-  const int64_t bytes = stride_elements * 2;
-  return bytes > 0 && bytes % 16 == 0 && bytes < (int64_t{1} << 40);
-}
-
-// The (rows, head_dim, heads, batch) extents of q (or k and v) that the descriptors cover.
-// A packed batch is one batch of q_rows rows (k has the same rows: one cu_seqlens for both).
-GmemShape operand_shape(const AttentionParams& p, bool keys) {
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int rows = packed ? static_cast<int>(p.q_rows) : keys ? p.seqlen_k : p.seqlen_q;
-  return GmemShape{rows, p.head_dim, keys ? p.kv_heads : p.q_heads, packed ? 1 : p.batch};
-}
-
-GmemStride tma_strides(const AttentionStrides& strides, const GmemShape& shape) {
-  const int head_dim = get<1>(shape);
-  return GmemStride{tma_stride(strides.row, get<0>(shape), head_dim), _1{},
-                    tma_stride(strides.head, get<2>(shape), head_dim), tma_stride(strides.batch, get<3>(shape), head_dim)};
-}
-
-template <typename T>
-Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(const void* ptr, const GmemShape& shape,
-                                                                                 const AttentionStrides& strides) {
-  return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), make_layout(shape, tma_strides(strides, shape)));
-}
 
 template <typename T, int kHeadDim>
 void launch(const AttentionParams& p, cudaStream_t stream) {
@@ -69,7 +40,9 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch<T, 128>(p, stream);
 }
 
-bool opted_in() {
+}  // namespace
+
+bool hopper_attention_opted_in() {
   static const bool in = [] {
     const char* value = std::getenv(kHopperAttentionSwitch);
     if (value == nullptr || std::strcmp(value, "0") == 0) return false;
@@ -79,8 +52,6 @@ bool opted_in() {
   }();
   return in;
 }
-
-}  // namespace
 
 std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype other than float16/bfloat16";
@@ -98,10 +69,6 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   // cuTensorMapEncodeTiled failure would otherwise surface only as a bad kernel.
   if (p.seqlen_k == 0 || (p.cu_seqlens_q != nullptr && p.q_rows == 0)) return "no keys";
   const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
-  auto tma_can_take = [](const AttentionStrides& strides, const GmemShape& shape) {
-    const GmemStride s = tma_strides(strides, shape);
-    return tma_stride_valid(get<0>(s)) && tma_stride_valid(get<2>(s)) && tma_stride_valid(get<3>(s));
-  };
   if (!tma_can_take(p.q_strides, q_shape) || !tma_can_take(p.k_strides, k_shape) || !tma_can_take(p.v_strides, k_shape)) {
     return "strides the TMA unit cannot take (zero, or 2^40 bytes and more)";
   }
@@ -109,7 +76,7 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
 }
 
 bool hopper_forward_selected(const AttentionParams& p) {
-  return opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
+  return hopper_attention_opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
 void hopper_forward(const AttentionParams& params, cudaStream_t stream) {

@@ -19,6 +19,10 @@ namespace barqtrain::kernels::attention::hopper {
 // not yet explained (NOTES.md), though every correctness test passes.
 constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
 
+// Whether kHopperAttentionSwitch is 1 (kAuto's opt-in for the Hopper forward and backward).
+// Throws std::invalid_argument when it holds something other than 0 or 1.
+bool hopper_attention_opted_in();
+
 // Empty when the Hopper forward covers these (normalized) parameters, else the feature it
 // does not cover. Looks at the parameters only, not at the device.
 std::string hopper_forward_unsupported_reason(const AttentionParams& params);
