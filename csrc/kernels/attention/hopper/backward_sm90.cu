@@ -1,0 +1,91 @@
+// Host side of the Hopper attention backward: what it covers and the launch of its two
+// kernels (dK/dV, then dQ; independent of each other), each with TMA descriptors over the
+// (rows, head_dim, heads, batch) views of its owned and streamed operands.
+#include "kernels/attention/hopper/backward_sm90.cuh"
+#include "kernels/attention/hopper/backward_sm90.h"
+#include "kernels/attention/hopper/forward_sm90.h"
+#include "kernels/attention/hopper/operands_sm90.cuh"
+#include "kernels/device_utils.cuh"
+
+namespace barqtrain::kernels::attention::hopper {
+namespace {
+
+template <typename T, int kHeadDim, bool kOwnsKeys>
+void launch_role(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = BackwardTraits<T, kHeadDim, kOwnsKeys>;
+  const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
+  const GmemShape owned_shape = kOwnsKeys ? k_shape : q_shape, stream_shape = kOwnsKeys ? q_shape : k_shape;
+  auto owned_tma = [&](const void* ptr, const AttentionStrides& strides) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(ptr, owned_shape, strides), typename Traits::OwnedLayout{});
+  };
+  auto stream_tma = [&](const void* ptr, const AttentionStrides& strides) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(ptr, stream_shape, strides), typename Traits::StreamLayout{});
+  };
+  const BackwardKernelParams<T, Traits> params =
+      kOwnsKeys ? BackwardKernelParams<T, Traits>{p,
+                                                  owned_tma(p.k, p.k_strides),
+                                                  owned_tma(p.v, p.v_strides),
+                                                  stream_tma(p.q, p.q_strides),
+                                                  stream_tma(p.d_o, p.d_o_strides),
+                                                  owned_shape,
+                                                  stream_shape}
+                : BackwardKernelParams<T, Traits>{p,
+                                                  owned_tma(p.q, p.q_strides),
+                                                  owned_tma(p.d_o, p.d_o_strides),
+                                                  stream_tma(p.k, p.k_strides),
+                                                  stream_tma(p.v, p.v_strides),
+                                                  owned_shape,
+                                                  stream_shape};
+
+  auto kernel = attention_backward_sm90_kernel<T, Traits>;
+  constexpr int kSmemBytes = sizeof(BackwardSharedStorage<T, Traits>);
+  const char* role = kOwnsKeys ? "hopper attention backward dk/dv" : "hopper attention backward dq";
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), role);
+  const int owned_rows = kOwnsKeys ? p.seqlen_k : p.seqlen_q;
+  const dim3 grid((owned_rows + Traits::kBlockOwned - 1) / Traits::kBlockOwned, kOwnsKeys ? p.kv_heads : p.q_heads,
+                  p.batch);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), role);
+}
+
+template <typename T>
+void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim == 64) {
+    launch_role<T, 64, /*kOwnsKeys=*/true>(p, stream);
+    launch_role<T, 64, /*kOwnsKeys=*/false>(p, stream);
+  } else {
+    launch_role<T, 128, /*kOwnsKeys=*/true>(p, stream);
+    launch_role<T, 128, /*kOwnsKeys=*/false>(p, stream);
+  }
+}
+
+}  // namespace
+
+std::string hopper_backward_unsupported_reason(const AttentionParams& p) {
+  const std::string forward_reason = hopper_forward_unsupported_reason(p);
+  if (!forward_reason.empty()) return forward_reason;
+  // The q and dO descriptors need at least one row (the forward returns before building them).
+  if (p.seqlen_q == 0) return "no queries";
+  if (!tma_can_take(p.d_o_strides, operand_shape(p, /*keys=*/false))) {
+    return "d_o strides the TMA unit cannot take (zero, or 2^40 bytes and more)";
+  }
+  return "";
+}
+
+bool hopper_backward_selected(const AttentionParams& p) {
+  return hopper_attention_opted_in() && hopper_backward_unsupported_reason(p).empty() && current_device_is_sm90();
+}
+
+void hopper_backward_gradients(const AttentionParams& p, cudaStream_t stream) {
+  const std::string reason = hopper_backward_unsupported_reason(p);
+  require(reason.empty(), "hopper attention backward: unsupported " + reason);
+  require(current_device_is_sm90(), "hopper attention backward: the current device is not compute capability 9.0");
+  if (p.batch == 0) return;
+  if (p.dtype == DType::kBFloat16) {
+    dispatch_head_dim<CutlassElement<__nv_bfloat16>::type>(p, stream);
+  } else {
+    dispatch_head_dim<CutlassElement<__half>::type>(p, stream);
+  }
+}
+
+}  // namespace barqtrain::kernels::attention::hopper

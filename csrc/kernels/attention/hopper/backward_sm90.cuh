@@ -1,0 +1,497 @@
+// Hopper (sm_90a) attention backward: dQ, dK and dV on wgmma and TMA, deterministic (every
+// output element is accumulated by one CTA in a fixed order; no atomics), reading the
+// forward's O (through D = rowsum(dO * O), computed first by the sm_80 path's
+// attention_dot_kernel) and its LSE.
+//
+// Choice of the dQ scheme, counted at B4 H32 S4096 D128 causal (the SPEC's case), bf16:
+//   (a) two kernels, 7 GEMMs (the sm_80 path's scheme): a dK/dV kernel (S^T, dP^T, dV, dK)
+//       and a dQ kernel that recomputes S and dP (S, dP, dQ). The two extra GEMMs cost
+//       2 x 2 * S^2 * D / 2 (causal) per head = 2 x 2.1 GFLOP x 128 heads = 550 GFLOP,
+//       about 1.1 ms at 500 TFLOP/s.
+//   (b) one kernel, 5 GEMMs (FlashAttention-3's deterministic mode): each dK/dV CTA adds its
+//       fp32 dS K tile of every (query block, key block) pair into a dQ workspace in key-block
+//       order (a per-query-block semaphore fixes the order), then a pass converts it. With
+//       64 x 128 fp32 tiles (32 KB) over the ~1056 causal pairs per head: 135K pairs x 64 KB
+//       read + written = 8.6 GB, about 2.9 ms of HBM time unless L2 holds the tiles, plus the
+//       waits the fixed order imposes on CTAs that finish early.
+//   (a) moves fewer bytes than (b) saves FLOPs, and is the simpler of the two: it is this
+//   file. (b) stays a measured experiment for later (NOTES.md).
+//
+// One kernel template serves both CTA roles (kOwnsKeys): a CTA owns 128 rows of one operand
+// pair, loaded once by TMA, and streams 64-row blocks of the other pair through a 2-stage
+// ring. For each streamed block, two SS wgmmas (both operands from shared memory) give the
+// scores and dP tile of the owned rows, then one or two RS wgmmas (the 16-bit tile from
+// registers, the streamed operand read transposed) accumulate the gradients:
+//
+//   role       owns   streams  scores (rows x cols)   dP            accumulates
+//   dK/dV CTA  K, V   Q, dO    S^T = K Q^T            dP^T = V dO^T  dV += P^T dO, dK += dS^T Q
+//   dQ CTA     Q, dO  K, V     S = Q K^T              dP = dO V^T    dQ += dS K
+//
+// with P = exp(S * scale - lse) and dS = P (dP - D); dK and dQ are scaled by the softmax
+// scale as they are stored. The dK/dV CTA walks the q heads of its GQA group and, for each,
+// the query blocks that see its keys; the dQ CTA walks the key blocks its queries see.
+// Per step a CTA receives two streamed tiles (2 x 64 x D x 2 bytes: 32 KB at D128) and runs
+// 4 (dK/dV) or 3 (dQ) GEMMs of 2 x 128 x 64 x D FLOP (2.1 M at D128): 256 or 192 FLOP per
+// byte that TMA brings, against the H100's ~100 (989 TFLOP/s over ~10 TB/s of L2).
+//
+// Warps (as in the forward): warpgroup 0 is the producer (thread 0 issues the TMA loads; in
+// the dK/dV role warp 1 also copies each step's 64 lse and D values, which vary along the
+// score columns there, into shared memory), warpgroups 1 and 2 consume 64 owned rows each.
+// No ping-pong and no overlap of the softmax with the GEMMs yet: each step issues its two
+// score GEMMs, waits, computes P and dS, issues the gradient GEMMs and waits. The gradients
+// leave straight from the accumulator registers (two 16-bit values per 4-byte store).
+//
+// Registers per consumer thread at head_dim 128, dK/dV role: dV and dK accumulators 64 + 64,
+// S^T and dP^T 32 + 32, P^T in 16 bits 16 (dS^T's 16 bits take S^T's place once S^T is dead).
+//
+// Covered: the Hopper forward's cases (bf16/fp16, head_dim 64 and 128, causal or full,
+// GQA/MQA, plain or packed with one cu_seqlens); see hopper_backward_unsupported_reason.
+#pragma once
+
+#include "kernels/attention/hopper/forward_sm90.cuh"
+
+namespace barqtrain::kernels::attention::hopper {
+
+template <typename T, int kHeadDim, bool kKeysOwned>
+struct BackwardTraits {
+  static constexpr bool kOwnsKeys = kKeysOwned;  // dK/dV CTA; else dQ CTA
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockOwned = 128;   // two consumer warpgroups of 64 rows (wgmma's M)
+  static constexpr int kBlockStream = 64;   // rows of the streamed operands per step
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = kBlockOwned / 64;
+  static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  // The lse / D copy of the dK/dV role: one warp, arriving on the stage's full barrier. Its
+  // loop spills at 24 registers (28 bytes, ptxas -v); 32 * 128 + 240 * 256 = 64K still.
+  static constexpr int kStatsThreads = kOwnsKeys ? 32 : 0;
+  static constexpr int kProducerRegisters = kOwnsKeys ? 32 : 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  using BlockOwned = Int<kBlockOwned>;
+  using BlockStream = Int<kBlockStream>;
+  using HeadDim = Int<kD>;
+
+  using SwizzleAtom = decltype(GMMA::Layout_K_SW128_Atom<T>{});
+  using OwnedLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockOwned, HeadDim>{}));
+  using StreamLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockStream, HeadDim>{}));
+  using StreamStagedLayout = decltype(tile_to_shape(SwizzleAtom{}, Shape<BlockStream, HeadDim, Int<kStages>>{}));
+  // A streamed tile read as the B operand of a gradient GEMM: (head_dim, rows), head_dim-major.
+  using StreamTransposedStagedLayout = decltype(composition(
+      StreamStagedLayout{}, make_ordered_layout(Shape<HeadDim, BlockStream, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using WarpgroupsAlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  // Scores and dP: owned rows x streamed rows over head_dim.
+  using MmaScores = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<T, T, float, Shape<_64, BlockStream, HeadDim>>(), WarpgroupsAlongM{}));
+  // Gradients: owned rows x head_dim over streamed rows, the 16-bit P or dS from registers.
+  using MmaGrad = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockStream>, GMMA::Major::K, GMMA::Major::MN>(),
+      WarpgroupsAlongM{}));
+
+  using TmaOwned = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                          make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
+                                                      GmemStride{}),
+                                          OwnedLayout{}));
+  using TmaStream = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                           make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
+                                                       GmemStride{}),
+                                           StreamLayout{}));
+};
+
+// "scores" operands give S (or S^T), "grad" operands dP (or dP^T): owned K, V and streamed
+// Q, dO in the dK/dV role; owned Q, dO and streamed K, V in the dQ role.
+template <typename T, typename Traits>
+struct BackwardSharedStorage {
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::OwnedLayout>> owned_scores;
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::OwnedLayout>> owned_grad;
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::StreamStagedLayout>> stream_scores;
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::StreamStagedLayout>> stream_grad;
+  // dK/dV role: lse (log2 units) and D of the step's 64 queries, 0 past the sequence.
+  float stream_lse2[Traits::kStages][Traits::kBlockStream];
+  float stream_dot[Traits::kStages][Traits::kBlockStream];
+  uint64_t owned_full;
+  uint64_t stream_full[Traits::kStages], stream_empty[Traits::kStages];
+};
+
+template <typename T, typename Traits>
+struct BackwardKernelParams {
+  AttentionParams p;
+  typename Traits::TmaOwned tma_owned_scores;  // K (dK/dV role) or Q (dQ role)
+  typename Traits::TmaOwned tma_owned_grad;    // V or dO
+  typename Traits::TmaStream tma_stream_scores;  // Q or K
+  typename Traits::TmaStream tma_stream_grad;    // dO or V
+  GmemShape owned_shape, stream_shape;         // the coordinate extents the descriptors were built with
+};
+
+// The streamed blocks of one CTA, in the order producer and consumers both walk them.
+// dK/dV role: step -> (q head kv_head * group + step / blocks_per_head, query block
+// first_block + step % blocks_per_head); dQ role: step -> key block first_block + step.
+struct StreamSchedule {
+  int first_block = 0;
+  int blocks_per_head = 0;
+  int steps = 0;
+
+  __device__ int block(int step) const { return first_block + step % blocks_per_head; }
+  __device__ int group_member(int step) const { return step / blocks_per_head; }
+};
+
+template <typename Traits>
+__device__ StreamSchedule stream_schedule(const Mask& mask, int owned0, int group) {
+  StreamSchedule s;
+  // Streamed rows [first, last) that any owned row sees.
+  const int2 range = Traits::kOwnsKeys ? mask.query_range(owned0, owned0 + Traits::kBlockOwned)
+                                       : mask.key_range(owned0, owned0 + Traits::kBlockOwned);
+  if (range.x >= range.y) return s;
+  s.first_block = range.x / Traits::kBlockStream;
+  s.blocks_per_head = (range.y + Traits::kBlockStream - 1) / Traits::kBlockStream - s.first_block;
+  s.steps = s.blocks_per_head * (Traits::kOwnsKeys ? group : 1);
+  return s;
+}
+
+// The producer's TMA thread: the owned tiles once, then both streamed tiles of every step.
+template <typename T, typename Traits>
+__device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Traits>& params,
+                                              BackwardSharedStorage<T, Traits>& smem, const Sequence& seq, int b,
+                                              int owned_head, int owned_block, int group,
+                                              const StreamSchedule& schedule) {
+  using BlockOwned = typename Traits::BlockOwned;
+  using BlockStream = typename Traits::BlockStream;
+  using HeadDim = typename Traits::HeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr uint32_t kOwnedBytes = 2 * Traits::kBlockOwned * Traits::kD * sizeof(T);
+  constexpr uint32_t kStreamBytes = 2 * Traits::kBlockStream * Traits::kD * sizeof(T);
+
+  // A packed sequence is a row offset into batch 0; a plain one is its batch index.
+  const int batch_coord = seq.packed ? 0 : b;
+  const int q_row_offset = seq.packed ? static_cast<int>(seq.q_first_row) : 0;
+  const int k_row_offset = seq.packed ? static_cast<int>(seq.k_first_row) : 0;
+  const int owned_row_offset = Traits::kOwnsKeys ? k_row_offset : q_row_offset;
+  const int stream_row_offset = Traits::kOwnsKeys ? q_row_offset : k_row_offset;
+
+  Tensor sOwnedScores = make_tensor(make_smem_ptr(smem.owned_scores.begin()), typename Traits::OwnedLayout{});
+  Tensor sOwnedGrad = make_tensor(make_smem_ptr(smem.owned_grad.begin()), typename Traits::OwnedLayout{});
+  Tensor sStreamScores = make_tensor(make_smem_ptr(smem.stream_scores.begin()), typename Traits::StreamStagedLayout{});
+  Tensor sStreamGrad = make_tensor(make_smem_ptr(smem.stream_grad.begin()), typename Traits::StreamStagedLayout{});
+
+  using cutlass::arch::ClusterBarrier;
+  using cutlass::arch::ClusterTransactionBarrier;
+  {
+    auto owned_tile = [&](const auto& tma) {
+      Tensor m = domain_offset(make_coord(owned_row_offset, _0{}),
+                               tma.get_tma_tensor(params.owned_shape)(_, _, owned_head, batch_coord));
+      return local_tile(m, Shape<BlockOwned, HeadDim>{}, make_coord(owned_block, _0{}));
+    };
+    auto [tSgS, tSsS] = tma_partition(params.tma_owned_scores, _0{}, Layout<_1>{}, group_modes<0, 2>(sOwnedScores),
+                                      group_modes<0, 2>(owned_tile(params.tma_owned_scores)));
+    auto [tGgG, tGsG] = tma_partition(params.tma_owned_grad, _0{}, Layout<_1>{}, group_modes<0, 2>(sOwnedGrad),
+                                      group_modes<0, 2>(owned_tile(params.tma_owned_grad)));
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.owned_full, kOwnedBytes);
+    copy(params.tma_owned_scores.with(smem.owned_full), tSgS, tSsS);
+    copy(params.tma_owned_grad.with(smem.owned_full), tGgG, tGsG);
+  }
+
+  for (int step = 0; step < schedule.steps; ++step) {
+    const int stage = step % kStages;
+    // Empty barriers start in phase 0 with nothing released: waiting on the parity of the
+    // phase before it returns at once for the first pass over the ring.
+    ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
+    const int stream_head = Traits::kOwnsKeys ? owned_head * group + schedule.group_member(step) : owned_head;
+    auto stream_tile = [&](const auto& tma) {
+      Tensor m = domain_offset(make_coord(stream_row_offset, _0{}),
+                               tma.get_tma_tensor(params.stream_shape)(_, _, stream_head, batch_coord));
+      return local_tile(m, Shape<BlockStream, HeadDim>{}, make_coord(schedule.block(step), _0{}));
+    };
+    auto [tSgS, tSsS] = tma_partition(params.tma_stream_scores, _0{}, Layout<_1>{}, group_modes<0, 2>(sStreamScores),
+                                      group_modes<0, 2>(stream_tile(params.tma_stream_scores)));
+    auto [tGgG, tGsG] = tma_partition(params.tma_stream_grad, _0{}, Layout<_1>{}, group_modes<0, 2>(sStreamGrad),
+                                      group_modes<0, 2>(stream_tile(params.tma_stream_grad)));
+    ClusterTransactionBarrier::arrive_and_expect_tx(&smem.stream_full[stage], kStreamBytes);
+    copy(params.tma_stream_scores.with(smem.stream_full[stage]), tSgS, tSsS(_, stage));
+    copy(params.tma_stream_grad.with(smem.stream_full[stage]), tGgG, tGsG(_, stage));
+  }
+}
+
+// The dK/dV role's statistics warp: each step's lse (to log2 units) and D into shared
+// memory, then one arrival per lane on the stage's full barrier (whose arrive releases the
+// plain stores to the consumers' wait). Queries past the sequence get 0: they lie in masked
+// blocks only, where P is set to 0.
+template <typename T, typename Traits>
+__device__ __forceinline__ void produce_stats(const AttentionParams& p, BackwardSharedStorage<T, Traits>& smem,
+                                              const Sequence& seq, int kv_head, int group,
+                                              const StreamSchedule& schedule, int lane) {
+  constexpr int kStages = Traits::kStages, kBlockStream = Traits::kBlockStream;
+  using cutlass::arch::ClusterBarrier;
+  for (int step = 0; step < schedule.steps; ++step) {
+    const int stage = step % kStages;
+    ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
+    const int head = kv_head * group + schedule.group_member(step);
+    const int m0 = schedule.block(step) * kBlockStream;
+    for (int r = lane; r < kBlockStream; r += 32) {
+      const int i = m0 + r;
+      const bool valid = i < seq.seqlen_q;
+      const int64_t idx = head * p.q_rows + seq.q_first_row + i;
+      smem.stream_lse2[stage][r] = valid ? p.lse[idx] * kLog2e : 0.0f;
+      smem.stream_dot[stage][r] = valid ? p.d_o_dot_o[idx] : 0.0f;
+    }
+    ClusterBarrier::arrive(&smem.stream_full[stage]);
+  }
+}
+
+// Stores a gradient accumulator (owned rows x head_dim) as T, scaled, rows past the
+// sequence left alone. A thread's columns come in adjacent pairs (checked on the host by
+// HopperBackwardLayout), so each pair leaves in one 4-byte store.
+template <typename T, typename Traits, typename Accumulator, typename ThreadMma>
+__device__ __forceinline__ void store_gradient(const Accumulator& acc, const ThreadMma& thread_mma, T* out,
+                                               int64_t row_stride, int owned0, int rows, float scale) {
+  Tensor coords_flat = thread_mma.partition_C(make_identity_tensor(Shape<typename Traits::BlockOwned,
+                                                                         typename Traits::HeadDim>{}));
+  Tensor coords = make_tensor(coords_flat.data(), rows_by_columns(coords_flat.layout()));
+  Tensor values = make_tensor(acc.data(), rows_by_columns(acc.layout()));
+  CUTE_UNROLL
+  for (int r = 0; r < size<0>(values); ++r) {
+    const int row = owned0 + get<0>(coords(r, 0));
+    if (row >= rows) continue;
+    T* out_row = out + static_cast<int64_t>(row) * row_stride;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(values); c += 2) {
+      cutlass::Array<T, 2> pair;
+      pair[0] = static_cast<T>(values(r, c) * scale);
+      pair[1] = static_cast<T>(values(r, c + 1) * scale);
+      *reinterpret_cast<cutlass::Array<T, 2>*>(out_row + get<1>(coords(r, c))) = pair;
+    }
+  }
+}
+
+// The consumers: for every streamed block, scores and dP, then P and dS, then the gradient
+// GEMMs; the gradients are stored at the end. consumer_thread is 0 .. kConsumerThreads - 1.
+template <typename T, typename Traits>
+__device__ __forceinline__ void consume(const AttentionParams& p, BackwardSharedStorage<T, Traits>& smem,
+                                        const Sequence& seq, int b, int owned_head, int owned_block,
+                                        const StreamSchedule& schedule, int consumer_thread) {
+  using BlockOwned = typename Traits::BlockOwned;
+  using BlockStream = typename Traits::BlockStream;
+  using HeadDim = typename Traits::HeadDim;
+  constexpr bool kOwnsKeys = Traits::kOwnsKeys;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kBlockOwned = Traits::kBlockOwned, kBlockStream = Traits::kBlockStream;
+  const int owned0 = owned_block * kBlockOwned;
+  const Mask mask(p, seq);
+  const float multiplier = p.softmax_scale * kLog2e;  // softcap runs on the sm_80 kernel
+
+  typename Traits::MmaScores mma_scores;
+  typename Traits::MmaGrad mma_grad;
+  auto thread_scores = mma_scores.get_thread_slice(consumer_thread);
+  auto thread_grad = mma_grad.get_thread_slice(consumer_thread);
+
+  Tensor sOwnedScores = make_tensor(make_smem_ptr(smem.owned_scores.begin()), typename Traits::OwnedLayout{});
+  Tensor sOwnedGrad = make_tensor(make_smem_ptr(smem.owned_grad.begin()), typename Traits::OwnedLayout{});
+  Tensor sStreamScores = make_tensor(make_smem_ptr(smem.stream_scores.begin()), typename Traits::StreamStagedLayout{});
+  Tensor sStreamGrad = make_tensor(make_smem_ptr(smem.stream_grad.begin()), typename Traits::StreamStagedLayout{});
+  Tensor sStreamScoresT =
+      make_tensor(make_smem_ptr(smem.stream_scores.begin()), typename Traits::StreamTransposedStagedLayout{});
+  Tensor sStreamGradT =
+      make_tensor(make_smem_ptr(smem.stream_grad.begin()), typename Traits::StreamTransposedStagedLayout{});
+
+  // Shared-memory descriptors.
+  Tensor tSrOwnedScores = thread_scores.partition_fragment_A(sOwnedScores);
+  Tensor tSrStreamScores = thread_scores.partition_fragment_B(sStreamScores);  // (.., stages)
+  Tensor tSrOwnedGrad = thread_scores.partition_fragment_A(sOwnedGrad);
+  Tensor tSrStreamGrad = thread_scores.partition_fragment_B(sStreamGrad);
+  Tensor tGrStreamScoresT = thread_grad.partition_fragment_B(sStreamScoresT);  // Q (dK role) or K (dQ role)
+  Tensor tGrStreamGradT = thread_grad.partition_fragment_B(sStreamGradT);      // dO (dV role)
+  // Registers.
+  Tensor tSrS = partition_fragment_C(mma_scores, Shape<BlockOwned, BlockStream>{});
+  Tensor tSrDp = partition_fragment_C(mma_scores, Shape<BlockOwned, BlockStream>{});
+  Tensor tGrP = thread_grad.partition_fragment_A(make_tensor(static_cast<T*>(nullptr), Shape<BlockOwned, BlockStream>{}));
+  Tensor tGrDs = thread_grad.partition_fragment_A(make_tensor(static_cast<T*>(nullptr), Shape<BlockOwned, BlockStream>{}));
+  // dK (dK/dV role) or dQ; dV (dK/dV role only).
+  Tensor tGrScoresGrad = partition_fragment_C(mma_grad, Shape<BlockOwned, HeadDim>{});
+  Tensor tGrValuesGrad = partition_fragment_C(mma_grad, Shape<BlockOwned, HeadDim>{});
+  // The 16-bit P and dS hold, register for register, the score accumulators of the same
+  // (row, column): the forward's P relies on the same correspondence (HopperForwardLayout).
+  static_assert(size(tGrP) == size(tSrS), "P must reuse the layout of the score accumulators");
+  clear(tGrScoresGrad);
+  if constexpr (kOwnsKeys) clear(tGrValuesGrad);
+
+  Tensor scores = make_tensor(tSrS.data(), rows_by_columns(tSrS.layout()));
+  Tensor dp = make_tensor(tSrDp.data(), rows_by_columns(tSrDp.layout()));
+  Tensor score_coords_flat = thread_scores.partition_C(make_identity_tensor(Shape<BlockOwned, BlockStream>{}));
+  Tensor score_coords = make_tensor(score_coords_flat.data(), rows_by_columns(score_coords_flat.layout()));
+  constexpr int kRows = decltype(size<0>(scores))::value;
+  static_assert(kRows == 2, "a thread owns two rows of each 64-row wgmma tile");
+
+  // dQ role: the lse (log2 units) and D of this thread's two query rows, fixed for the CTA.
+  // Rows past the sequence (or seeing no key: lse +inf) get P = 0.
+  float row_lse2[kRows], row_dot[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_lse2[r] = INFINITY;
+    row_dot[r] = 0.0f;
+    if constexpr (!kOwnsKeys) {
+      const int i = owned0 + get<0>(score_coords(r, 0));
+      if (i < seq.seqlen_q) {
+        const int64_t idx = owned_head * p.q_rows + seq.q_first_row + i;
+        row_lse2[r] = p.lse[idx] * kLog2e;
+        row_dot[r] = p.d_o_dot_o[idx];
+      }
+    }
+  }
+
+  using ProbabilityConverter = cutlass::NumericArrayConverter<T, float, decltype(size(tSrS))::value>;
+  auto convert = [](const auto& from, auto& to) {
+    *reinterpret_cast<typename ProbabilityConverter::result_type*>(to.data()) =
+        ProbabilityConverter::convert(*reinterpret_cast<const typename ProbabilityConverter::source_type*>(from.data()));
+  };
+
+  // P in place of the scores and dS in place of dP, for the block whose first streamed
+  // row is stream0 (kMasked: test every element).
+  auto probabilities_and_score_grads = [&](int stage, int stream0, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
+    // Columns outside: in the dK/dV role a column's lse and D serve both rows, loaded once.
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(scores); ++c) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const auto coord = score_coords(r, c);
+        const int row = get<0>(coord), col = get<1>(coord);
+        const float lse2 = kOwnsKeys ? smem.stream_lse2[stage][col] : row_lse2[r];
+        const float dot = kOwnsKeys ? smem.stream_dot[stage][col] : row_dot[r];
+        float prob = exp2_ftz(fmaf(scores(r, c), multiplier, -lse2));
+        if constexpr (kMasked) {
+          const int query = kOwnsKeys ? stream0 + col : owned0 + row;
+          const int key = kOwnsKeys ? owned0 + row : stream0 + col;
+          if (!mask.visible(query, key)) prob = 0.0f;
+        }
+        scores(r, c) = prob;
+        dp(r, c) = prob * (dp(r, c) - dot);
+      }
+    }
+  };
+
+  auto issue_score_gemms = [&](int stage) {
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrDp);
+    warpgroup_arrive();
+    mma_scores.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrOwnedScores); ++kb) {
+      cute::gemm(mma_scores, tSrOwnedScores(_, _, kb), tSrStreamScores(_, _, kb, stage), tSrS);
+      mma_scores.accumulate_ = GMMA::ScaleOut::One;
+    }
+    mma_scores.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrOwnedGrad); ++kb) {
+      cute::gemm(mma_scores, tSrOwnedGrad(_, _, kb), tSrStreamGrad(_, _, kb, stage), tSrDp);
+      mma_scores.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  // acc += a (16-bit registers) x the streamed tile b read transposed.
+  auto issue_grad_gemm = [&](auto& a, const auto& b_transposed, auto& acc, int stage) {
+    warpgroup_fence_operand(a);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(a); ++kb) cute::gemm(mma_grad, a(_, _, kb), b_transposed(_, _, kb, stage), acc);
+    warpgroup_commit_batch();
+  };
+
+  using cutlass::arch::ClusterBarrier;
+  ClusterBarrier::wait(&smem.owned_full, 0);
+  for (int step = 0; step < schedule.steps; ++step) {
+    const int stage = step % kStages;
+    ClusterBarrier::wait(&smem.stream_full[stage], static_cast<uint32_t>((step / kStages) & 1));
+    issue_score_gemms(stage);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrDp);
+
+    const int stream0 = schedule.block(step) * kBlockStream;
+    const bool fully_visible =
+        kOwnsKeys ? mask.block_fully_visible(stream0, stream0 + kBlockStream, owned0, owned0 + kBlockOwned)
+                  : mask.block_fully_visible(owned0, owned0 + kBlockOwned, stream0, stream0 + kBlockStream);
+    if (fully_visible) {
+      probabilities_and_score_grads(stage, stream0, cute::false_type{});
+    } else {
+      probabilities_and_score_grads(stage, stream0, cute::true_type{});
+    }
+    if constexpr (kOwnsKeys) {
+      convert(tSrS, tGrP);
+      issue_grad_gemm(tGrP, tGrStreamGradT, tGrValuesGrad, stage);  // dV += P^T dO
+    }
+    convert(tSrDp, tGrDs);
+    issue_grad_gemm(tGrDs, tGrStreamScoresT, tGrScoresGrad, stage);  // dK += dS^T Q, or dQ += dS K
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tGrScoresGrad);
+    warpgroup_fence_operand(tGrDs);
+    if constexpr (kOwnsKeys) {
+      warpgroup_fence_operand(tGrValuesGrad);
+      warpgroup_fence_operand(tGrP);
+    }
+    ClusterBarrier::arrive(&smem.stream_empty[stage]);
+  }
+
+  // Owned rows that no streamed row reaches (schedule.steps == 0) store zeros.
+  if constexpr (kOwnsKeys) {
+    T* dk = static_cast<T*>(p.dk) + seq.k_offset(p.dk_strides, b, owned_head);
+    T* dv = static_cast<T*>(p.dv) + seq.k_offset(p.dv_strides, b, owned_head);
+    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dk, p.dk_strides.row, owned0, seq.seqlen_k, p.softmax_scale);
+    store_gradient<T, Traits>(tGrValuesGrad, thread_grad, dv, p.dv_strides.row, owned0, seq.seqlen_k, 1.0f);
+  } else {
+    T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_strides, b, owned_head);
+    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dq, p.dq_strides.row, owned0, seq.seqlen_q, p.softmax_scale);
+  }
+}
+
+// Grid: (owned blocks, owned heads, batch), the owned operand being K/V (kv heads) or Q/dO
+// (q heads).
+template <typename T, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_backward_sm90_kernel(const __grid_constant__ BackwardKernelParams<T, Traits> params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const AttentionParams& p = params.p;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& smem = *reinterpret_cast<BackwardSharedStorage<T, Traits>*>(smem_raw);
+
+  // Causal: the first key blocks and the last query blocks see the most rows; start those.
+  const int owned_block = Traits::kOwnsKeys ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
+  const int owned_head = blockIdx.y, b = blockIdx.z;
+  const Sequence seq = Sequence::of(p, b);
+  const int owned0 = owned_block * Traits::kBlockOwned;
+  if (owned0 >= (Traits::kOwnsKeys ? seq.seqlen_k : seq.seqlen_q)) return;
+  const int group = p.q_heads / p.kv_heads;
+  const Mask mask(p, seq);
+  const StreamSchedule schedule = stream_schedule<Traits>(mask, owned0, group);
+
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    using cutlass::arch::ClusterBarrier;
+    ClusterBarrier::init(&smem.owned_full, 1);
+    for (int s = 0; s < Traits::kStages; ++s) {
+      ClusterBarrier::init(&smem.stream_full[s], 1 + Traits::kStatsThreads);
+      ClusterBarrier::init(&smem.stream_empty[s], Traits::kConsumerThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(params.tma_owned_scores.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_owned_grad.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_stream_scores.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_stream_grad.get_tma_descriptor());
+      produce_tiles<T, Traits>(params, smem, seq, b, owned_head, owned_block, group, schedule);
+    } else if (Traits::kOwnsKeys && warp == 1) {
+      produce_stats<T, Traits>(p, smem, seq, owned_head, group, schedule, threadIdx.x % 32);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume<T, Traits>(p, smem, seq, b, owned_head, owned_block, schedule, threadIdx.x - 128);
+  }
+#endif
+}
+
+}  // namespace barqtrain::kernels::attention::hopper
