@@ -1,8 +1,14 @@
 // Backward launcher: rowsum(dO * O), then the dK/dV and dQ kernels (independent of each
-// other). dtype and padded head dim are compile-time; the rest are runtime flags.
+// other). dtype and padded head dim are compile-time; the rest are runtime flags. On sm_90,
+// with the Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels
+// cover go there after the rowsum (AttentionKernel's rules).
 #include "kernels/attention/attention.h"
 #include "kernels/attention/backward.cuh"
 #include "kernels/attention/checks.h"
+#if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/attention/hopper/backward_sm90.h"
+#include "kernels/attention/hopper/forward_sm90.h"
+#endif
 
 namespace barqtrain::kernels {
 namespace {
@@ -39,11 +45,37 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch_backward<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
 }
 
+// Whether this backward's dQ, dK, dV run on the Hopper kernels (AttentionKernel's rules).
+// kHopper fails here, before any launch, naming what keeps them from running the case.
+bool runs_on_hopper_kernels(const AttentionParams& p) {
+#if BARQTRAIN_HOPPER_KERNELS
+  namespace hopper = attention::hopper;
+  switch (p.backward_kernel) {
+    case AttentionKernel::kGeneral: return false;
+    case AttentionKernel::kHopper: {
+      const std::string reason = hopper::hopper_backward_unsupported_reason(p);
+      require(reason.empty(), "attention backward: the Hopper kernel was asked for; unsupported " + reason);
+      require(hopper::current_device_is_sm90(),
+              "attention backward: the Hopper kernel was asked for; the current device is not compute capability 9.0");
+      return true;
+    }
+    case AttentionKernel::kAuto: break;
+  }
+  return hopper::hopper_backward_selected(p);
+#else
+  require(p.backward_kernel != AttentionKernel::kHopper,
+          "attention backward: the Hopper kernel was asked for, but this build has none "
+          "(BARQTRAIN_ENABLE_HOPPER_KERNELS needs 90a among the CUDA architectures and the CUTLASS headers)");
+  return false;
+#endif
+}
+
 }  // namespace
 
 void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   attention::check_params(params, /*backward=*/true);
   const AttentionParams p = attention::normalized(params);
+  [[maybe_unused]] const bool hopper = runs_on_hopper_kernels(p);
   if (p.batch == 0) return;
   const int64_t items = p.q_rows * p.q_heads;
   const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
@@ -54,6 +86,9 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
       attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
       check_cuda(cudaGetLastError(), "attention backward rowsum launch");
     }
+#if BARQTRAIN_HOPPER_KERNELS
+    if (hopper) return attention::hopper::hopper_backward_gradients(p, stream);
+#endif
     dispatch_head_dim<T>(p, stream);
   };
   if (p.dtype == DType::kBFloat16) {

@@ -23,11 +23,12 @@ struct AttentionStrides {
   int64_t head = 0;
 };
 
-// Which kernel runs a forward (the backward has one kernel, which reads either's O and LSE).
-//   kAuto   : the Hopper kernel (wgmma + TMA, hopper/forward_sm90.h) when it was built in
-//             (BARQTRAIN_HOPPER_KERNELS), the current device has compute capability 9.0, it
-//             covers the case and the environment sets BARQTRAIN_HOPPER_ATTENTION=1;
-//             the general kernel otherwise.
+// Which kernels run a forward (forward_kernel) or a backward (backward_kernel); either
+// backward reads either forward's O and LSE.
+//   kAuto   : the Hopper kernels (wgmma + TMA, hopper/forward_sm90.h, hopper/backward_sm90.h)
+//             when they were built in (BARQTRAIN_HOPPER_KERNELS), the current device has
+//             compute capability 9.0, they cover the case and the environment sets
+//             BARQTRAIN_HOPPER_ATTENTION=1; the general kernels otherwise.
 //   kGeneral: the general kernel (mma.sync, cp.async; sm_80 and up), every case.
 //   kHopper : the Hopper kernel; an error naming the reason where it cannot run the case.
 enum class AttentionKernel : int { kAuto = 0, kGeneral = 1, kHopper = 2 };
@@ -86,6 +87,7 @@ struct AttentionParams {
 
   DType dtype = DType::kBFloat16;  // of q, k, v, o and the gradients: fp16 or bf16
   AttentionKernel forward_kernel = AttentionKernel::kAuto;
+  AttentionKernel backward_kernel = AttentionKernel::kAuto;
 };
 
 }  // namespace barqtrain::kernels
