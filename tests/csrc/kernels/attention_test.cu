@@ -3,10 +3,11 @@
 // math: the reference run with the kernel's roundings to T (rotated q/k, P and dS fed to
 // the tensor cores, stored outputs) shows what a correct 16-bit kernel errs by; ours may
 // err by at most twice that. The backward runs twice and must be bit-identical.
-// The AllShapes cases run the general (sm_80) forward on every GPU; every case the Hopper
-// (sm_90a) forward covers runs a second time on that path (hopper_ prefix, built with
-// BARQTRAIN_HOPPER_KERNELS): its O and LSE against the same reference, then the sm_80
-// backward reading them.
+// The AllShapes cases run the general (sm_80) forward and backward on every GPU; every case
+// the Hopper (sm_90a) forward covers runs a second time on that path (hopper_ prefix, built
+// with BARQTRAIN_HOPPER_KERNELS): its O and LSE against the same reference, then the sm_80
+// backward reading them; and every case the Hopper backward covers a third time with both
+// Hopper kernels (hopper_bwd_ prefix): dQ, dK, dV with the same bounds, bit-identical twice.
 // Argument checks run without a GPU.
 #include <gtest/gtest.h>
 
@@ -18,6 +19,7 @@
 #include "kernels/attention/attention.h"
 #include "kernels/attention/attention_reference.h"
 #if BARQTRAIN_HOPPER_KERNELS
+#include "kernels/attention/hopper/backward_sm90.h"
 #include "kernels/attention/hopper/forward_sm90.h"
 #include "kernels/device_utils.cuh"
 #endif
@@ -46,6 +48,7 @@ struct AttentionCase {
   bool backward = true;
   // The forward kernel, named (not kAuto) so that each kernel's cases run on any device.
   k::AttentionKernel forward_kernel = k::AttentionKernel::kGeneral;
+  k::AttentionKernel backward_kernel = k::AttentionKernel::kGeneral;
 };
 
 void PrintTo(const AttentionCase& c, std::ostream* os) { *os << c.name; }
@@ -108,8 +111,9 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     BARQTRAIN_REQUIRE_GPU();
     const AttentionCase c = GetParam();
 #if BARQTRAIN_HOPPER_KERNELS
-    if (c.forward_kernel == k::AttentionKernel::kHopper && !k::current_device_is_sm90()) {
-      GTEST_SKIP() << "the Hopper forward runs on compute capability 9.0 only";
+    if ((c.forward_kernel == k::AttentionKernel::kHopper || c.backward_kernel == k::AttentionKernel::kHopper) &&
+        !k::current_device_is_sm90()) {
+      GTEST_SKIP() << "the Hopper kernels run on compute capability 9.0 only";
     }
 #endif
     std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed() * 7919 + std::hash<std::string>{}(c.name));
@@ -223,6 +227,7 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     }
     p.dtype = c.dtype;
     p.forward_kernel = c.forward_kernel;
+    p.backward_kernel = c.backward_kernel;
     k::attention_forward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
@@ -451,8 +456,8 @@ k::AttentionParams features_of(const AttentionCase& c) {
     p.seqlen_k = c.seqlen_k;
     p.q_rows = int64_t{c.batch} * c.seqlen_q;
   }
-  p.q_strides = p.o_strides = strides_for(c, packed ? 0 : c.seqlen_q, c.q_heads);
-  p.k_strides = p.v_strides = strides_for(c, packed ? 0 : c.seqlen_k, c.kv_heads);
+  p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_for(c, packed ? 0 : c.seqlen_q, c.q_heads);
+  p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_for(c, packed ? 0 : c.seqlen_k, c.kv_heads);
   if (c.rotary_dim > 0) p.rope_cos = p.rope_sin = &rope_marker;
   return p;
 }
@@ -498,6 +503,74 @@ std::vector<AttentionCase> hopper_cases() {
 
 INSTANTIATE_TEST_SUITE_P(HopperForward, AttentionKernel, ::testing::ValuesIn(hopper_cases()), case_name);
 
+// Every backward case above the Hopper backward covers, forward and backward on the Hopper
+// kernels, plus longer ones: many query blocks per key block and GQA group members in the
+// dK/dV kernel's walk, many key blocks in the dQ kernel's, ragged last blocks, packed
+// sequences whose neighbours' rows share the TMA tiles.
+std::vector<AttentionCase> hopper_backward_cases() {
+  std::vector<AttentionCase> cases;
+  auto add = [&](AttentionCase c) {
+    c.name = "hopper_bwd_" + c.name;
+    c.forward_kernel = c.backward_kernel = k::AttentionKernel::kHopper;
+    c.backward = true;
+    cases.push_back(c);
+  };
+  for (const AttentionCase& c : all_cases()) {
+    if (c.backward && k::attention::hopper::hopper_backward_unsupported_reason(features_of(c)).empty()) add(c);
+  }
+  AttentionCase c;
+  c.name = "bf16_d128_causal_s1537_gqa4";
+  c.head_dim = 128;
+  c.seqlen_q = c.seqlen_k = 1537;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  add(c);
+  c = AttentionCase{};
+  c.name = "fp16_d64_full_s1100_b2";
+  c.dtype = k::DType::kFloat16;
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 1100;
+  c.q_heads = c.kv_heads = 2;
+  c.causal = false;
+  add(c);
+  c = AttentionCase{};
+  c.name = "bf16_d128_packed_long_gqa2";
+  c.head_dim = 128;
+  c.packed_lengths = random_lengths(6, 700, 13);
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  add(c);
+  c = AttentionCase{};
+  c.name = "fp16_d128_cross_lengths_causal_s300_k700";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 128;
+  c.seqlen_q = 300;
+  c.seqlen_k = 700;
+  add(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(HopperBackward, AttentionKernel, ::testing::ValuesIn(hopper_backward_cases()), case_name);
+
+TEST(AttentionArguments, HopperBackwardCoversTheHopperForwardsCasesWithReadableGradients) {
+  AttentionCase c;
+  c.head_dim = 128;
+  EXPECT_EQ(k::attention::hopper::hopper_backward_unsupported_reason(features_of(c)), "");
+  AttentionCase rope = c;
+  rope.rotary_dim = 64;
+  EXPECT_NE(k::attention::hopper::hopper_backward_unsupported_reason(features_of(rope)).find("RoPE"),
+            std::string::npos);
+  k::AttentionParams broadcast_d_o = features_of(c);
+  broadcast_d_o.d_o_strides.head = 0;
+  EXPECT_NE(k::attention::hopper::hopper_backward_unsupported_reason(broadcast_d_o).find("d_o strides"),
+            std::string::npos);
+  k::AttentionParams no_queries = features_of(c);
+  no_queries.seqlen_q = 0;
+  no_queries.q_rows = 0;
+  EXPECT_NE(k::attention::hopper::hopper_backward_unsupported_reason(no_queries).find("no queries"),
+            std::string::npos);
+}
+
 TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   AttentionCase c;
   c.head_dim = 128;
@@ -538,8 +611,8 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(size_one_modes), "");
 }
 
-// kAuto on an sm_90 device: a covered case runs on the Hopper kernel (its output bit for
-// bit), an uncovered one (softcap) on the general kernel.
+// kAuto on an sm_90 device: a covered case runs on the Hopper kernels (their outputs and
+// gradients bit for bit), an uncovered one (softcap) on the general kernels.
 TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   BARQTRAIN_REQUIRE_GPU();
   if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
@@ -584,6 +657,43 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
       << "both kernels round alike on these inputs, so equal outputs would not tell which one ran";
   EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 0.0f), hopper);
   EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 30.0f), output_of(k::AttentionKernel::kGeneral, 30.0f));
+
+  std::vector<__nv_bfloat16> grad_out;
+  random_values<__nv_bfloat16>(q.size(), 0.0, 1.0, rng, grad_out, unused);
+  DeviceBuffer d_grad_out = DeviceBuffer::from_host(grad_out), d_dot(size_t{kRows} * kQHeads * sizeof(float));
+  DeviceBuffer d_dq(q.size() * sizeof(__nv_bfloat16)), d_dk(kk.size() * sizeof(__nv_bfloat16)),
+      d_dv(v.size() * sizeof(__nv_bfloat16));
+  p.d_o = d_grad_out.get();
+  p.dq = d_dq.get();
+  p.dk = d_dk.get();
+  p.dv = d_dv.get();
+  p.d_o_dot_o = static_cast<float*>(d_dot.get());
+  p.d_o_strides = p.dq_strides = p.q_strides;
+  p.dk_strides = p.dv_strides = p.k_strides;
+  // dq, dk and dv one after the other, from the general forward's O and LSE.
+  auto gradients_of = [&](k::AttentionKernel kernel, float softcap) {
+    k::AttentionParams run = p;
+    run.forward_kernel = k::AttentionKernel::kGeneral;
+    run.backward_kernel = kernel;
+    run.softcap = softcap;
+    k::attention_forward(run, nullptr);
+    d_dq.poison();
+    d_dk.poison();
+    d_dv.poison();
+    k::attention_backward(run, nullptr);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint16_t> all = d_dq.to_host<uint16_t>(q.size());
+    for (const DeviceBuffer* grad : {&d_dk, &d_dv}) {
+      const std::vector<uint16_t> part = grad->to_host<uint16_t>(kk.size());
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    return all;
+  };
+  const std::vector<uint16_t> hopper_grads = gradients_of(k::AttentionKernel::kHopper, 0.0f);
+  ASSERT_NE(hopper_grads, gradients_of(k::AttentionKernel::kGeneral, 0.0f))
+      << "both backward kernels round alike on these inputs, so equal gradients would not tell which one ran";
+  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, 0.0f), hopper_grads);
+  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, 30.0f), gradients_of(k::AttentionKernel::kGeneral, 30.0f));
 }
 #endif
 
@@ -677,6 +787,21 @@ TEST(AttentionArguments, HopperKernelRequestNamesWhatKeepsItFromRunning) {
   expect_error(p, false, "unsupported softcap");
 #else
   expect_error(p, false, "this build has none");
+#endif
+}
+
+TEST(AttentionArguments, HopperBackwardRequestNamesWhatKeepsItFromRunning) {
+  k::AttentionParams p = valid_params();
+  p.d_o = p.dq = p.dk = p.dv = p.o;
+  static float dot[4];
+  p.d_o_dot_o = dot;
+  p.d_o_strides = p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
+  p.backward_kernel = k::AttentionKernel::kHopper;
+#if BARQTRAIN_HOPPER_KERNELS
+  p.window_left = 15;
+  expect_error(p, true, "unsupported sliding window");
+#else
+  expect_error(p, true, "this build has none");
 #endif
 }
 
