@@ -196,7 +196,8 @@ __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Trai
     // Empty barriers start in phase 0 with nothing released: waiting on the parity of the
     // phase before it returns at once for the first pass over the ring.
     ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
-    const int stream_head = Traits::kOwnsKeys ? owned_head * group + schedule.group_member(step) : owned_head;
+    // dK/dV role: a q head of the kv head's group; dQ role: the q head's kv head.
+    const int stream_head = Traits::kOwnsKeys ? owned_head * group + schedule.group_member(step) : owned_head / group;
     auto stream_tile = [&](const auto& tma) {
       Tensor m = domain_offset(make_coord(stream_row_offset, _0{}),
                                tma.get_tma_tensor(params.stream_shape)(_, _, stream_head, batch_coord));
