@@ -55,7 +55,7 @@ bool runs_on_hopper_kernels(const AttentionParams& p) {
     case AttentionKernel::kHopper: {
       const std::string reason = hopper::hopper_backward_unsupported_reason(p);
       require(reason.empty(), "attention backward: the Hopper kernel was asked for; unsupported " + reason);
-      require(hopper::current_device_is_sm90(),
+      require(current_device_is_sm90(),
               "attention backward: the Hopper kernel was asked for; the current device is not compute capability 9.0");
       return true;
     }

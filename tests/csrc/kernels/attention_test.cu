@@ -615,7 +615,7 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
 // gradients bit for bit), an uncovered one (softcap) on the general kernels.
 TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   BARQTRAIN_REQUIRE_GPU();
-  if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper forward runs on sm_90 only";
+  if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper kernels run on sm_90 only";
   const char* opt_in = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
   if (opt_in == nullptr || std::strcmp(opt_in, "1") != 0) GTEST_SKIP() << "not opted in: kAuto is the general kernel";
   constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;
