@@ -62,11 +62,15 @@ struct BackwardTraits {
   static constexpr int kConsumerWarpgroups = kBlockOwned / 64;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // The lse / D copy of the dK/dV role: one warp, arriving on the stage's full barrier. Its
-  // loop spills at 24 registers (28 bytes, ptxas -v); 32 * 128 + 240 * 256 = 64K still.
+  // The lse / D copy of the dK/dV role: one warp, arriving on the stage's full barrier.
   static constexpr int kStatsThreads = kOwnsKeys ? 32 : 0;
-  static constexpr int kProducerRegisters = kOwnsKeys ? 32 : 24;
+  // The pool holds 168 * 384 registers (registers_at_launch), exactly 24 * 128 + 240 * 256.
+  // At 24 the dK/dV producer warpgroup spills 28 bytes (ptxas -v), off the tensor cores'
+  // path; 32 / 232 instead spills 4 bytes in the D128 dK/dV consumers.
+  static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= registers_at_launch(kThreads),
+                "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 
   using BlockOwned = Int<kBlockOwned>;
   using BlockStream = Int<kBlockStream>;

@@ -59,6 +59,12 @@ using namespace cute;
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
+// The registers a CTA of `threads` threads holds under __launch_bounds__(threads, 1): ptxas
+// gives each thread the most that one CTA per SM allows, 64K / threads rounded down to the
+// allocation unit of 8 (ptxas -v: 168 at 384 threads). setmaxnreg only moves registers
+// within this per-CTA pool; an increase that the decreases do not cover waits forever.
+constexpr int registers_at_launch(int threads) { return 65536 / threads / 8 * 8 * threads; }
+
 template <typename T, int kHeadDim>
 struct ForwardTraits {
   static constexpr int kD = kHeadDim;
@@ -69,9 +75,11 @@ struct ForwardTraits {
   static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
   static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
   // Register split after setmaxnreg: the producer only issues copies, the consumers hold
-  // S, P and O (at head_dim 128: 64 + 32 + 64 per thread). 24 * 128 + 240 * 256 <= 64K.
+  // S, P and O (at head_dim 128: 64 + 32 + 64 per thread). 24 * 128 + 240 * 256 = 168 * 384.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= registers_at_launch(kThreads),
+                "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 
   using BlockM = Int<kBlockM>;
   using BlockN = Int<kBlockN>;
