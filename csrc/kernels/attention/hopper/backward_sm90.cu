@@ -72,8 +72,10 @@ std::string hopper_backward_unsupported_reason(const AttentionParams& p) {
   return "";
 }
 
+// No opt-in, unlike the forward: its gradients are bit-identical to the general backward's and
+// racecheck finds no hazard in it (H100, 2026-11-22; NOTES.md).
 bool hopper_backward_selected(const AttentionParams& p) {
-  return hopper_attention_opted_in() && hopper_backward_unsupported_reason(p).empty() && current_device_is_sm90();
+  return hopper_backward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
 void hopper_backward_gradients(const AttentionParams& p, cudaStream_t stream) {

@@ -17,7 +17,7 @@ namespace barqtrain::kernels::attention::hopper {
 // Looks at the parameters only, not at the device.
 std::string hopper_backward_unsupported_reason(const AttentionParams& params);
 
-// kAuto's rule: the opt-in (kHopperAttentionSwitch) set, parameters covered, device sm_90.
+// kAuto's rule: parameters covered and device sm_90 (no opt-in: that is the forward's).
 bool hopper_backward_selected(const AttentionParams& params);
 
 // Writes dq, dk and dv from q, k, v, d_o, lse and the d_o_dot_o workspace, which must already
