@@ -145,9 +145,9 @@ SUMMARY
 }
 
 # memcheck and racecheck over a representative subset: every tiling path of every kernel that
-# runs by default (the Hopper dequant-GEMM among them, skipped off sm_90).
+# runs by default (on sm_90 the Hopper dequant-GEMM and the Hopper attention backward among them).
 run_sanitizers() {
-  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*:*Nf4Gemm*m301*:*Int8Gemm*m77*:*Dequantize4bit*DoubleQuantized*:-*AttentionKernel*hopper_*'
+  local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*:*AllShapes/AttentionKernel*bf16_packed_many_short*:*AllShapes/AttentionKernel*fp16_d64_full_s17*:*Nf4Gemm*m301*:*Int8Gemm*m77*:*Dequantize4bit*DoubleQuantized*:-*AttentionKernel*hopper_*'
   compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
     compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
 }
