@@ -31,18 +31,21 @@ template <> struct Activation<GluActivation::kSilu> {
   }
 };
 
-// gelu with the tanh approximation (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh).
+// gelu with the tanh approximation (PyTorch's approximate="tanh", Gemma's gelu_pytorch_tanh),
+// 0.5 g (1 + tanh(z)) written as g * sigmoid(2z): the same function without 1 + tanh(z)'s
+// cancellation for negative g, where fp32 lost up to ~1e-4 relative (an H100 test on fresh
+// inputs: 4e-5 at one element). d/dz of sigmoid(2z) is 2 s (1 - s).
 template <> struct Activation<GluActivation::kGeluTanh> {
   static constexpr float kSqrt2OverPi = 0.7978845608028654f;
   static constexpr float kCubic = 0.044715f;
-  static __device__ __forceinline__ float value(float g) {
-    const float t = tanhf(kSqrt2OverPi * (g + kCubic * g * g * g));
-    return 0.5f * g * (1.0f + t);
+  static __device__ __forceinline__ float sigmoid_of_2z(float g) {
+    return 1.0f / (1.0f + expf(-2.0f * kSqrt2OverPi * (g + kCubic * g * g * g)));
   }
+  static __device__ __forceinline__ float value(float g) { return g * sigmoid_of_2z(g); }
   static __device__ __forceinline__ void value_and_derivative(float g, float& a, float& da) {
-    const float t = tanhf(kSqrt2OverPi * (g + kCubic * g * g * g));
-    a = 0.5f * g * (1.0f + t);
-    da = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * g * g);
+    const float s = sigmoid_of_2z(g);
+    a = g * s;
+    da = s + g * 2.0f * s * (1.0f - s) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * g * g);
   }
 };
 
