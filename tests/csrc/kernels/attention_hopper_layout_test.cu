@@ -13,6 +13,45 @@ namespace {
 namespace hopper = barqtrain::kernels::attention::hopper;
 using namespace cute;
 
+// An accumulator of `Accumulator` (tile `Tile`) becomes the A operand of `Operand` in place
+// (operand register i = accumulator register i): register i must hold the same (row, column)
+// in both, and the operand fragment must be compact.
+template <typename Element, typename Accumulator, typename Operand, typename Tile>
+void expect_accumulator_reused_as_operand_a(int threads) {
+  Accumulator accumulator_mma;
+  Operand operand_mma;
+  for (int t = 0; t < threads; ++t) {
+    Tensor accumulator = accumulator_mma.get_thread_slice(t).partition_C(make_identity_tensor(Tile{}));
+    Tensor operand = operand_mma.get_thread_slice(t).partition_A(make_identity_tensor(Tile{}));
+    Tensor registers =
+        operand_mma.get_thread_slice(t).partition_fragment_A(make_tensor(static_cast<Element*>(nullptr), Tile{}));
+    ASSERT_EQ(size(registers), size(accumulator));
+    ASSERT_EQ(size(operand), size(accumulator));
+    for (int i = 0; i < size(registers); ++i) {
+      ASSERT_EQ(registers.layout()(i), i);
+      ASSERT_EQ(get<0>(operand(i)), get<0>(accumulator(i))) << "thread " << t << " register " << i;
+      ASSERT_EQ(get<1>(operand(i)), get<1>(accumulator(i))) << "thread " << t << " register " << i;
+    }
+  }
+}
+
+// A thread's accumulator (rows_by_columns view) holds two rows of its warp's 16: lane / 4 and
+// lane / 4 + 8, the rows its quad reduces and the rows whose statistics it reads.
+template <typename Mma, typename Tile>
+void expect_rows_of_quad(int threads, const char* what) {
+  Mma mma;
+  for (int t = 0; t < threads; ++t) {
+    Tensor flat = mma.get_thread_slice(t).partition_C(make_identity_tensor(Tile{}));
+    Tensor rows = make_tensor(flat.data(), hopper::rows_by_columns(flat.layout()));
+    const int warp_row0 = (t / 32) * 16, lane = t % 32;
+    for (int r = 0; r < 2; ++r) {
+      for (int c = 0; c < size<1>(rows); ++c) {
+        ASSERT_EQ(get<0>(rows(r, c)), warp_row0 + lane / 4 + 8 * r) << what << ", thread " << t;
+      }
+    }
+  }
+}
+
 template <int kD>
 class HopperForwardLayout {
  public:
@@ -21,44 +60,17 @@ class HopperForwardLayout {
   using Output = Shape<typename Traits::BlockM, typename Traits::HeadDim>;
 
   // The kernel copies P into the P V wgmma's A registers in the S accumulators' order
-  // (tOrP(i) = tSrS(i)): register i must hold the same (query, key) in both.
+  // (tOrP(i) = tSrS(i)).
   static void expect_probabilities_reuse_score_registers() {
-    typename Traits::MmaQK mma_qk;
-    typename Traits::MmaPV mma_pv;
-    for (int t = 0; t < Traits::kConsumerThreads; ++t) {
-      Tensor score_coords = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(Scores{}));
-      Tensor operand_coords = mma_pv.get_thread_slice(t).partition_A(make_identity_tensor(Scores{}));
-      Tensor registers = mma_pv.get_thread_slice(t).partition_fragment_A(
-          make_tensor(static_cast<cutlass::bfloat16_t*>(nullptr), Scores{}));
-      ASSERT_EQ(size(registers), size(score_coords));
-      ASSERT_EQ(size(operand_coords), size(score_coords));
-      for (int i = 0; i < size(registers); ++i) {
-        // registers is compact: its i-th register is operand element i.
-        ASSERT_EQ(registers.layout()(i), i);
-        ASSERT_EQ(get<0>(operand_coords(i)), get<0>(score_coords(i))) << "thread " << t << " register " << i;
-        ASSERT_EQ(get<1>(operand_coords(i)), get<1>(score_coords(i))) << "thread " << t << " register " << i;
-      }
-    }
+    expect_accumulator_reused_as_operand_a<cutlass::bfloat16_t, typename Traits::MmaQK, typename Traits::MmaPV, Scores>(
+        Traits::kConsumerThreads);
   }
 
   // The softmax reduces a row over the four threads of a quad, and the epilogue writes the
-  // lse of row r from the quad's first thread: a thread's rows in S and in O are the same
-  // two rows of its warp's 16, lane / 4 and lane / 4 + 8.
+  // lse of row r from the quad's first thread: a thread's rows in S and in O are the same.
   static void expect_rows_per_quad() {
-    typename Traits::MmaQK mma_qk;
-    typename Traits::MmaPV mma_pv;
-    for (int t = 0; t < Traits::kConsumerThreads; ++t) {
-      Tensor s_flat = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(Scores{}));
-      Tensor o_flat = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(Output{}));
-      Tensor s = make_tensor(s_flat.data(), hopper::rows_by_columns(s_flat.layout()));
-      Tensor o = make_tensor(o_flat.data(), hopper::rows_by_columns(o_flat.layout()));
-      const int warp_row0 = (t / 32) * 16, lane = t % 32;
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + lane / 4 + 8 * r;
-        for (int c = 0; c < size<1>(s); ++c) ASSERT_EQ(get<0>(s(r, c)), row) << "S, thread " << t;
-        for (int c = 0; c < size<1>(o); ++c) ASSERT_EQ(get<0>(o(r, c)), row) << "O, thread " << t;
-      }
-    }
+    expect_rows_of_quad<typename Traits::MmaQK, Scores>(Traits::kConsumerThreads, "S");
+    expect_rows_of_quad<typename Traits::MmaPV, Output>(Traits::kConsumerThreads, "O");
   }
 
   // V is written by TMA as (keys, head_dim) and read by wgmma as (head_dim, keys).
@@ -92,24 +104,10 @@ class HopperBackwardLayout {
   using Gradient = Shape<typename Traits::BlockOwned, typename Traits::HeadDim>;
 
   // P and dS go to the gradient wgmma's A registers in the score accumulators' order
-  // (tGrP(i) = tSrS(i) through one array conversion): register i holds the same (owned row,
-  // streamed row) in both.
+  // (tGrP(i) = tSrS(i) through one array conversion).
   static void expect_score_grads_reuse_score_registers() {
-    typename Traits::MmaScores mma_scores;
-    typename Traits::MmaGrad mma_grad;
-    for (int t = 0; t < Traits::kConsumerThreads; ++t) {
-      Tensor score_coords = mma_scores.get_thread_slice(t).partition_C(make_identity_tensor(Scores{}));
-      Tensor operand_coords = mma_grad.get_thread_slice(t).partition_A(make_identity_tensor(Scores{}));
-      Tensor registers = mma_grad.get_thread_slice(t).partition_fragment_A(
-          make_tensor(static_cast<cutlass::half_t*>(nullptr), Scores{}));
-      ASSERT_EQ(size(registers), size(score_coords));
-      ASSERT_EQ(size(operand_coords), size(score_coords));
-      for (int i = 0; i < size(registers); ++i) {
-        ASSERT_EQ(registers.layout()(i), i);
-        ASSERT_EQ(get<0>(operand_coords(i)), get<0>(score_coords(i))) << "thread " << t << " register " << i;
-        ASSERT_EQ(get<1>(operand_coords(i)), get<1>(score_coords(i))) << "thread " << t << " register " << i;
-      }
-    }
+    expect_accumulator_reused_as_operand_a<cutlass::half_t, typename Traits::MmaScores, typename Traits::MmaGrad, Scores>(
+        Traits::kConsumerThreads);
   }
 
   // store_gradient writes columns c and c + 1 of a thread's row with one 4-byte store: they
@@ -117,21 +115,15 @@ class HopperBackwardLayout {
   // role reads a thread's two rows' lse and D from its score rows: the gradient rows must be
   // the same two, lane / 4 and lane / 4 + 8 of its warp's 16.
   static void expect_gradient_pairs_and_rows() {
-    typename Traits::MmaScores mma_scores;
+    expect_rows_of_quad<typename Traits::MmaScores, Scores>(Traits::kConsumerThreads, "scores");
+    expect_rows_of_quad<typename Traits::MmaGrad, Gradient>(Traits::kConsumerThreads, "gradient");
     typename Traits::MmaGrad mma_grad;
     for (int t = 0; t < Traits::kConsumerThreads; ++t) {
-      Tensor s_flat = mma_scores.get_thread_slice(t).partition_C(make_identity_tensor(Scores{}));
       Tensor g_flat = mma_grad.get_thread_slice(t).partition_C(make_identity_tensor(Gradient{}));
-      Tensor s = make_tensor(s_flat.data(), hopper::rows_by_columns(s_flat.layout()));
       Tensor g = make_tensor(g_flat.data(), hopper::rows_by_columns(g_flat.layout()));
       ASSERT_EQ(size<1>(g) % 2, 0);
-      const int warp_row0 = (t / 32) * 16, lane = t % 32;
       for (int r = 0; r < 2; ++r) {
-        const int row = warp_row0 + lane / 4 + 8 * r;
-        for (int c = 0; c < size<1>(s); ++c) ASSERT_EQ(get<0>(s(r, c)), row) << "scores, thread " << t;
         for (int c = 0; c < size<1>(g); c += 2) {
-          ASSERT_EQ(get<0>(g(r, c)), row) << "gradient, thread " << t;
-          ASSERT_EQ(get<0>(g(r, c + 1)), row) << "gradient, thread " << t;
           ASSERT_EQ(get<1>(g(r, c)) % 2, 0) << "thread " << t << " column " << c;
           ASSERT_EQ(get<1>(g(r, c + 1)), get<1>(g(r, c)) + 1) << "thread " << t << " column " << c;
         }
