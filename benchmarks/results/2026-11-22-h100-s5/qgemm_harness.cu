@@ -1,5 +1,7 @@
-// Scratch: time the Hopper attention forward (env BARQTRAIN_HOPPER_ATTENTION decides the path,
-// read once per process) and the NF4/int8 dequant-GEMMs (general, then Hopper kernel) against cuBLAS.
+// The dequant-GEMM harness after session 5's cleanup (README.md beside it; its variant-era
+// predecessor produced qgemm_variants.log): times the Hopper attention forward (env
+// BARQTRAIN_HOPPER_ATTENTION decides the path, read once per process) and the NF4/int8
+// dequant-GEMMs (general, then Hopper kernel) against cuBLAS.
 // Usage: bench_hopper attn B S H HK D causal | bench_hopper qgemm M N K
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
