@@ -46,8 +46,9 @@
 // minus 2^23 + 128; fp16 pairs as one permute into 0x64xx halves and one HADD2.
 //
 // Measured on an H100 (2026-11-22, the session-5 harness run,
-// benchmarks/results/2026-11-22-h100-s5/qgemm_variants.log; bf16, M = 8192, K -> N of 4096 -> 14336, 4096 -> 4096, 14336 -> 4096; x cuBLAS bf16 on the
-// dequantized weight, cuBLAS fwd 1.259 / 0.359 / 1.288 ms, bwd 1.353 / 0.359 / 1.349 ms):
+// benchmarks/results/2026-11-22-h100-s5/qgemm_variants.log; bf16, M = 8192, K -> N of
+// 4096 -> 14336, 4096 -> 4096, 14336 -> 4096; x cuBLAS bf16 on the dequantized weight, cuBLAS
+// fwd 1.259 / 0.359 / 1.288 ms, bwd 1.353 / 0.359 / 1.349 ms):
 //   NF4 forward 1.36 / 1.18 / 1.25x (the previous byte-by-byte form 1.48 / 1.20 / 1.39x),
 //       backward 1.30 / 1.34 / 1.42x; double-quantized forward 1.32 / 1.17 / 1.22x,
 //       backward 1.34 / 1.34 / 1.40x;
