@@ -4,7 +4,7 @@
 // (setmaxnreg.dec to the first argument), warpgroups 1 and 2 ask for 240 each: with 24
 // the pool covers both (24 * 128 + 240 * 256 = 64512) and the kernel completes; with 32 (the
 // Hopper backward's dK/dV split before the fix: 65536) the second consumer warpgroup's
-// setmaxnreg.inc waits forever. Not yet run on a GPU; expected: "24: completed", "32: hung".
+// setmaxnreg.inc waits forever. H100, 2026-11-22: "24: completed", "32: hung", as expected.
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v setmaxnreg_pool.cu -o setmaxnreg_pool
 //   ./setmaxnreg_pool 24; ./setmaxnreg_pool 32
 #include <chrono>
