@@ -52,13 +52,9 @@ bool runs_on_hopper_kernels(const AttentionParams& p) {
   namespace hopper = attention::hopper;
   switch (p.backward_kernel) {
     case AttentionKernel::kGeneral: return false;
-    case AttentionKernel::kHopper: {
-      const std::string reason = hopper::hopper_backward_unsupported_reason(p);
-      require(reason.empty(), "attention backward: the Hopper kernel was asked for; unsupported " + reason);
-      require(current_device_is_sm90(),
-              "attention backward: the Hopper kernel was asked for; the current device is not compute capability 9.0");
+    case AttentionKernel::kHopper:
+      hopper::require_hopper_can_run(hopper::hopper_backward_unsupported_reason(p), "attention backward");
       return true;
-    }
     case AttentionKernel::kAuto: break;
   }
   return hopper::hopper_backward_selected(p);

@@ -34,12 +34,15 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
 }
 
 #if BARQTRAIN_HOPPER_KERNELS
-// Whether this forward runs on the Hopper kernel (AttentionKernel's rules); for kHopper,
-// hopper_forward names whatever keeps it from running the case.
+// Whether this forward runs on the Hopper kernel (AttentionKernel's rules); kHopper fails
+// here naming what keeps it from running the case.
 bool runs_on_hopper_kernel(const AttentionParams& p) {
   switch (p.forward_kernel) {
     case AttentionKernel::kGeneral: return false;
-    case AttentionKernel::kHopper: return true;
+    case AttentionKernel::kHopper:
+      attention::hopper::require_hopper_can_run(attention::hopper::hopper_forward_unsupported_reason(p),
+                                                "attention forward");
+      return true;
     case AttentionKernel::kAuto: break;
   }
   return attention::hopper::hopper_forward_selected(p);

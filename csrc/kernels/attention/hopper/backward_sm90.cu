@@ -79,9 +79,6 @@ bool hopper_backward_selected(const AttentionParams& p) {
 }
 
 void hopper_backward_gradients(const AttentionParams& p, cudaStream_t stream) {
-  const std::string reason = hopper_backward_unsupported_reason(p);
-  require(reason.empty(), "hopper attention backward: unsupported " + reason);
-  require(current_device_is_sm90(), "hopper attention backward: the current device is not compute capability 9.0");
   if (p.batch == 0) return;
   if (p.dtype == DType::kBFloat16) {
     dispatch_head_dim<CutlassElement<__nv_bfloat16>::type>(p, stream);

@@ -22,8 +22,8 @@ bool hopper_backward_selected(const AttentionParams& params);
 
 // Writes dq, dk and dv from q, k, v, d_o, lse and the d_o_dot_o workspace, which must already
 // hold rowsum(dO * O) (attention_backward's first kernel). Takes the parameters
-// attention_backward has checked and normalized; throws std::invalid_argument when
-// hopper_backward_unsupported_reason names a feature or the device is not sm_90.
+// attention_backward has checked, normalized and found runnable here
+// (hopper_backward_unsupported_reason empty, device sm_90).
 void hopper_backward_gradients(const AttentionParams& params, cudaStream_t stream);
 
 }  // namespace barqtrain::kernels::attention::hopper

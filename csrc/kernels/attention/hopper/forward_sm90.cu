@@ -1,6 +1,5 @@
 // Host side of the Hopper attention forward: what it covers, the dispatch switch, and the
 // launch (TMA descriptors over the (rows, head_dim, heads, batch) views of q, k and v).
-#include "kernels/attention/checks.h"
 #include "kernels/attention/hopper/forward_sm90.cuh"
 #include "kernels/attention/hopper/forward_sm90.h"
 #include "kernels/attention/hopper/operands_sm90.cuh"
@@ -79,12 +78,13 @@ bool hopper_forward_selected(const AttentionParams& p) {
   return hopper_attention_opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
-void hopper_forward(const AttentionParams& params, cudaStream_t stream) {
-  check_params(params, /*backward=*/false);
-  const AttentionParams p = normalized(params);
-  const std::string reason = hopper_forward_unsupported_reason(p);
-  require(reason.empty(), "hopper attention forward: unsupported " + reason);
-  require(current_device_is_sm90(), "hopper attention forward: the current device is not compute capability 9.0");
+void require_hopper_can_run(const std::string& unsupported, const char* what) {
+  require(unsupported.empty(), std::string(what) + ": the Hopper kernel was asked for; unsupported " + unsupported);
+  require(current_device_is_sm90(),
+          std::string(what) + ": the Hopper kernel was asked for; the current device is not compute capability 9.0");
+}
+
+void hopper_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0) return;
   if (p.dtype == DType::kBFloat16) {
     dispatch_head_dim<CutlassElement<__nv_bfloat16>::type>(p, stream);

@@ -13,13 +13,13 @@
 
 namespace barqtrain::kernels::attention::hopper {
 
-// The opt-in: BARQTRAIN_HOPPER_ATTENTION=1 in the environment lets kAuto take the Hopper kernel
-// where it runs (read once per process). Unset or 0: the general kernel. Opt-in while
-// compute-sanitizer's racecheck reports hazards on its epilogue's shared-memory tile that are
-// not yet explained (NOTES.md), though every correctness test passes.
+// The forward's opt-in: BARQTRAIN_HOPPER_ATTENTION=1 in the environment lets kAuto take the
+// Hopper forward where it runs (read once per process). Unset or 0: the general forward.
+// Opt-in while compute-sanitizer's racecheck reports hazards on its epilogue's shared-memory
+// tile whose cause is not established (NOTES.md), though every correctness test passes.
 constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
 
-// Whether kHopperAttentionSwitch is 1 (kAuto's opt-in for the Hopper forward and backward).
+// Whether kHopperAttentionSwitch is 1 (kAuto's opt-in for the Hopper forward).
 // Throws std::invalid_argument when it holds something other than 0 or 1.
 bool hopper_attention_opted_in();
 
@@ -31,9 +31,13 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& params);
 // std::invalid_argument when the variable holds something other than 0 or 1.
 bool hopper_forward_selected(const AttentionParams& params);
 
-// Writes o and lse as attention_forward does (the same argument checks). Throws
-// std::invalid_argument when hopper_forward_unsupported_reason names a feature or the
-// device is not sm_90.
+// kHopper's rule, for either direction: throws std::invalid_argument naming `what` and why the
+// Hopper kernel cannot run the case (`unsupported`, a hopper_*_unsupported_reason), or that
+// the current device is not sm_90.
+void require_hopper_can_run(const std::string& unsupported, const char* what);
+
+// Writes o and lse. Takes the parameters attention_forward has checked, normalized and found
+// runnable here (hopper_forward_unsupported_reason empty, device sm_90).
 void hopper_forward(const AttentionParams& params, cudaStream_t stream);
 
 }  // namespace barqtrain::kernels::attention::hopper
