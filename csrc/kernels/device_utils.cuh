@@ -36,6 +36,12 @@ inline bool current_device_is_sm90() {
   return major == 9 && minor == 0;
 }
 
+// The registers a warp-specialized (setmaxnreg) CTA of `threads` threads holds under __launch_bounds__(threads, 1): ptxas
+// gives each thread the most that one CTA per SM allows, 64K / threads rounded down to the
+// allocation unit of 8 (ptxas -v: 168 at 384 threads). setmaxnreg only moves registers
+// within this per-CTA pool; an increase that the decreases do not cover waits forever.
+constexpr int registers_at_launch(int threads) { return 65536 / threads / 8 * 8 * threads; }
+
 // ------------------------------------------------------------------ conversions
 template <typename T> __device__ __forceinline__ float to_float(T v);
 template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }

@@ -101,8 +101,9 @@ constexpr int kConsumerWarpgroups = 2;
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumerWarpgroups);
 constexpr int kScaleSlots = kWarpgroupThreads;  // per stage: one per producer thread
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
-static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <= 65536,
-              "the warpgroups' registers fit the register file");
+static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumerWarpgroups * kConsumerRegisters) <=
+                  registers_at_launch(kThreads),
+              "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 
 // Where a consumer thread sits in wgmma's fragments: its warpgroup (64 output columns), its
 // warp (16 of them), its group of four lanes (g: output columns 2g, 2g + 1 of the warp's 16;

@@ -52,25 +52,18 @@
 
 namespace barqtrain::kernels::attention::hopper {
 
+// The forward's CTA and register split: at 24 registers the dK/dV producer warpgroup spills 28
+// bytes (ptxas -v), off the tensor cores' path; 32 / 232 instead spills 4 bytes in the D128
+// dK/dV consumers (and 32 / 240 overflows the pool: the hang of the first H100 run).
 template <typename T, int kHeadDim, bool kKeysOwned>
-struct BackwardTraits {
+struct BackwardTraits : WarpSpecializedCta {
   static constexpr bool kOwnsKeys = kKeysOwned;  // dK/dV CTA; else dQ CTA
   static constexpr int kD = kHeadDim;
-  static constexpr int kBlockOwned = 128;   // two consumer warpgroups of 64 rows (wgmma's M)
+  static constexpr int kBlockOwned = 64 * kConsumerWarpgroups;
   static constexpr int kBlockStream = 64;   // rows of the streamed operands per step
   static constexpr int kStages = 2;
-  static constexpr int kConsumerWarpgroups = kBlockOwned / 64;
-  static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;
   // The lse / D copy of the dK/dV role: one warp, arriving on the stage's full barrier.
   static constexpr int kStatsThreads = kOwnsKeys ? 32 : 0;
-  // The pool holds 168 * 384 registers (registers_at_launch), exactly 24 * 128 + 240 * 256.
-  // At 24 the dK/dV producer warpgroup spills 28 bytes (ptxas -v), off the tensor cores'
-  // path; 32 / 232 instead spills 4 bytes in the D128 dK/dV consumers.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= registers_at_launch(kThreads),
-                "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 
   using BlockOwned = Int<kBlockOwned>;
   using BlockStream = Int<kBlockStream>;

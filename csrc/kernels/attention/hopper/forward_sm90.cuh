@@ -47,6 +47,7 @@
 #include "kernels/attention/masking.cuh"
 #include "kernels/cutlass_element.cuh"
 #include "kernels/attention/params.h"
+#include "kernels/device_utils.cuh"
 
 namespace barqtrain::kernels::attention::hopper {
 
@@ -59,12 +60,6 @@ using namespace cute;
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
-// The registers a CTA of `threads` threads holds under __launch_bounds__(threads, 1): ptxas
-// gives each thread the most that one CTA per SM allows, 64K / threads rounded down to the
-// allocation unit of 8 (ptxas -v: 168 at 384 threads). setmaxnreg only moves registers
-// within this per-CTA pool; an increase that the decreases do not cover waits forever.
-constexpr int registers_at_launch(int threads) { return 65536 / threads / 8 * 8 * threads; }
-
 // BARQTRAIN_HOPPER_FIXED_REGISTERS=1 builds the forward without setmaxnreg (every warpgroup at
 // the launch's 168 registers: spills, same synchronization): a racecheck ablation
 // (scripts/diagnostics/racecheck_hopper_forward.cu, NOTES.md "Why opt-in"). Never for production.
@@ -72,21 +67,27 @@ constexpr int registers_at_launch(int threads) { return 65536 / threads / 8 * 8 
 #define BARQTRAIN_HOPPER_FIXED_REGISTERS 0
 #endif
 
-template <typename T, int kHeadDim>
-struct ForwardTraits {
-  static constexpr int kD = kHeadDim;
-  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows (wgmma's M)
-  static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;    // K and V buffers in flight per CTA
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+// The CTA shape both Hopper attention kernels share: two consumer warpgroups of 64 rows
+// (wgmma's M) and one producer warpgroup, and the register split setmaxnreg makes between
+// them: the producer only issues copies, the consumers hold the accumulators.
+// 24 * 128 + 240 * 256 = 168 * 384, the whole pool.
+struct WarpSpecializedCta {
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kConsumerThreads = kConsumerWarpgroups * 128;
-  static constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup
-  // Register split after setmaxnreg: the producer only issues copies, the consumers hold
-  // S, P and O (at head_dim 128: 64 + 32 + 64 per thread). 24 * 128 + 240 * 256 = 168 * 384.
+  static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * kConsumerThreads <= registers_at_launch(kThreads),
                 "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
+};
+
+// Consumers hold S, P and O (at head_dim 128: 64 + 32 + 64 registers per thread).
+template <typename T, int kHeadDim>
+struct ForwardTraits : WarpSpecializedCta {
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;    // K and V buffers in flight per CTA
 
   using BlockM = Int<kBlockM>;
   using BlockN = Int<kBlockN>;
