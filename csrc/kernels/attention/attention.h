@@ -2,8 +2,9 @@
 // tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80 and later); the N x N scores
 // never reach memory. The forward saves only O and the fp32 log-sum-exp; the backward
 // recomputes the scores and accumulates dQ, dK and dV without atomics (a CTA owns each
-// output block), so it is bit-identical across runs. On sm_90 the forward's common cases run
-// on a wgmma/TMA kernel instead (hopper/forward_sm90.h; AttentionParams::forward_kernel).
+// output block), so it is bit-identical across runs. On sm_90 the common cases' backward runs
+// on wgmma/TMA kernels instead, and their forward too where opted in (hopper/;
+// AttentionParams::forward_kernel and backward_kernel).
 #pragma once
 
 #include <cuda_runtime_api.h>

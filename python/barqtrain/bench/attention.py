@@ -2,10 +2,11 @@
 and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
 full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
-BarqTrain runs twice, its forward named per call through the op's `kernel` argument:
+BarqTrain runs twice, its forward named per call through the op's `forward_kernel` argument:
 `barqtrain-general` (the mma.sync kernel of sm_80 and up) and `barqtrain-hopper` (the sm_90a
-wgmma/TMA kernel, which `attention` picks by itself on sm_90 for these cases). Both use the
-same deterministic backward.
+wgmma/TMA kernel, which `attention` picks on sm_90 for these cases only with
+BARQTRAIN_HOPPER_ATTENTION=1). Both use the backward `attention` picks: on sm_90 the
+deterministic wgmma/TMA backward, elsewhere the mma.sync one.
 
 TFLOP/s use the standard count: the forward is 4·B·Hq·S_q·S_k·D (two matmuls), halved
 under a causal mask; forward + backward is 3.5 times the forward (the backward's five

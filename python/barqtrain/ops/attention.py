@@ -14,8 +14,8 @@ loads them: rope_cos / rope_sin are fp32 [positions, rotary_dim / 2] tables
 its sequence). Gradients flow to the unrotated q and k.
 
 On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic; on sm_90
-the forward of cases without RoPE, softcap or window at head_dim 64/128 runs the Hopper
-kernel with BARQTRAIN_HOPPER_ATTENTION=1); cases they do not cover fall back to PyTorch
+the cases without RoPE, softcap or window at head_dim 64/128 run the Hopper backward, and
+the Hopper forward with BARQTRAIN_HOPPER_ATTENTION=1); cases they do not cover fall back to PyTorch
 (SDPA, or eager math for softcap), with one warning per reason. On the CPU the op runs its
 PyTorch reference.
 """
