@@ -453,7 +453,8 @@ void norm_forward(const NormForwardParams& p, cudaStream_t stream) {
   });
   // Two vectors a thread: a block's row (one a block) is read by half the threads, with twice
   // the loads in flight per thread. H100, 16384 x 4096 bf16, of a same-size device copy: RMSNorm
-  // 96.2% -> 97.9%, LayerNorm 87.9% -> 90.4% (the backward measured best at one vector a thread).
+  // 96.3% -> 98.2%, LayerNorm 88.1% -> 90.5% (the backward measured best at one vector a thread;
+  // benchmarks/results/2026-11-22-h100-s5/norm_tiling.log).
   const RowTiling tiling = choose_tiling(p.hidden, vectorizable, p.dtype, /*min_vecs_per_thread=*/2);
   dispatch_norm(p.dtype, tiling, p.kind, fused, [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto f) {
     using T = decltype(type_tag);
