@@ -152,6 +152,17 @@ void dispatch_dtype(DType dtype, F&& f) {
   require(false, "unsupported dtype");
 }
 
+// dispatch_dtype for kernels that take the 16-bit types only (the tensor-core ones).
+template <typename F>
+void dispatch_16bit_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16: f(__half{}); return;
+    case DType::kBFloat16: f(__nv_bfloat16{}); return;
+    case DType::kFloat32: break;
+  }
+  require(false, "this kernel takes float16 or bfloat16 only");
+}
+
 // Calls f(std::integral_constant<int, N>{}) for the N in kChoices equal to n.
 template <int... kChoices, typename F>
 void dispatch_int(int n, F&& f) {

@@ -87,11 +87,7 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
 #endif
     dispatch_head_dim<T>(p, stream);
   };
-  if (p.dtype == DType::kBFloat16) {
-    run(__nv_bfloat16{});
-  } else {
-    run(__half{});
-  }
+  dispatch_16bit_dtype(p.dtype, run);
 }
 
 }  // namespace barqtrain::kernels

@@ -62,11 +62,7 @@ void attention_forward(const AttentionParams& params, cudaStream_t stream) {
           "(BARQTRAIN_ENABLE_HOPPER_KERNELS needs 90a among the CUDA architectures and the CUTLASS headers)");
 #endif
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  if (p.dtype == DType::kBFloat16) {
-    dispatch_head_dim<__nv_bfloat16>(p, stream);
-  } else {
-    dispatch_head_dim<__half>(p, stream);
-  }
+  dispatch_16bit_dtype(p.dtype, [&](auto type_tag) { dispatch_head_dim<decltype(type_tag)>(p, stream); });
 }
 
 }  // namespace barqtrain::kernels

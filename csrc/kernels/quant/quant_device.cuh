@@ -3,8 +3,6 @@
 // dispatch over 16-bit type and direction.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -65,11 +63,7 @@ void dispatch_quant_gemm(const QuantGemmParams& p, F&& f) {
       f(type_tag, std::integral_constant<QuantGemmOp, QuantGemmOp::kBackward>{});
     }
   };
-  if (p.dtype == DType::kBFloat16) {
-    with_op(__nv_bfloat16{});
-  } else {
-    with_op(__half{});
-  }
+  dispatch_16bit_dtype(p.dtype, with_op);
 }
 
 }  // namespace barqtrain::kernels::quant

@@ -86,11 +86,9 @@ void require_hopper_can_run(const std::string& unsupported, const char* what) {
 
 void hopper_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seqlen_q == 0) return;
-  if (p.dtype == DType::kBFloat16) {
-    dispatch_head_dim<CutlassElement<__nv_bfloat16>::type>(p, stream);
-  } else {
-    dispatch_head_dim<CutlassElement<__half>::type>(p, stream);
-  }
+  dispatch_16bit_dtype(p.dtype, [&](auto type_tag) {
+    dispatch_head_dim<typename CutlassElement<decltype(type_tag)>::type>(p, stream);
+  });
 }
 
 }  // namespace barqtrain::kernels::attention::hopper
