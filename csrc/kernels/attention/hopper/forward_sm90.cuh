@@ -110,8 +110,9 @@ struct ForwardTraits : WarpSpecializedCta {
       GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockN>, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
 
-  // The output tile staged for coalesced 16-byte row stores: row-major, rows padded by 16
-  // bytes so that the accumulators' column pairs spread over the banks.
+  // The output tile staged for coalesced 16-byte row stores, each warp its own 16 rows:
+  // row-major, rows padded by 16 bytes so that the accumulators' column pairs spread over
+  // the banks.
   static constexpr int kOStride = kD + 8;
 
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
@@ -153,10 +154,8 @@ CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
                      make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
 }
 
-// Named barriers of the consumer warpgroups (0 is __syncthreads'): 1 joins all consumers
-// before the epilogue's shared-memory reads; 2 + w is consumer warpgroup w's turn to issue
-// its GEMMs (see consume).
-constexpr int kEpilogueBarrier = 1;
+// Named barriers of the consumer warpgroups (0 is __syncthreads'): 2 + w is consumer
+// warpgroup w's turn to issue its GEMMs (see consume).
 constexpr int kFirstTurnBarrier = 2;
 
 // Ids as immediates: ptxas then reserves only the barriers used (a register id reserves all 16).
@@ -431,7 +430,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   }
   if (warpgroup == 0) wait_for_turn();
 
-  // Epilogue: normalize, write the lse, stage O as T in shared memory, store whole rows.
+  // Epilogue: normalize, write the lse, then each warp stores its own 16 rows of O. A warp's
+  // accumulator rows are its own (lane / 4 and lane / 4 + 8 of its 16, HopperForwardLayout), so
+  // it stages them as T in its slice of shared memory and copies them out as 16-byte row chunks
+  // with only __syncwarp between: no CTA-wide exchange, no barrier shared with the producer.
+  const int warp_first_row = consumer_thread / 32 * 16;
+  T* warp_o = smem.o + warp_first_row * Traits::kOStride;
   Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
   Tensor out_coords = make_tensor(out_coords_flat.data(), rows_by_columns(out_coords_flat.layout()));
   CUTE_UNROLL
@@ -443,8 +447,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     const int row = get<0>(out_coords(r, 0));
     CUTE_UNROLL
     for (int c = 0; c < size<1>(out); ++c) {
-      const auto coord = out_coords(r, c);
-      smem.o[get<0>(coord) * Traits::kOStride + get<1>(coord)] = static_cast<T>(out(r, c) * inverse);
+      warp_o[(row - warp_first_row) * Traits::kOStride + get<1>(out_coords(r, c))] = static_cast<T>(out(r, c) * inverse);
     }
     const int i = m0 + row;
     if (consumer_thread % 4 == 0 && i < seq.seqlen_q) {
@@ -452,15 +455,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
           sum > 0.0f ? (row_max[r] * multiplier + log2f(sum)) * kLn2 : INFINITY;
     }
   }
-  named_barrier_sync<kEpilogueBarrier, Traits::kConsumerThreads>();
+  __syncwarp();
 
   T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
   constexpr int kChunks = kD / 8;
-  for (int idx = consumer_thread; idx < kBlockM * kChunks; idx += Traits::kConsumerThreads) {
+  CUTE_UNROLL
+  for (int idx = consumer_thread % 32; idx < 16 * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
-    if (m0 + r >= seq.seqlen_q) continue;
-    *reinterpret_cast<uint4*>(o + static_cast<int64_t>(m0 + r) * p.o_strides.row + c * 8) =
-        *reinterpret_cast<const uint4*>(smem.o + r * Traits::kOStride + c * 8);
+    const int i = m0 + warp_first_row + r;
+    if (i >= seq.seqlen_q) continue;
+    *reinterpret_cast<uint4*>(o + static_cast<int64_t>(i) * p.o_strides.row + c * 8) =
+        *reinterpret_cast<const uint4*>(warp_o + r * Traits::kOStride + c * 8);
   }
 }
 
