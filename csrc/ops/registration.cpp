@@ -670,6 +670,16 @@ k::AttentionParams attention_params(const AttentionArgs& a, const at::Tensor& q,
   return p;
 }
 
+// The workspace the kernels rotate q and k into when the Hopper kernels run a RoPE case
+// (undefined when none is needed); p.rope_workspace points into it for the call.
+at::Tensor attention_rope_workspace(k::AttentionParams& p, const at::Tensor& q, bool backward) {
+  const size_t bytes = k::attention_rope_workspace_bytes(p, backward);
+  if (bytes == 0) return {};
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+  p.rope_workspace = workspace.data_ptr();
+  return workspace;
+}
+
 k::AttentionKernel parse_attention_kernel(c10::string_view forward_kernel) {
   if (forward_kernel == "auto") return k::AttentionKernel::kAuto;
   if (forward_kernel == "general") return k::AttentionKernel::kGeneral;
@@ -694,6 +704,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
   at::Tensor lse = at::empty({q.size(-2), rows}, q.options().dtype(at::kFloat));
   k::AttentionParams p = attention_params(args, q, k, v, o, lse);
   p.forward_kernel = parse_attention_kernel(forward_kernel);
+  const at::Tensor rope_workspace = attention_rope_workspace(p, q, /*backward=*/false);
   k::attention_forward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {o, lse};
 }
@@ -733,6 +744,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   p.dq_strides = attention_strides(dq);
   p.dk_strides = attention_strides(dk);
   p.dv_strides = attention_strides(dv);
+  const at::Tensor rope_workspace = attention_rope_workspace(p, q, /*backward=*/true);
   k::attention_backward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {dq, dk, dv};
 }

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <string>
 
 #include "kernels/attention/params.h"
@@ -22,6 +23,11 @@ constexpr int kAttentionMaxHeadDimBackward = 128;
 // Empty when the kernels can run these parameters (backward: whether the backward can);
 // otherwise the reason, for the caller's fallback message.
 std::string attention_unsupported_reason(const AttentionParams& params, bool backward);
+
+// Bytes of AttentionParams::rope_workspace that this forward (or backward) needs: nonzero when
+// RoPE is on and the call runs on the Hopper kernels, which take q and k rotated ahead; 0 when
+// no workspace is needed. Throws as the launcher would for bad parameters.
+size_t attention_rope_workspace_bytes(const AttentionParams& params, bool backward);
 
 // Writes o and lse, on the kernel params.forward_kernel picks. Throws std::invalid_argument
 // naming the problem for bad parameters, or for a kernel asked for that cannot run them.

@@ -1,10 +1,12 @@
 // Backward launcher: rowsum(dO * O), then the dK/dV and dQ kernels (independent of each
 // other). dtype and padded head dim are compile-time; the rest are runtime flags. On sm_90,
 // with the Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels
-// cover go there after the rowsum (AttentionKernel's rules).
+// cover go there after the rowsum (AttentionKernel's rules), with RoPE rotated ahead and dQ,
+// dK rotated back (rotation.h).
 #include "kernels/attention/attention.h"
 #include "kernels/attention/backward.cuh"
 #include "kernels/attention/checks.h"
+#include "kernels/attention/rotation.h"
 #if BARQTRAIN_HOPPER_KERNELS
 #include "kernels/attention/hopper/backward_sm90.h"
 #include "kernels/attention/hopper/forward_sm90.h"
@@ -45,15 +47,17 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   return launch_backward<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
 }
 
-// Whether this backward's dQ, dK, dV run on the Hopper kernels (AttentionKernel's rules).
-// kHopper fails here, before any launch, naming what keeps them from running the case.
-bool runs_on_hopper_kernels(const AttentionParams& p) {
+}  // namespace
+
+namespace attention {
+
+bool backward_runs_on_hopper(const AttentionParams& p) {
 #if BARQTRAIN_HOPPER_KERNELS
-  namespace hopper = attention::hopper;
   switch (p.backward_kernel) {
     case AttentionKernel::kGeneral: return false;
     case AttentionKernel::kHopper:
-      hopper::require_hopper_can_run(hopper::hopper_backward_unsupported_reason(p), "attention backward");
+      hopper::require_hopper_can_run(hopper::hopper_backward_unsupported_reason(p) + rope_workspace_hint(p),
+                                     "attention backward");
       return true;
     case AttentionKernel::kAuto: break;
   }
@@ -66,12 +70,13 @@ bool runs_on_hopper_kernels(const AttentionParams& p) {
 #endif
 }
 
-}  // namespace
+}  // namespace attention
 
 void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   attention::check_params(params, /*backward=*/true);
   const AttentionParams p = attention::normalized(params);
-  [[maybe_unused]] const bool hopper = runs_on_hopper_kernels(p);
+  const AttentionParams hopper_view = attention::as_rotated_ahead(p);
+  [[maybe_unused]] const bool hopper = attention::backward_runs_on_hopper(hopper_view);
   if (p.batch == 0) return;
   const int64_t items = p.q_rows * p.q_heads;
   const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
@@ -83,7 +88,12 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
       check_cuda(cudaGetLastError(), "attention backward rowsum launch");
     }
 #if BARQTRAIN_HOPPER_KERNELS
-    if (hopper) return attention::hopper::hopper_backward_gradients(p, stream);
+    if (hopper) {
+      if (p.rope_cos != nullptr) attention::rotate_operands_ahead(p, stream);
+      attention::hopper::hopper_backward_gradients(hopper_view, stream);
+      if (p.rope_cos != nullptr) attention::rotate_gradients_back(p, stream);
+      return;
+    }
 #endif
     dispatch_head_dim<T>(p, stream);
   };

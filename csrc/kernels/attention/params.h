@@ -84,6 +84,10 @@ struct AttentionParams {
   int rope_table_rows = 0;
   const int32_t* q_positions = nullptr;
   const int32_t* k_positions = nullptr;
+  // The Hopper kernels take q and k already rotated: with RoPE the launchers rotate them into
+  // this workspace first (attention_rope_workspace_bytes says when and how much). Null: RoPE
+  // cases run on the general kernels.
+  void* rope_workspace = nullptr;
 
   DType dtype = DType::kBFloat16;  // of q, k, v, o and the gradients: fp16 or bf16
   AttentionKernel forward_kernel = AttentionKernel::kAuto;

@@ -229,6 +229,9 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     p.dtype = c.dtype;
     p.forward_kernel = c.forward_kernel;
     p.backward_kernel = c.backward_kernel;
+    // The op's workspace for RoPE on the Hopper kernels (none where the general kernels run).
+    const DeviceBuffer d_rope_forward(k::attention_rope_workspace_bytes(p, /*backward=*/false));
+    p.rope_workspace = d_rope_forward.get();
     k::attention_forward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
@@ -247,6 +250,8 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     p.dk = d_dk.get();
     p.dv = d_dv.get();
     p.d_o_dot_o = static_cast<float*>(d_dot.get());
+    const DeviceBuffer d_rope_backward(k::attention_rope_workspace_bytes(p, /*backward=*/true));
+    p.rope_workspace = d_rope_backward.get();
     k::attention_backward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<T> dq_first = d_dq.to_host<T>(q.size()), dk_first = d_dk.to_host<T>(kk.size()),
@@ -552,6 +557,87 @@ std::vector<AttentionCase> hopper_backward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(HopperBackward, AttentionKernel, ::testing::ValuesIn(hopper_backward_cases()), case_name);
+
+// RoPE on the Hopper kernels (q and k rotated ahead into the workspace, dQ and dK rotated back):
+// every RoPE case above whose other features they cover, forward and backward, plus a Llama-shaped
+// one (GQA 4:1, causal, rotary over all of head_dim 128) and a packed one with positions.
+std::vector<AttentionCase> hopper_rope_cases() {
+  std::vector<AttentionCase> cases;
+  auto add = [&](AttentionCase c) {
+    c.name = "hopper_rope_" + c.name;
+    c.forward_kernel = k::AttentionKernel::kHopper;
+    if (c.backward) c.backward_kernel = k::AttentionKernel::kHopper;
+    cases.push_back(c);
+  };
+  for (const AttentionCase& c : all_cases()) {
+    if (c.rotary_dim == 0) continue;
+    AttentionCase unrotated = c;
+    unrotated.rotary_dim = 0;
+    const k::AttentionParams features = features_of(unrotated);
+    if (!k::attention::hopper::hopper_forward_unsupported_reason(features).empty()) continue;
+    if (c.backward && !k::attention::hopper::hopper_backward_unsupported_reason(features).empty()) continue;
+    add(c);
+  }
+  AttentionCase c;
+  c.name = "bf16_d128_causal_s1000_gqa4";
+  c.head_dim = 128;
+  c.rotary_dim = 128;
+  c.seqlen_q = c.seqlen_k = 1000;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  add(c);
+  c = AttentionCase{};
+  c.name = "fp16_d64_packed_positions_partial";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 64;
+  c.rotary_dim = 32;
+  c.positions = true;
+  c.packed_lengths = random_lengths(5, 400, 29);
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  add(c);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(HopperRope, AttentionKernel, ::testing::ValuesIn(hopper_rope_cases()), case_name);
+
+TEST(AttentionArguments, RopeWorkspaceOnlyWhereTheHopperKernelsRun) {
+  AttentionCase c;
+  c.head_dim = 128;
+  c.rotary_dim = 64;
+  k::AttentionParams p = features_of(c);
+  static const float table = 0.0f;
+  alignas(16) static char operand[16];  // check_params reads the pointers' presence and alignment only
+  p.q = p.k = p.v = p.o = operand;
+  p.lse = reinterpret_cast<float*>(operand);
+  p.rope_cos = p.rope_sin = &table;
+  p.rotary_dim = 64;
+  p.rope_table_rows = 4096;
+  p.softmax_scale = 0.125f;
+  p.forward_kernel = k::AttentionKernel::kGeneral;
+  EXPECT_EQ(k::attention_rope_workspace_bytes(p, /*backward=*/false), 0u);
+  k::AttentionParams no_rope = p;
+  no_rope.rope_cos = no_rope.rope_sin = nullptr;
+  no_rope.rotary_dim = no_rope.rope_table_rows = 0;
+  no_rope.forward_kernel = k::AttentionKernel::kAuto;
+  EXPECT_EQ(k::attention_rope_workspace_bytes(no_rope, /*backward=*/false), 0u);
+#if BARQTRAIN_HOPPER_KERNELS
+  if (k::current_device_is_sm90()) {
+    // The rotated q, then the rotated k, dense, 2 bytes an element.
+    p.forward_kernel = k::AttentionKernel::kHopper;
+    const size_t q_elements = static_cast<size_t>(p.q_rows) * p.q_heads * p.head_dim;
+    const size_t k_elements = static_cast<size_t>(p.batch) * p.seqlen_k * p.kv_heads * p.head_dim;
+    EXPECT_EQ(k::attention_rope_workspace_bytes(p, /*backward=*/false), 2 * (q_elements + k_elements));
+    p.rope_workspace = nullptr;
+    try {
+      k::attention_forward(p, nullptr);
+      ADD_FAILURE() << "kHopper with RoPE and no workspace ran";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("rope_workspace"), std::string::npos) << e.what();
+    }
+  }
+#endif
+}
 
 TEST(AttentionArguments, HopperBackwardCoversTheHopperForwardsCasesWithReadableGradients) {
   AttentionCase c;
