@@ -2,11 +2,14 @@
 and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
 full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
-BarqTrain runs twice, its forward named per call through the op's `forward_kernel` argument:
-`barqtrain-general` (the mma.sync kernel of sm_80 and up) and `barqtrain-hopper` (the sm_90a
-wgmma/TMA kernel, which `attention` picks on sm_90 for these cases only with
-BARQTRAIN_HOPPER_ATTENTION=1). Both use the backward `attention` picks: on sm_90 the
-deterministic wgmma/TMA backward, elsewhere the mma.sync one.
+BarqTrain runs three times, its forward named per call through the op's `forward_kernel`
+argument: `barqtrain-general` (the mma.sync kernel of sm_80 and up), `barqtrain-hopper` (the
+sm_90a wgmma/TMA kernel, which `attention` picks on sm_90 for these cases), and
+`barqtrain-auto+rope` (the call the patched models make: the kernel `attention` picks, with RoPE
+over all of head_dim; the general kernels rotate q and k as they load them, the Hopper ones take
+them rotated ahead by a separate pass, and SDPA's rows here have no RoPE at all). Each uses the
+backward `attention` picks: on sm_90 the deterministic wgmma/TMA backward, elsewhere the
+mma.sync one.
 
 TFLOP/s use the standard count: the forward is 4·B·Hq·S_q·S_k·D (two matmuls), halved
 under a causal mask; forward + backward is 3.5 times the forward (the backward's five
@@ -30,6 +33,7 @@ from barqtrain import _native
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name
 from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
 from barqtrain.bench.timing import time_calls
+from barqtrain.ops.attention import attention_rope_tables
 
 TOKENS_PER_BATCH = 16384  # batch = tokens / seq: every case does the same amount of attention rows
 
@@ -66,15 +70,25 @@ def _cases() -> list[AttentionCase]:
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
-def _barqtrain(kernel: str) -> Attention | Unavailable:
+def _barqtrain(kernel: str, rope: bool = False) -> Attention | Unavailable:
     if not _native.has_cuda_kernels("attention_forward"):
         return Unavailable("barqtrain's op library was built without CUDA kernels")
     if kernel == "hopper" and torch.cuda.get_device_capability() != (9, 0):
         return Unavailable("the Hopper kernel runs on compute capability 9.0 only")
 
+    tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # built once, as a model caches them
+
+    def rope_tables(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, head_dim = q.shape[1], q.shape[-1]
+        if (seq, head_dim) not in tables:  # Llama-3's frequencies over all of head_dim
+            exponents = torch.arange(0, head_dim, 2, device=q.device, dtype=torch.float64) / head_dim
+            tables[seq, head_dim] = attention_rope_tables(500000.0 ** -exponents, seq)
+        return tables[seq, head_dim]
+
     def run(q, k, v, causal):
+        cos, sin = rope_tables(q) if rope else (None, None)
         o, _ = torch.ops.barqtrain.attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, 0.0, causal, -1, -1, None, None, None,
+            q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, 0.0, causal, -1, -1, cos, sin, None,
             forward_kernel=kernel,
         )
         return o
@@ -97,6 +111,7 @@ def _implementations() -> dict[str, Attention | Unavailable]:
     return {
         "barqtrain-general": _barqtrain("general"),
         "barqtrain-hopper": _barqtrain("hopper"),
+        "barqtrain-auto+rope": _barqtrain("auto", rope=True),
         "sdpa-flash": _sdpa(backends.FLASH_ATTENTION),
         "sdpa-cudnn": _sdpa(backends.CUDNN_ATTENTION),
     }
