@@ -662,21 +662,23 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   AttentionCase c;
   c.head_dim = 128;
   EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)), "");
-  AttentionCase d96 = c;
-  d96.head_dim = 96;
-  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d96)).find("head_dim 96"),
+  // Covered: every multiple of 8 up to 128 (on the 64 or 128 tile), softcap, sliding windows.
+  for (int head_dim : {8, 32, 40, 64, 80, 96, 120, 128}) {
+    AttentionCase padded = c;
+    padded.head_dim = head_dim;
+    EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(padded)), "") << head_dim;
+  }
+  AttentionCase softcap_window = c;
+  softcap_window.softcap = 30.0f;
+  softcap_window.window_left = 31;
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(softcap_window)), "");
+  AttentionCase d256 = c;
+  d256.head_dim = 256;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d256)).find("head_dim 256"),
             std::string::npos);
   AttentionCase rope = c;
   rope.rotary_dim = 64;
   EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(rope)).find("RoPE"), std::string::npos);
-  AttentionCase softcap = c;
-  softcap.softcap = 30.0f;
-  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(softcap)).find("softcap"),
-            std::string::npos);
-  AttentionCase window = c;
-  window.window_left = 31;
-  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(window)).find("sliding window"),
-            std::string::npos);
   k::AttentionParams separate_cu_seqlens = features_of(c);
   static const int32_t cu_q = 0, cu_k = 0;
   separate_cu_seqlens.cu_seqlens_q = &cu_q;
@@ -699,7 +701,8 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
 }
 
 // kAuto on an sm_90 device: a covered case runs on the Hopper kernels (their outputs and
-// gradients bit for bit), an uncovered one (softcap) on the general kernels.
+// gradients bit for bit), an uncovered one on the general kernels: K and V expanded over their
+// heads (head stride 0, which a TMA descriptor cannot take; every kv head reads kv head 0).
 TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   BARQTRAIN_REQUIRE_GPU();
   if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper kernels run on sm_90 only";
@@ -730,20 +733,21 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   p.head_dim = kHeadDim;
   p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
   p.causal = true;
-  auto output_of = [&](k::AttentionKernel kernel, float softcap) {
+  auto expand_kv = [](k::AttentionParams& run) { run.k_strides.head = run.v_strides.head = 0; };
+  auto output_of = [&](k::AttentionKernel kernel, bool expanded_kv) {
     k::AttentionParams run = p;
     run.forward_kernel = kernel;
-    run.softcap = softcap;
+    if (expanded_kv) expand_kv(run);
     d_o.poison();
     k::attention_forward(run, nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     return d_o.to_host<uint16_t>(q.size());
   };
-  const std::vector<uint16_t> hopper = output_of(k::AttentionKernel::kHopper, 0.0f);
-  ASSERT_NE(hopper, output_of(k::AttentionKernel::kGeneral, 0.0f))
+  const std::vector<uint16_t> hopper = output_of(k::AttentionKernel::kHopper, false);
+  ASSERT_NE(hopper, output_of(k::AttentionKernel::kGeneral, false))
       << "both kernels round alike on these inputs, so equal outputs would not tell which one ran";
-  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 0.0f), hopper);
-  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, 30.0f), output_of(k::AttentionKernel::kGeneral, 30.0f));
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, false), hopper);
+  EXPECT_EQ(output_of(k::AttentionKernel::kAuto, true), output_of(k::AttentionKernel::kGeneral, true));
 
   std::vector<__nv_bfloat16> grad_out;
   random_values<__nv_bfloat16>(q.size(), 0.0, 1.0, rng, grad_out, unused);
@@ -758,11 +762,11 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   p.d_o_strides = p.dq_strides = p.q_strides;
   p.dk_strides = p.dv_strides = p.k_strides;
   // dq, dk and dv one after the other, from the general forward's O and LSE.
-  auto gradients_of = [&](k::AttentionKernel kernel, float softcap) {
+  auto gradients_of = [&](k::AttentionKernel kernel, bool expanded_kv) {
     k::AttentionParams run = p;
     run.forward_kernel = k::AttentionKernel::kGeneral;
     run.backward_kernel = kernel;
-    run.softcap = softcap;
+    if (expanded_kv) expand_kv(run);
     k::attention_forward(run, nullptr);
     d_dq.poison();
     d_dk.poison();
@@ -778,12 +782,12 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
   };
   // The two backwards give bit-identical gradients (an H100 showed it: the same fp32 sums in the
   // same order), so the gradients cannot tell which one ran: the selection is asserted directly.
-  k::AttentionParams softcapped = p;
-  softcapped.softcap = 30.0f;
+  k::AttentionParams expanded = p;
+  expand_kv(expanded);
   EXPECT_TRUE(k::attention::hopper::hopper_backward_selected(k::attention::normalized(p)));
-  EXPECT_FALSE(k::attention::hopper::hopper_backward_selected(k::attention::normalized(softcapped)));
-  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, 0.0f), gradients_of(k::AttentionKernel::kHopper, 0.0f));
-  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, 30.0f), gradients_of(k::AttentionKernel::kGeneral, 30.0f));
+  EXPECT_FALSE(k::attention::hopper::hopper_backward_selected(k::attention::normalized(expanded)));
+  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, false), gradients_of(k::AttentionKernel::kHopper, false));
+  EXPECT_EQ(gradients_of(k::AttentionKernel::kAuto, true), gradients_of(k::AttentionKernel::kGeneral, true));
 }
 #endif
 
@@ -873,8 +877,9 @@ TEST(AttentionArguments, HopperKernelRequestNamesWhatKeepsItFromRunning) {
   k::AttentionParams p = valid_params();
   p.forward_kernel = k::AttentionKernel::kHopper;
 #if BARQTRAIN_HOPPER_KERNELS
-  p.softcap = 30.0f;
-  expect_error(p, false, "unsupported softcap");
+  p.head_dim = 256;
+  p.q_strides = p.k_strides = p.v_strides = p.o_strides = {256, 256, 256};
+  expect_error(p, false, "unsupported head_dim 256");
 #else
   expect_error(p, false, "this build has none");
 #endif
@@ -888,8 +893,10 @@ TEST(AttentionArguments, HopperBackwardRequestNamesWhatKeepsItFromRunning) {
   p.d_o_strides = p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
   p.backward_kernel = k::AttentionKernel::kHopper;
 #if BARQTRAIN_HOPPER_KERNELS
-  p.window_left = 15;
-  expect_error(p, true, "unsupported sliding window");
+  static const int32_t cu_seqlens_q[2] = {0, 1}, cu_seqlens_k[2] = {0, 1};
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.cu_seqlens_k = cu_seqlens_k;
+  expect_error(p, true, "unsupported packed batch with separate cu_seqlens");
 #else
   expect_error(p, true, "this build has none");
 #endif

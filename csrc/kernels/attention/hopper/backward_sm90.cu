@@ -10,9 +10,9 @@
 namespace barqtrain::kernels::attention::hopper {
 namespace {
 
-template <typename T, int kHeadDim, bool kOwnsKeys>
+template <typename T, int kHeadDimTile, bool kOwnsKeys>
 void launch_role(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = BackwardTraits<T, kHeadDim, kOwnsKeys>;
+  using Traits = BackwardTraits<T, kHeadDimTile, kOwnsKeys>;
   const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
   const GmemShape owned_shape = kOwnsKeys ? k_shape : q_shape, stream_shape = kOwnsKeys ? q_shape : k_shape;
   auto owned_tma = [&](const void* ptr, const AttentionStrides& strides) {
@@ -50,7 +50,7 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename T>
 void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim == 64) {
+  if (head_dim_tile(p.head_dim) == 64) {
     launch_role<T, 64, /*kOwnsKeys=*/true>(p, stream);
     launch_role<T, 64, /*kOwnsKeys=*/false>(p, stream);
   } else {

@@ -28,8 +28,11 @@
 //   dQ CTA     Q, dO  K, V     S = Q K^T              dP = dO V^T    dQ += dS K
 //
 // with P = exp(S * scale - lse) and dS = P (dP - D); dK and dQ are scaled by the softmax
-// scale as they are stored. The dK/dV CTA walks the q heads of its GQA group and, for each,
-// the query blocks that see its keys; the dQ CTA walks the key blocks its queries see.
+// scale as they are stored. With a softcap (ScoreTransform, as backward.cuh): the capped
+// score c = cap * tanh(scale * s / cap) replaces S * scale, and dS carries the tanh
+// derivative, dS = P (dP - D) (1 - (c / cap)^2). The dK/dV CTA walks the q heads of its GQA
+// group and, for each, the query blocks that see its keys; the dQ CTA walks the key blocks
+// its queries see.
 // Per step a CTA receives two streamed tiles (2 x 64 x D x 2 bytes: 32 KB at D128) and runs
 // 4 (dK/dV) or 3 (dQ) GEMMs of 2 x 128 x 64 x D FLOP (2.1 M at D128): 256 or 192 FLOP per
 // byte that TMA brings, against the H100's ~100 (989 TFLOP/s over ~10 TB/s of L2).
@@ -44,21 +47,28 @@
 // Registers per consumer thread at head_dim 128, dK/dV role: dV and dK accumulators 64 + 64,
 // S^T and dP^T 32 + 32, P^T in 16 bits 16 (dS^T's 16 bits take S^T's place once S^T is dead).
 //
-// Covered: the Hopper forward's cases (bf16/fp16, head_dim 64 and 128, causal or full,
-// GQA/MQA, plain or packed with one cu_seqlens); see hopper_backward_unsupported_reason.
+// Covered: the Hopper forward's cases (bf16/fp16, head_dim any multiple of 8 up to 128, causal
+// or full, sliding windows, softcap, GQA/MQA, plain or packed with one cu_seqlens); see
+// hopper_backward_unsupported_reason. Windows: stream_schedule walks only the streamed blocks
+// that some owned row sees (Mask's query_range / key_range), and the partial blocks are masked
+// per element. Head dims below the tile as in the forward (forward_sm90.cuh): the 64 or 128
+// tile, TMA zero-fills the columns past head_dim and counts whole boxes, the gradients' columns
+// past head_dim are not stored; the padded GEMMs cost 1.6x the FLOPs at head_dim 80, 1.33x at 96.
 #pragma once
 
 #include "kernels/attention/hopper/forward_sm90.cuh"
 
 namespace barqtrain::kernels::attention::hopper {
 
-// The forward's CTA and register split: at 24 registers the dK/dV producer warpgroup spills 28
-// bytes (ptxas -v), off the tensor cores' path; 32 / 232 instead spills 4 bytes in the D128
+// The forward's CTA and register split: at 24 registers the dK/dV producer warpgroup's
+// statistics warp spills 28 bytes (32 at D128; ptxas -v), off the tensor cores' path; 32 / 232 instead spills 4 bytes in the D128
 // dK/dV consumers (and 32 / 240 overflows the pool: the hang of the first H100 run).
-template <typename T, int kHeadDim, bool kKeysOwned>
+// kHeadDimTile: head_dim_tile of the case's head_dim.
+template <typename T, int kHeadDimTile, bool kKeysOwned>
 struct BackwardTraits : WarpSpecializedCta {
+  static_assert(kHeadDimTile == 64 || kHeadDimTile == 128, "the head_dim tiles are 64 and 128");
   static constexpr bool kOwnsKeys = kKeysOwned;  // dK/dV CTA; else dQ CTA
-  static constexpr int kD = kHeadDim;
+  static constexpr int kD = kHeadDimTile;
   static constexpr int kBlockOwned = 64 * kConsumerWarpgroups;
   static constexpr int kBlockStream = 64;   // rows of the streamed operands per step
   static constexpr int kStages = 2;
@@ -236,12 +246,13 @@ __device__ __forceinline__ void produce_stats(const AttentionParams& p, Backward
   }
 }
 
-// Stores a gradient accumulator (owned rows x head_dim) as T, scaled, rows past the
-// sequence left alone. A thread's columns come in adjacent pairs (checked on the host by
-// HopperBackwardLayout), so each pair leaves in one 4-byte store.
+// Stores a gradient accumulator (owned rows x head_dim tile) as T, scaled, rows past the
+// sequence and columns past head_dim left alone. A thread's columns come in adjacent pairs
+// (checked on the host by HopperBackwardLayout), so each pair leaves in one 4-byte store; head_dim
+// is a multiple of 8, so a pair is either wholly inside or wholly past it.
 template <typename T, typename Traits, typename Accumulator, typename ThreadMma>
 __device__ __forceinline__ void store_gradient(const Accumulator& acc, const ThreadMma& thread_mma, T* out,
-                                               int64_t row_stride, int owned0, int rows, float scale) {
+                                               int64_t row_stride, int owned0, int rows, int head_dim, float scale) {
   Tensor coords_flat = thread_mma.partition_C(make_identity_tensor(Shape<typename Traits::BlockOwned,
                                                                          typename Traits::HeadDim>{}));
   Tensor coords = make_tensor(coords_flat.data(), rows_by_columns(coords_flat.layout()));
@@ -253,6 +264,7 @@ __device__ __forceinline__ void store_gradient(const Accumulator& acc, const Thr
     T* out_row = out + static_cast<int64_t>(row) * row_stride;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(values); c += 2) {
+      if (get<1>(coords(r, c)) >= head_dim) continue;
       cutlass::Array<T, 2> pair;
       pair[0] = static_cast<T>(values(r, c) * scale);
       pair[1] = static_cast<T>(values(r, c + 1) * scale);
@@ -275,7 +287,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   constexpr int kBlockOwned = Traits::kBlockOwned, kBlockStream = Traits::kBlockStream;
   const int owned0 = owned_block * kBlockOwned;
   const Mask mask(p, seq);
-  const float multiplier = p.softmax_scale * kLog2e;  // softcap runs on the sm_80 kernel
+  const ScoreTransform transform(p);
+  const float multiplier = transform.multiplier;
 
   typename Traits::MmaScores mma_scores;
   typename Traits::MmaGrad mma_grad;
@@ -343,9 +356,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   };
 
   // P in place of the scores and dS in place of dP, for the block whose first streamed
-  // row is stream0 (kMasked: test every element).
-  auto probabilities_and_score_grads = [&](int stage, int stream0, auto masked_tag) {
+  // row is stream0 (kMasked: test every element; kSoftcap: cap the scores first and carry
+  // the cap's derivative into dS, in backward.cuh's order of operations).
+  auto probabilities_and_score_grads = [&](int stage, int stream0, auto masked_tag, auto softcap_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
+    constexpr bool kSoftcap = decltype(softcap_tag)::value;
     // Columns outside: in the dK/dV role a column's lse and D serve both rows, loaded once.
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
@@ -355,7 +370,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
         const int row = get<0>(coord), col = get<1>(coord);
         const float lse2 = kOwnsKeys ? smem.stream_lse2[stage][col] : row_lse2[r];
         const float dot = kOwnsKeys ? smem.stream_dot[stage][col] : row_dot[r];
-        float prob = exp2_ftz(fmaf(scores(r, c), multiplier, -lse2));
+        const float score = kSoftcap ? transform.cap(scores(r, c)) : scores(r, c);
+        float prob = exp2_ftz(fmaf(score, multiplier, -lse2));
         if constexpr (kMasked) {
           const int query = kOwnsKeys ? stream0 + col : owned0 + row;
           const int key = kOwnsKeys ? owned0 + row : stream0 + col;
@@ -363,6 +379,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
         }
         scores(r, c) = prob;
         dp(r, c) = prob * (dp(r, c) - dot);
+        if constexpr (kSoftcap) dp(r, c) *= transform.cap_derivative(score);
       }
     }
   };
@@ -409,10 +426,17 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
     const bool fully_visible =
         kOwnsKeys ? mask.block_fully_visible(stream0, stream0 + kBlockStream, owned0, owned0 + kBlockOwned)
                   : mask.block_fully_visible(owned0, owned0 + kBlockOwned, stream0, stream0 + kBlockStream);
-    if (fully_visible) {
-      probabilities_and_score_grads(stage, stream0, cute::false_type{});
+    // Four specializations, so that the common case (no softcap) carries none of its work.
+    if (transform.softcap) {
+      if (fully_visible) {
+        probabilities_and_score_grads(stage, stream0, cute::false_type{}, cute::true_type{});
+      } else {
+        probabilities_and_score_grads(stage, stream0, cute::true_type{}, cute::true_type{});
+      }
+    } else if (fully_visible) {
+      probabilities_and_score_grads(stage, stream0, cute::false_type{}, cute::false_type{});
     } else {
-      probabilities_and_score_grads(stage, stream0, cute::true_type{});
+      probabilities_and_score_grads(stage, stream0, cute::true_type{}, cute::false_type{});
     }
     if constexpr (kOwnsKeys) {
       convert(tSrS, tGrP);
@@ -434,11 +458,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   if constexpr (kOwnsKeys) {
     T* dk = static_cast<T*>(p.dk) + seq.k_offset(p.dk_strides, b, owned_head);
     T* dv = static_cast<T*>(p.dv) + seq.k_offset(p.dv_strides, b, owned_head);
-    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dk, p.dk_strides.row, owned0, seq.seqlen_k, p.softmax_scale);
-    store_gradient<T, Traits>(tGrValuesGrad, thread_grad, dv, p.dv_strides.row, owned0, seq.seqlen_k, 1.0f);
+    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dk, p.dk_strides.row, owned0, seq.seqlen_k, p.head_dim,
+                              p.softmax_scale);
+    store_gradient<T, Traits>(tGrValuesGrad, thread_grad, dv, p.dv_strides.row, owned0, seq.seqlen_k, p.head_dim,
+                              1.0f);
   } else {
     T* dq = static_cast<T*>(p.dq) + seq.q_offset(p.dq_strides, b, owned_head);
-    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dq, p.dq_strides.row, owned0, seq.seqlen_q, p.softmax_scale);
+    store_gradient<T, Traits>(tGrScoresGrad, thread_grad, dq, p.dq_strides.row, owned0, seq.seqlen_q, p.head_dim,
+                              p.softmax_scale);
   }
 }
 

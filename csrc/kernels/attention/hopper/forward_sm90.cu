@@ -11,9 +11,9 @@
 namespace barqtrain::kernels::attention::hopper {
 namespace {
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDimTile>
 void launch(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = ForwardTraits<T, kHeadDim>;
+  using Traits = ForwardTraits<T, kHeadDimTile>;
   const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
   ForwardKernelParams<T, Traits> params{
       p,
@@ -35,7 +35,7 @@ void launch(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename T>
 void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim == 64) return launch<T, 64>(p, stream);
+  if (head_dim_tile(p.head_dim) == 64) return launch<T, 64>(p, stream);
   return launch<T, 128>(p, stream);
 }
 
@@ -54,10 +54,10 @@ bool hopper_attention_opted_in() {
 
 std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype other than float16/bfloat16";
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim " + std::to_string(p.head_dim) + " (covers 64 and 128)";
+  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > 128) {
+    return "head_dim " + std::to_string(p.head_dim) + " (covers multiples of 8 up to 128)";
+  }
   if (p.rope_cos != nullptr) return "fused RoPE";
-  if (p.softcap > 0.0f) return "softcap";
-  if (p.window_left >= 0 || p.window_right > 0) return "sliding window";
   if (p.cu_seqlens_q != nullptr && (p.cu_seqlens_q != p.cu_seqlens_k || p.seqlen_q != p.seqlen_k)) {
     // The k descriptor's row count is cu_seqlens_k[batch], which lives on the device;
     // with one cu_seqlens for both it is q_rows.

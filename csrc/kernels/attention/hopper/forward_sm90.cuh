@@ -27,10 +27,23 @@
 //
 // T below is cutlass::bfloat16_t or cutlass::half_t (CutlassElement).
 //
-// Covered: bf16/fp16, head_dim 64 and 128, causal or full (queries aligned to the end of
-// the keys), GQA/MQA, plain batches and packed self-attention batches (one cu_seqlens for
-// q and k). Everything else (RoPE, softcap, sliding window, other head dims) runs on the
+// Covered: bf16/fp16; head_dim any multiple of 8 up to 128; causal or full (queries aligned
+// to the end of the keys) and sliding windows (Mask: the key blocks outside every row's
+// window are never loaded, the partial ones are masked per element); logit softcap (Gemma 2:
+// ScoreTransform, the sm_80 kernel's numerics and LSE convention); GQA/MQA; plain batches and
+// packed self-attention batches (one cu_seqlens for q and k). No RoPE here (the dispatch
+// rotates q and k ahead, rotation.h); head_dim above 128 and separate cu_seqlens run on the
 // sm_80 kernel; see hopper_forward_unsupported_reason.
+//
+// Head dims below the tile: head_dim <= 64 runs the 64-wide tile, above it the 128-wide one.
+// The TMA descriptors carry the real head_dim as the extent of that mode, so the unit fills
+// the box's columns past it with zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), and it still
+// writes, and counts on the mbarrier, the whole box: the expect-tx byte count stays the full
+// tile, as CUTLASS's sm90 GEMM mainloops count the full tile for a K residue (their
+// TmaTransactionBytes is the shared-memory tile's size for every k block). Zero columns add
+// nothing to Q K^T, and P V's columns past head_dim are never stored. The cost is the padded
+// GEMMs: at head_dim 80 both GEMMs run 128 columns for 80 useful (1.6x the FLOPs, 37.5% of the
+// tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%.
 //
 // Not yet here (FlashAttention-3 ideas for the next steps, measured first): a persistent
 // grid with a tile scheduler, and the epilogue through TMA stores.
@@ -81,10 +94,15 @@ struct WarpSpecializedCta {
                 "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 };
 
+// The head_dim tile of the Hopper kernels: the real head_dim padded to 64 or 128 (above).
+constexpr int head_dim_tile(int head_dim) { return head_dim <= 64 ? 64 : 128; }
+
 // Consumers hold S, P and O (at head_dim 128: 64 + 32 + 64 registers per thread).
-template <typename T, int kHeadDim>
+// kHeadDimTile: head_dim_tile of the case's head_dim.
+template <typename T, int kHeadDimTile>
 struct ForwardTraits : WarpSpecializedCta {
-  static constexpr int kD = kHeadDim;
+  static_assert(kHeadDimTile == 64 || kHeadDimTile == 128, "the head_dim tiles are 64 and 128");
+  static constexpr int kD = kHeadDimTile;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;    // K and V buffers in flight per CTA
@@ -177,6 +195,8 @@ __device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& pa
   using BlockN = typename Traits::BlockN;
   using HeadDim = typename Traits::HeadDim;
   constexpr int kStages = Traits::kStages;
+  // Whole boxes: the columns past head_dim and the rows past the tensor are zero-filled and
+  // counted too (header).
   constexpr uint32_t kQBytes = Traits::kBlockM * Traits::kD * sizeof(T);
   constexpr uint32_t kKVBytes = Traits::kBlockN * Traits::kD * sizeof(T);
 
@@ -236,7 +256,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kD;
   const int m0 = m_block * kBlockM;
   const Mask mask(p, seq);
-  const float multiplier = p.softmax_scale * kLog2e;  // softcap runs on the sm_80 kernel
+  const ScoreTransform transform(p);
+  const float multiplier = transform.multiplier;
 
   typename Traits::MmaQK mma_qk;
   typename Traits::MmaPV mma_pv;
@@ -332,6 +353,12 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   };
   auto softmax_of_block = [&](int n_block, float* rescale) {
     const int n0 = n_block * kBlockN;
+    // The softcap before the masks (one uniform branch per block): the row maxima, the
+    // probabilities and the lse are then in capped units, as in the sm_80 kernel.
+    if (transform.softcap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = transform.cap(tSrS(i));
+    }
     if (mask.block_fully_visible(m0, m0 + kBlockM, n0, n0 + kBlockN)) {
       softmax(n0, rescale, cute::false_type{});
     } else {
@@ -457,13 +484,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   }
   __syncwarp();
 
+  // Only the columns < head_dim leave (a multiple of 8: whole 16-byte chunks); the tile's
+  // others hold P times V's zero-filled columns.
   T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
   constexpr int kChunks = kD / 8;
+  const int head_dim_chunks = p.head_dim / 8;
   CUTE_UNROLL
   for (int idx = consumer_thread % 32; idx < 16 * kChunks; idx += 32) {
     const int r = idx / kChunks, c = idx % kChunks;
     const int i = m0 + warp_first_row + r;
-    if (i >= seq.seqlen_q) continue;
+    if (i >= seq.seqlen_q || c >= head_dim_chunks) continue;
     *reinterpret_cast<uint4*>(o + static_cast<int64_t>(i) * p.o_strides.row + c * 8) =
         *reinterpret_cast<const uint4*>(warp_o + r * Traits::kOStride + c * 8);
   }
