@@ -468,13 +468,73 @@ k::AttentionParams features_of(const AttentionCase& c) {
   return p;
 }
 
+// Longer cases of the features the Hopper kernels cover beyond plain causal/full attention at
+// head_dim 64/128, for both Hopper case lists: softcap, sliding windows (causal + window with
+// GQA, a left-only window without the causal bound, packed, fewer queries than keys), and head
+// dims padded to the tiles (80 and 96 to 128, 32 and 40 to 64). The windows are not multiples
+// of the 128-key (forward) or 64-row (backward) blocks, so both ends of a window cut blocks.
+std::vector<AttentionCase> hopper_feature_cases() {
+  std::vector<AttentionCase> cases;
+  AttentionCase c;
+  c.name = "bf16_d96_softcap30_causal_s1100_gqa4";
+  c.head_dim = 96;
+  c.softcap = 30.0f;
+  c.seqlen_q = c.seqlen_k = 1100;
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "fp16_d80_window200_causal_s1300_gqa2";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 80;
+  c.window_left = 200;
+  c.seqlen_q = c.seqlen_k = 1300;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "bf16_d40_window100_full_s600_b2";
+  c.head_dim = 40;
+  c.causal = false;
+  c.window_left = 100;
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 600;
+  c.q_heads = c.kv_heads = 2;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "bf16_d32_packed_window127_softcap20_gqa2";
+  c.head_dim = 32;
+  c.packed_lengths = random_lengths(5, 600, 17);
+  c.window_left = 127;
+  c.softcap = 20.0f;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "fp16_d128_window90_causal_s300_k700";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 128;
+  c.window_left = 90;
+  c.seqlen_q = 300;
+  c.seqlen_k = 700;
+  cases.push_back(c);
+  return cases;
+}
+
 // Every case above the Hopper forward covers, plus longer ones that go around its K/V
-// buffer ring many times (causal and full, both head dims, GQA, a ragged last block).
+// buffer ring many times (causal and full, both head dims, GQA, a ragged last block) and the
+// longer feature cases (forward only: the backward list runs them on the Hopper backward).
 std::vector<AttentionCase> hopper_cases() {
   std::vector<AttentionCase> cases;
   for (AttentionCase c : all_cases()) {
     if (!k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)).empty()) continue;
     c.name = "hopper_" + c.name;
+    c.forward_kernel = k::AttentionKernel::kHopper;
+    cases.push_back(c);
+  }
+  for (AttentionCase c : hopper_feature_cases()) {
+    c.name = "hopper_" + c.name;
+    c.backward = false;
     c.forward_kernel = k::AttentionKernel::kHopper;
     cases.push_back(c);
   }
@@ -512,7 +572,7 @@ INSTANTIATE_TEST_SUITE_P(HopperForward, AttentionKernel, ::testing::ValuesIn(hop
 // Every backward case above the Hopper backward covers, forward and backward on the Hopper
 // kernels, plus longer ones: many query blocks per key block and GQA group members in the
 // dK/dV kernel's walk, many key blocks in the dQ kernel's, ragged last blocks, packed
-// sequences whose neighbours' rows share the TMA tiles.
+// sequences whose neighbours' rows share the TMA tiles, and the longer feature cases.
 std::vector<AttentionCase> hopper_backward_cases() {
   std::vector<AttentionCase> cases;
   auto add = [&](AttentionCase c) {
@@ -553,6 +613,7 @@ std::vector<AttentionCase> hopper_backward_cases() {
   c.seqlen_q = 300;
   c.seqlen_k = 700;
   add(c);
+  for (const AttentionCase& feature_case : hopper_feature_cases()) add(feature_case);
   return cases;
 }
 
