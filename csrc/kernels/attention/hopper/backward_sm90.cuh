@@ -61,8 +61,9 @@
 namespace barqtrain::kernels::attention::hopper {
 
 // The forward's CTA and register split: at 24 registers the dK/dV producer warpgroup's
-// statistics warp spills 28 bytes (32 at D128; ptxas -v), off the tensor cores' path; 32 / 232 instead spills 4 bytes in the D128
-// dK/dV consumers (and 32 / 240 overflows the pool: the hang of the first H100 run).
+// statistics warp spills 28 bytes (32 at D128; ptxas -v), off the tensor cores' path; 32 / 232
+// instead spills 4 bytes in the D128 dK/dV consumers (and 32 / 240 overflows the pool: the hang
+// of the first H100 run).
 // kHeadDimTile: head_dim_tile of the case's head_dim.
 template <typename T, int kHeadDimTile, bool kKeysOwned>
 struct BackwardTraits : WarpSpecializedCta {
