@@ -11,6 +11,25 @@
 // fixed order (deterministic, no atomics). The residual add and LayerNorm
 // are compile-time switches of the same kernels, so each variant pays only for itself.
 //
+// LayerNorm's backward with dweight has its own kernel for 16-bit aligned rows up to hidden
+// 8192 (backward_launch holds the rule), because the shared kernel left it far below the copy:
+// its shared-memory column sums put 64 KiB of shared traffic on every row's critical path and
+// at 8192 its 79 registers left one block an SM. A harness timed the shipped kernel against
+// variants of each choice (H100, 2026-11-22, benchmarks/results/2026-11-22-h100-s6/
+// ln_bwd_harness.log; bf16, backward with dweight + dbias as % of a same-size device copy,
+// fwd+bwd with the shipped forward in brackets): 16384 x 4096 shipped 77.8% (82.4%) -> 94.5%
+// (92.9%); 16384 x 8192 shipped 69.9% (75.4%) -> 94.4% (90.6%); 4096 x 4096 shipped 47.5% ->
+// 82.0%; dweight without dbias, 16384 x 4096: 89.2% -> 97.0%. What won: column sums in
+// registers (in shared memory, same form: 92.2%), the next row's dy and x loaded before this
+// row's barrier, the row sums read back by broadcast, 512 threads with one vector a thread and
+// two blocks an SM at 4096, two vectors and one block at 8192. At 4096 x 4096 two vectors at
+// 256 threads measured 85.4%, but 91.8% against 94.5% at 16384 rows: one tiling rule, the one
+// of the target shape. Summing the partials inside the kernel behind a grid barrier was no
+// faster (94.3%). The harness summed the partials with its own one-launch reduce under
+// programmatic dependent launch; this file keeps its two reduce launches, which the harness
+// measured about 5 us slower at 16384 x 4096 (the shipped kernel with either reduce: 0.1774
+// vs 0.1724 ms).
+//
 // Bytes at 16384 x 4096 bf16 (RMSNorm): forward reads x, writes y (256 MiB); backward
 // reads dy, x, writes dx (384 MiB). The fused add adds a read of residual and a write of
 // the sum forward, and a read of d_residual_out backward, and saves the separate add's
@@ -298,6 +317,175 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
   }
 }
 
+// ------------------------------------------------------------------ LayerNorm backward, 16-bit rows
+// The form that won the LayerNorm backward harness (header): column sums in registers, the
+// next row's inputs loaded before this row's barrier, both row sums read back by broadcast.
+// backward_launch says which calls take it.
+
+// Element e of a 16-byte vector of 16-bit T, as float.
+template <typename T>
+__device__ __forceinline__ float vec_element(const uint4& raw, int e) {
+  const unsigned word = e / 2 == 0 ? raw.x : e / 2 == 1 ? raw.y : e / 2 == 2 ? raw.z : raw.w;
+  const unsigned short bits = static_cast<unsigned short>(e % 2 == 0 ? word & 0xffffu : word >> 16);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(static_cast<unsigned>(bits) << 16);
+  } else {
+    static_assert(std::is_same_v<T, __half>, "16-bit storage types");
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+// An opaque copy: the compiler must treat the result as a new value, so it converts the packed
+// inputs again after the barrier instead of keeping their fp32 values live across it.
+__device__ __forceinline__ uint4 opaque(uint4 v) {
+  asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w));
+  return v;
+}
+
+constexpr int kMaxWarps = kMaxThreads / 32;
+
+// sum(g * xhat) and sum(g) over the block for one barrier. After it every thread adds the
+// warps' pairs itself from shared memory (broadcast reads), in the same order, instead of a
+// second shuffle tree. All kMaxWarps slots are read: the kernel zeroes those of absent warps.
+// Callers rotate two scratch areas, as for block_sums.
+__device__ __forceinline__ float2 block_row_sums(float dot, float sum_g, float2* scratch) {
+  dot = warp_sum(dot);
+  sum_g = warp_sum(sum_g);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = make_float2(dot, sum_g);
+  __syncthreads();
+  // Even and odd warps in two accumulators: half the dependent adds.
+  float2 even = make_float2(0.0f, 0.0f), odd = make_float2(0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < kMaxWarps; w += 2) {
+    const float4 pair = reinterpret_cast<const float4*>(scratch)[w / 2];
+    even.x += pair.x;
+    even.y += pair.y;
+    odd.x += pair.z;
+    odd.y += pair.w;
+  }
+  return make_float2(even.x + odd.x, even.y + odd.y);
+}
+
+// 512 threads at most; two blocks an SM at one vector a thread (64 registers), one at two
+// (120 of 128 used): the residencies the harness measured best.
+template <int kVecsPerThread>
+constexpr int kLayerNormMinBlocks = kVecsPerThread == 1 ? 2 : 1;
+
+// dx, and this block's dweight (and dbias if kDbias) partial row. A block walks rows
+// blockIdx.x, + gridDim.x, ... and holds dy, x and the weight as packed 16-byte vectors
+// (registers are what limit blocks an SM; conversions are cheap): converted for the row sums,
+// and again after the barrier for dx. Lanes past the row's end hold zeros.
+template <typename T, int kVecsPerThread, bool kDbias>
+__global__ void __launch_bounds__(kMaxThreads, kLayerNormMinBlocks<kVecsPerThread>)
+layernorm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float* dbias_partials) {
+  constexpr int kVec = kVec16<T>;
+  __shared__ __align__(16) float2 row_scratch[2][kMaxWarps];
+  // No warp writes an absent warp's slots, and the first row's barrier orders these writes first.
+  for (int i = threadIdx.x; i < 2 * kMaxWarps; i += blockDim.x) {
+    if (i % kMaxWarps >= static_cast<int>(blockDim.x / 32)) {
+      row_scratch[i / kMaxWarps][i % kMaxWarps] = make_float2(0.0f, 0.0f);
+    }
+  }
+  const int num_vecs = static_cast<int>(p.hidden / kVec);
+  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+
+  uint4 weight[kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    weight[i] = v < num_vecs ? reinterpret_cast<const uint4*>(p.weight)[v] : make_uint4(0, 0, 0, 0);
+  }
+  ColumnSums<kVec, kVecsPerThread, false> dweight_sums(nullptr), dbias_sums(nullptr);
+
+  auto load_row = [&](int row, uint4(&dy_raw)[kVecsPerThread], uint4(&x_raw)[kVecsPerThread], float& mean,
+                      float& rstd) {
+    const uint4* dy = reinterpret_cast<const uint4*>(static_cast<const T*>(p.dy) + int64_t{row} * p.dy_row_stride);
+    const uint4* x = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + int64_t{row} * p.x_row_stride);
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      dy_raw[i] = v < num_vecs ? dy[v] : make_uint4(0, 0, 0, 0);
+      x_raw[i] = v < num_vecs ? x[v] : make_uint4(0, 0, 0, 0);
+    }
+    mean = p.mean[row];
+    rstd = p.rstd[row];
+  };
+
+  // 32-bit rows (check_common): one register fewer in the loop.
+  const int rows = static_cast<int>(p.rows);
+  uint4 dy_next[kVecsPerThread], x_next[kVecsPerThread];
+  float mean_next = 0.0f, rstd_next = 0.0f;
+  if (static_cast<int>(blockIdx.x) < rows) load_row(blockIdx.x, dy_next, x_next, mean_next, rstd_next);
+  int parity = 0;
+  for (int row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
+    uint4 dy_raw[kVecsPerThread], x_raw[kVecsPerThread];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      dy_raw[i] = dy_next[i];
+      x_raw[i] = x_next[i];
+    }
+    const float mean = mean_next, rstd = rstd_next;
+    // The next row's loads are in flight through this row's barrier: two rows a block.
+    if (row + static_cast<int>(gridDim.x) < rows) load_row(row + gridDim.x, dy_next, x_next, mean_next, rstd_next);
+
+    float dot = 0.0f, sum_g = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vecs) continue;
+      float dweight_row[kVec], dbias_row[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float dy = vec_element<T>(dy_raw[i], e);
+        const float xhat = (vec_element<T>(x_raw[i], e) - mean) * rstd;
+        const float g = dy * (p.weight_offset + vec_element<T>(weight[i], e));
+        dot += g * xhat;
+        sum_g += g;
+        dweight_row[e] = dy * xhat;
+        dbias_row[e] = dy;
+      }
+      dweight_sums.add(i, v, dweight_row);
+      if constexpr (kDbias) dbias_sums.add(i, v, dbias_row);
+    }
+    const float2 sums = block_row_sums(dot, sum_g, row_scratch[parity]);
+    const float mean_dot = sums.x * inv_hidden;
+    const float mean_g = sums.y * inv_hidden;
+
+    T* dx = static_cast<T*>(p.dx) + int64_t{row} * p.dx_row_stride;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vecs) continue;
+      const uint4 dy_vec = opaque(dy_raw[i]), x_vec = opaque(x_raw[i]), w_vec = opaque(weight[i]);
+      float out[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float xhat = (vec_element<T>(x_vec, e) - mean) * rstd;
+        const float g = vec_element<T>(dy_vec, e) * (p.weight_offset + vec_element<T>(w_vec, e));
+        out[e] = rstd * (g - xhat * mean_dot - mean_g);
+      }
+      store_from_float<T, kVec>(dx + v * kVec, out);
+    }
+  }
+
+  const int64_t partial_offset = int64_t{blockIdx.x} * p.hidden;
+  auto store_partial = [&](const ColumnSums<kVec, kVecsPerThread, false>& column_sums, float* partials) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int v = threadIdx.x + i * blockDim.x;
+      if (v >= num_vecs) continue;
+#pragma unroll
+      for (int w = 0; w < kVec / 4; ++w) {
+        reinterpret_cast<float4*>(partials + partial_offset + v * kVec)[w] =
+            make_float4(column_sums.get(i, v, 4 * w), column_sums.get(i, v, 4 * w + 1),
+                        column_sums.get(i, v, 4 * w + 2), column_sums.get(i, v, 4 * w + 3));
+      }
+    }
+  };
+  store_partial(dweight_sums, dweight_partials);
+  if constexpr (kDbias) store_partial(dbias_sums, dbias_partials);
+}
+
 // out[c] = sum_b partials[b, c], summed in a fixed order. Block (32, 16): a warp covers 32
 // consecutive columns (coalesced), 16 warps split the partial rows.
 constexpr int kReduceCols = 32;
@@ -381,7 +569,8 @@ struct BackwardLaunch {
 BackwardLaunch backward_launch(const NormBackwardParams& p) {
   const RowTiling tiling = backward_tiling(p);
   // H100, 16384 rows bf16, backward as % of the copy ceiling: RMSNorm 2048 88%, 4096 91%
-  // (two rows a step; 77% and 84% a row at a time), 8192 91%; LayerNorm 4096 78%, 8192 69%.
+  // (two rows a step; 77% and 84% a row at a time), 8192 91%; LayerNorm with dweight: the
+  // header.
   // Shared sums keep a block an SM that register sums cost (RMSNorm 8192 on an H200: 0.239
   // vs 0.344 ms), and their [word][slot] layout is conflict-free (row-major: 0.173 vs 0.151 ms
   // for LayerNorm 4096 on an H200).
@@ -392,6 +581,19 @@ BackwardLaunch backward_launch(const NormBackwardParams& p) {
                 [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
                   using T = decltype(type_tag);
                   constexpr int kVecsPerThread = decltype(vpt)::value;
+                  // The one rule for layernorm_backward_kernel, the form the harness measured:
+                  // 16-bit rows, 16-byte aligned, up to two vectors a thread (hidden <= 8192),
+                  // a trainable weight, no d_residual_out. fp32, unaligned or wider rows, the
+                  // fused add's gradient and a frozen weight (99.6% of the copy as it is) keep
+                  // norm_backward_kernel.
+                  if constexpr (decltype(layer_norm)::value && !decltype(fused)::value && sizeof(T) == 2 &&
+                                decltype(vec)::value == kVec16<T> && kVecsPerThread <= 2) {
+                    if (p.dweight != nullptr) {
+                      launch.kernel = p.dbias != nullptr ? layernorm_backward_kernel<T, vpt, true>
+                                                         : layernorm_backward_kernel<T, vpt, false>;
+                      return;
+                    }
+                  }
                   launch.rows_per_step = kBackwardRows<kVecsPerThread, decltype(layer_norm)::value>;
                   // Up to two vectors a thread the sums take at most 64 KiB (two sums of 512
                   // threads x 16 floats), and three blocks still fit an SM: they live in shared
@@ -495,6 +697,7 @@ void norm_backward(const NormBackwardParams& p, void* workspace, size_t workspac
   require(needed == 0 || (workspace != nullptr && workspace_bytes >= needed),
           "norm_backward needs " + std::to_string(needed) + " bytes of workspace, got " +
               std::to_string(workspace_bytes));
+  require(is_aligned(workspace, 16), "norm_backward's workspace must be 16-byte aligned");
   float* dweight_partials = p.dweight != nullptr ? static_cast<float*>(workspace) : nullptr;
   float* dbias_partials = has_dbias ? static_cast<float*>(workspace) + (p.dweight != nullptr ? partial_floats : 0)
                                     : nullptr;

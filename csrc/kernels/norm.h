@@ -78,7 +78,7 @@ struct NormBackwardParams {
 
 void norm_forward(const NormForwardParams& params, cudaStream_t stream);
 
-// Device scratch the backward needs for per-block partial dweight/dbias (fp32).
+// Device scratch the backward needs for per-block partial dweight/dbias (fp32), 16-byte aligned.
 size_t norm_backward_workspace_bytes(const NormBackwardParams& params, int device);
 
 void norm_backward(const NormBackwardParams& params, void* workspace, size_t workspace_bytes,

@@ -195,6 +195,14 @@ std::vector<NormCase> all_cases() {
     cases.push_back({dtype, 37, 2560, 0, layer, gemma, false, false});
     cases.push_back({dtype, 2001, 1000, 0, layer, gemma, true, true});
     cases.push_back({dtype, 7, 777, 1, layer, gemma, false, true});
+    // LayerNorm's own backward kernel (16-bit): one vector a thread (4096) and two (8192, and
+    // 5000, whose last warp is part past the row), rows below and far above the grid, with and
+    // without dbias.
+    cases.push_back({dtype, 3001, 4096, 0, layer, gemma, false, true});
+    cases.push_back({dtype, 1500, 4096, 0, layer, gemma, false, false});
+    cases.push_back({dtype, 37, 8192, 0, layer, gemma, false, true});
+    cases.push_back({dtype, 1001, 8192, 0, layer, gemma, false, false});
+    cases.push_back({dtype, 700, 5000, 0, layer, gemma, false, true});
   }
   cases.push_back({k::DType::kBFloat16, 7, 16384, 0});
   // LayerNorm rows too wide for shared-memory column sums: the register path.
