@@ -67,9 +67,8 @@ TORCH_LIBRARY(barqtrain, m) {
   // softcap > 0: softcap * tanh(scores / softcap). RoPE fused into the q/k loads with fp32
   // tables rope_cos/rope_sin [positions, rotary_dim / 2] and int32 positions per row (None:
   // the index within each sequence). lse is fp32 [Hq, rows] (rows = B * S or total).
-  // forward_kernel: "auto" (the Hopper kernel on sm_90 where it covers the case and
-  // BARQTRAIN_HOPPER_ATTENTION=1), "general" or "hopper" (AttentionKernel); for the benchmark's
-  // side-by-side runs, not barqtrain.ops. (Not named `kernel`: Inductor's fallback lowering
+  // forward_kernel: "auto" (the Hopper kernel on sm_90 where it covers the case), "general"
+  // or "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops. (Not named `kernel`: Inductor's fallback lowering
   // takes a keyword of that name.)
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,"

@@ -27,8 +27,8 @@ struct AttentionStrides {
 // backward reads either forward's O and LSE.
 //   kAuto   : the Hopper kernels (wgmma + TMA, hopper/forward_sm90.h, hopper/backward_sm90.h)
 //             when they were built in (BARQTRAIN_HOPPER_KERNELS), the current device has
-//             compute capability 9.0 and they cover the case, the forward only when the
-//             environment also sets BARQTRAIN_HOPPER_ATTENTION=1; the general kernels otherwise.
+//             compute capability 9.0 and they cover the case (RoPE by rotating q and k ahead
+//             into rope_workspace); the general kernels otherwise.
 //   kGeneral: the general kernel (mma.sync, cp.async; sm_80 and up), every case.
 //   kHopper : the Hopper kernel; an error naming the reason where it cannot run the case.
 enum class AttentionKernel : int { kAuto = 0, kGeneral = 1, kHopper = 2 };

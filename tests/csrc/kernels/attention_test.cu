@@ -764,11 +764,9 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
 // kAuto on an sm_90 device: a covered case runs on the Hopper kernels (their outputs and
 // gradients bit for bit), an uncovered one on the general kernels: K and V expanded over their
 // heads (head stride 0, which a TMA descriptor cannot take; every kv head reads kv head 0).
-TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90WhenOptedIn) {
+TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90) {
   BARQTRAIN_REQUIRE_GPU();
   if (!k::current_device_is_sm90()) GTEST_SKIP() << "the Hopper kernels run on sm_90 only";
-  const char* opt_in = std::getenv(k::attention::hopper::kHopperAttentionSwitch);
-  if (opt_in == nullptr || std::strcmp(opt_in, "1") != 0) GTEST_SKIP() << "not opted in: kAuto is the general kernel";
   constexpr int kRows = 300, kQHeads = 4, kKvHeads = 2, kHeadDim = 128;
   std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
   std::vector<__nv_bfloat16> q, kk, v;

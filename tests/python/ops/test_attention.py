@@ -5,7 +5,6 @@ with error no worse than PyTorch's SDPA in the same dtype, bit-identical backwar
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 
 import pytest
@@ -354,7 +353,7 @@ def test_cuda_unsupported_head_dim_falls_back_with_one_warning(monkeypatch):
 @pytest.mark.gpu
 def test_cuda_forward_kernel_choice():
     """The op's forward_kernel argument (bench attn's side-by-side runs): each kernel no worse than SDPA
-    in the same dtype; 'auto' is the Hopper kernel on sm_90 with BARQTRAIN_HOPPER_ATTENTION=1;
+    in the same dtype; 'auto' is the Hopper kernel on sm_90;
     an unknown name, or the Hopper kernel off sm_90, is an error naming it."""
     q, k, v = qkv(2, 1000, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     args = (q, k, v, None, None, 1000, 1000, 128 ** -0.5, 0.0, True, -1, -1, None, None, None)
@@ -371,8 +370,7 @@ def test_cuda_forward_kernel_choice():
     hopper, _ = torch.ops.barqtrain.attention_forward(*args, forward_kernel="hopper")
     assert_no_worse_than_torch("o hopper", hopper, theirs, exact)
     auto, _ = torch.ops.barqtrain.attention_forward(*args)
-    expected = hopper if os.environ.get("BARQTRAIN_HOPPER_ATTENTION") == "1" else general
-    assert torch.equal(auto, expected)
+    assert torch.equal(auto, hopper)
 
 
 @pytest.mark.gpu

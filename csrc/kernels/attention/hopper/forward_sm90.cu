@@ -1,12 +1,9 @@
-// Host side of the Hopper attention forward: what it covers, the dispatch switch, and the
+// Host side of the Hopper attention forward: what it covers, kAuto's rule, and the
 // launch (TMA descriptors over the (rows, head_dim, heads, batch) views of q, k and v).
 #include "kernels/attention/hopper/forward_sm90.cuh"
 #include "kernels/attention/hopper/forward_sm90.h"
 #include "kernels/attention/hopper/operands_sm90.cuh"
 #include "kernels/device_utils.cuh"
-
-#include <cstdlib>
-#include <cstring>
 
 namespace barqtrain::kernels::attention::hopper {
 namespace {
@@ -41,17 +38,6 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool hopper_attention_opted_in() {
-  static const bool in = [] {
-    const char* value = std::getenv(kHopperAttentionSwitch);
-    if (value == nullptr || std::strcmp(value, "0") == 0) return false;
-    require(std::strcmp(value, "1") == 0, std::string(kHopperAttentionSwitch) + " must be 0 (the general attention "
-                                          "kernel) or 1 (the Hopper one where it runs), got '" + value + "'");
-    return true;
-  }();
-  return in;
-}
-
 std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype other than float16/bfloat16";
   if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > 128) {
@@ -75,7 +61,7 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
 }
 
 bool hopper_forward_selected(const AttentionParams& p) {
-  return hopper_attention_opted_in() && hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
+  return hopper_forward_unsupported_reason(p).empty() && current_device_is_sm90();
 }
 
 void require_hopper_can_run(const std::string& unsupported, const char* what) {

@@ -13,22 +13,11 @@
 
 namespace barqtrain::kernels::attention::hopper {
 
-// The forward's opt-in: BARQTRAIN_HOPPER_ATTENTION=1 in the environment lets kAuto take the
-// Hopper forward where it runs (read once per process). Unset or 0: the general forward.
-// Opt-in while compute-sanitizer's racecheck reports hazards on its epilogue's shared-memory
-// tile whose cause is not established (NOTES.md), though every correctness test passes.
-constexpr const char* kHopperAttentionSwitch = "BARQTRAIN_HOPPER_ATTENTION";
-
-// Whether kHopperAttentionSwitch is 1 (kAuto's opt-in for the Hopper forward).
-// Throws std::invalid_argument when it holds something other than 0 or 1.
-bool hopper_attention_opted_in();
-
 // Empty when the Hopper forward covers these (normalized) parameters, else the feature it
 // does not cover. Looks at the parameters only, not at the device.
 std::string hopper_forward_unsupported_reason(const AttentionParams& params);
 
-// kAuto's rule: the opt-in set, parameters covered, device sm_90. Throws
-// std::invalid_argument when the variable holds something other than 0 or 1.
+// kAuto's rule: parameters covered and device sm_90.
 bool hopper_forward_selected(const AttentionParams& params);
 
 // kHopper's rule, for either direction: throws std::invalid_argument naming `what` and why the
