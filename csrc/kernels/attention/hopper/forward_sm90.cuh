@@ -73,13 +73,6 @@ using namespace cute;
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
-// BARQTRAIN_HOPPER_FIXED_REGISTERS=1 builds the forward without setmaxnreg (every warpgroup at
-// the launch's 168 registers: spills, same synchronization): a racecheck ablation
-// (scripts/diagnostics/racecheck_hopper_forward.cu, NOTES.md "Why opt-in"). Never for production.
-#ifndef BARQTRAIN_HOPPER_FIXED_REGISTERS
-#define BARQTRAIN_HOPPER_FIXED_REGISTERS 0
-#endif
-
 // The CTA shape both Hopper attention kernels share: two consumer warpgroups of 64 rows
 // (wgmma's M) and one producer warpgroup, and the register split setmaxnreg makes between
 // them: the producer only issues copies, the consumers hold the accumulators.
@@ -534,9 +527,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   __syncthreads();
 
   if (warp < 4) {
-#if !BARQTRAIN_HOPPER_FIXED_REGISTERS
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-#endif
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
@@ -544,9 +535,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       produce<T, Traits>(params, smem, seq, b, head, kv_head, m_block, first_block, end_block);
     }
   } else {
-#if !BARQTRAIN_HOPPER_FIXED_REGISTERS
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-#endif
     consume<T, Traits>(p, smem, seq, b, head, m_block, first_block, end_block, threadIdx.x - 128);
   }
 #endif
