@@ -8,14 +8,15 @@ of a sequence sees key j when j <= i + offset + window_right and j >= i + offset
 window_left, with offset = S_k - S_q of that sequence and -1 meaning unbounded; causal sets
 window_right = 0. Mistral's sliding_window W is window_left = W - 1.
 
-RoPE (rotate_half convention, partial rotary allowed) is applied to q and k as the kernel
-loads them: rope_cos / rope_sin are fp32 [positions, rotary_dim / 2] tables
+RoPE (rotate_half convention, partial rotary allowed) is applied to q and k inside the op (the
+general kernels rotate them as they load them, the Hopper kernels take them rotated once ahead):
+rope_cos / rope_sin are fp32 [positions, rotary_dim / 2] tables
 (`attention_rope_tables`), position_ids the position of every token (None: its index within
 its sequence). Gradients flow to the unrotated q and k.
 
 On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic; on sm_90
-the cases without RoPE, softcap or window at head_dim 64/128 run the Hopper backward, and
-the Hopper forward with BARQTRAIN_HOPPER_ATTENTION=1); cases they do not cover fall back to PyTorch
+wgmma/TMA kernels for every head_dim up to 128 with one cu_seqlens for q and k, the sm_80
+kernels otherwise); cases they do not cover fall back to PyTorch
 (SDPA, or eager math for softcap), with one warning per reason. On the CPU the op runs its
 PyTorch reference.
 """
