@@ -270,8 +270,8 @@ def test_is_opt_in_and_the_report_says_why() -> None:
     assert (entry.op, entry.class_name, entry.reason, entry.count) == (
         "attention", "LlamaAttention", OPT_IN_OPS["attention"], 2
     )
-    assert "slower than PyTorch SDPA's flash backend" in entry.reason
-    assert re.search(r"forward \d+ vs \d+ TFLOP/s", entry.reason), entry.reason
+    assert "slower than with the default path" in entry.reason
+    assert re.search(r"\d,\d{3} vs \d,\d{3} tokens/s", entry.reason), entry.reason
     assert "not patched: opt-in" in str(report)
 
     unpatch_model(model)
