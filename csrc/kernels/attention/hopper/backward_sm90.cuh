@@ -97,14 +97,8 @@ struct BackwardTraits : WarpSpecializedCta {
       GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockStream>, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
 
-  using TmaOwned = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                          make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
-                                                      GmemStride{}),
-                                          OwnedLayout{}));
-  using TmaStream = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                           make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
-                                                       GmemStride{}),
-                                           StreamLayout{}));
+  using TmaOwned = TmaLoad<T, OwnedLayout>;
+  using TmaStream = TmaLoad<T, StreamLayout>;
 };
 
 // "scores" operands give S (or S^T), "grad" operands dP (or dP^T): owned K, V and streamed

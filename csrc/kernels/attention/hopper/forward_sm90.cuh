@@ -73,6 +73,12 @@ using namespace cute;
 using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
 using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
 
+// The TMA load that copies tiles of SmemLayout out of such a view (both kernels' descriptors).
+template <typename T, typename SmemLayout>
+using TmaLoad = decltype(make_tma_copy(
+    SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{}, GmemStride{}),
+    SmemLayout{}));
+
 // The CTA shape both Hopper attention kernels share: two consumer warpgroups of 64 rows
 // (wgmma's M) and one producer warpgroup, and the register split setmaxnreg makes between
 // them: the producer only issues copies, the consumers hold the accumulators.
@@ -126,14 +132,8 @@ struct ForwardTraits : WarpSpecializedCta {
   // the banks.
   static constexpr int kOStride = kD + 8;
 
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                      make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
-                                                  GmemStride{}),
-                                      QLayout{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                       make_tensor(make_gmem_ptr(static_cast<const T*>(nullptr)), GmemShape{},
-                                                   GmemStride{}),
-                                       KVLayout{}));
+  using TmaQ = TmaLoad<T, QLayout>;
+  using TmaKV = TmaLoad<T, KVLayout>;
 };
 
 template <typename T, typename Traits>
