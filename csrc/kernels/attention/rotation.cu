@@ -138,9 +138,9 @@ void rotate_gradients_back(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace attention
 
 size_t attention_rope_workspace_bytes(const AttentionParams& params, bool backward) {
+  if (params.rope_cos == nullptr) return 0;  // every call asks: the ones without RoPE cost nothing
   attention::check_params(params, backward);
   const AttentionParams p = attention::normalized(params);
-  if (p.rope_cos == nullptr) return 0;
   const size_t bytes = attention::rotation_workspace_bytes(p);
   if (bytes == 0) return 0;
   const AttentionParams rotated = attention::rotated_into(p, nullptr);
