@@ -152,3 +152,23 @@ def main_only(log: Callable[..., None], ranks: Ranks) -> Callable[..., None]:
 
 def barrier() -> None:
     dist.barrier()
+
+
+# The work of the last final_barrier, referenced until the interpreter exits (see there).
+_final_barrier_work: dist.Work | None = None
+
+
+def final_barrier() -> None:
+    """The barrier after a run's last collective, every rank returning with the weights on disk.
+
+    Gloo's worker threads drop a finished collective some time after its wait returns, and a
+    barrier's work holds the collectives still in flight when it was queued. Where a worker
+    drops the last reference, the all-gathers' tensors go with it and need the GIL for their
+    Python objects; during interpreter exit a thread that takes the GIL is ended by a forced
+    unwind through a noexcept destructor, and the process aborts (std::terminate, about one
+    two-process CPU run in 30). Holding the barrier's work here leaves the last reference, and
+    so that destruction, to the main thread, which holds the GIL.
+    """
+    global _final_barrier_work
+    _final_barrier_work = dist.barrier(async_op=True)
+    _final_barrier_work.wait()

@@ -11,7 +11,9 @@ from pathlib import Path
 import barqtrain as package
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
+from barqtrain.train import distributed
 from barqtrain.train.config import ConfigError, config_from_dict
 from barqtrain.train.distributed import check_supported, ranks_from_env
 from barqtrain.train.trainer import train
@@ -120,3 +122,15 @@ def test_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     ranks = ranks_from_env()
     assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.is_main) == (1, 2, 1, False)
+
+
+def test_the_final_barrier_leaves_its_work_to_the_main_thread(tmp_path):
+    """final_barrier keeps the barrier's work (and the collectives it holds) referenced, so
+    that gloo's worker threads never drop the last reference during interpreter exit, where
+    taking the GIL aborts the process (the worker runs above did, about one in 30)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        distributed.final_barrier()
+        assert distributed._final_barrier_work is not None and distributed._final_barrier_work.is_completed()
+    finally:
+        dist.destroy_process_group()
