@@ -167,8 +167,13 @@ def final_barrier() -> None:
     Python objects; during interpreter exit a thread that takes the GIL is ended by a forced
     unwind through a noexcept destructor, and the process aborts (std::terminate, about one
     two-process CPU run in 30). Holding the barrier's work here leaves the last reference, and
-    so that destruction, to the main thread, which holds the GIL.
+    so that destruction, to the main thread, which holds the GIL. Only gloo's works are held:
+    destroy_process_group stops NCCL's watchdog thread, and an NCCL work kept to the end would
+    outlive its communicator.
     """
     global _final_barrier_work
+    if dist.get_backend() != "gloo":
+        dist.barrier()
+        return
     _final_barrier_work = dist.barrier(async_op=True)
     _final_barrier_work.wait()
