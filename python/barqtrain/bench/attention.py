@@ -106,7 +106,8 @@ def _sdpa(backend: torch.nn.attention.SDPBackend) -> Attention:
     return run
 
 
-def _implementations() -> dict[str, Attention | Unavailable]:
+def implementations() -> dict[str, Attention | Unavailable]:
+    """The implementations every case runs, by name (also scripts/diagnostics/attention_profile.py's)."""
     backends = torch.nn.attention.SDPBackend
     return {
         "barqtrain-general": _barqtrain("general"),
@@ -117,7 +118,7 @@ def _implementations() -> dict[str, Attention | Unavailable]:
     }
 
 
-def _inputs(case: AttentionCase, device: torch.device) -> tuple[torch.Tensor, ...]:
+def case_inputs(case: AttentionCase, device: torch.device) -> tuple[torch.Tensor, ...]:
     def make(heads):
         return torch.randn(case.batch, case.seq, heads, case.head_dim, device=device, dtype=torch.bfloat16)
 
@@ -125,13 +126,13 @@ def _inputs(case: AttentionCase, device: torch.device) -> tuple[torch.Tensor, ..
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), torch.randn_like(q)
 
 
-def _forward(fn: Attention, case: AttentionCase, inputs) -> None:
+def run_forward(fn: Attention, case: AttentionCase, inputs) -> None:
     q, k, v, _ = inputs
     with torch.no_grad():
         fn(q, k, v, case.causal)
 
 
-def _forward_backward(fn: Attention, case: AttentionCase, inputs) -> None:
+def run_forward_backward(fn: Attention, case: AttentionCase, inputs) -> None:
     q, k, v, d_o = inputs
     torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), d_o)
 
@@ -144,16 +145,16 @@ def run_attention_benchmark(out_dir: Path, command_line: str) -> None:
     print(f"{device_name()}: attention, bf16", flush=True)
     rows: list[dict[str, Any]] = []
     for case in _cases():
-        inputs = _inputs(case, device)
-        for name, fn in _implementations().items():
+        inputs = case_inputs(case, device)
+        for name, fn in implementations().items():
             print(f"  {case.label}: {name}", flush=True)
             row: dict[str, Any] = {"case": case.label, "implementation": name}
             if isinstance(fn, Unavailable):
                 rows.append({**row, "status": "unavailable", "reason": fn.reason})
                 continue
             try:
-                forward = time_calls(lambda batch, fn=fn: _forward(fn, case, batch), [inputs])
-                both = time_calls(lambda batch, fn=fn: _forward_backward(fn, case, batch), [inputs])
+                forward = time_calls(lambda batch, fn=fn: run_forward(fn, case, batch), [inputs])
+                both = time_calls(lambda batch, fn=fn: run_forward_backward(fn, case, batch), [inputs])
             except (RuntimeError, torch.OutOfMemoryError) as error:  # e.g. a backend refusing the shape
                 rows.append({**row, "status": "error", "error": str(error).splitlines()[0]})
                 continue
