@@ -150,30 +150,26 @@ def main_only(log: Callable[..., None], ranks: Ranks) -> Callable[..., None]:
     return log if ranks.is_main else (lambda *args, **kwargs: None)
 
 
+# The work of the last barrier on gloo, referenced until the interpreter exits (see barrier).
+_last_gloo_barrier: dist.Work | None = None
+
+
 def barrier() -> None:
-    dist.barrier()
+    """Every rank waits here for the others.
 
-
-# The work of the last final_barrier, referenced until the interpreter exits (see there).
-_final_barrier_work: dist.Work | None = None
-
-
-def final_barrier() -> None:
-    """The barrier after a run's last collective, every rank returning with the weights on disk.
-
+    On gloo the barrier's work stays referenced until the next barrier or interpreter exit.
     Gloo's worker threads drop a finished collective some time after its wait returns, and a
-    barrier's work holds the collectives still in flight when it was queued. Where a worker
+    barrier's work holds the collectives still in flight when it was queued; where a worker
     drops the last reference, the all-gathers' tensors go with it and need the GIL for their
-    Python objects; during interpreter exit a thread that takes the GIL is ended by a forced
-    unwind through a noexcept destructor, and the process aborts (std::terminate, about one
-    two-process CPU run in 30). Holding the barrier's work here leaves the last reference, and
-    so that destruction, to the main thread, which holds the GIL. Only gloo's works are held:
-    destroy_process_group stops NCCL's watchdog thread, and an NCCL work kept to the end would
-    outlive its communicator.
+    Python objects, and during interpreter exit a thread that takes the GIL is ended by a
+    forced unwind through a noexcept destructor: the process aborts (std::terminate; 2 of 45
+    two-process CPU runs of tests/python/train/fsdp_worker.py). Holding the work leaves the last
+    reference, and so that destruction, to the main thread, which holds the GIL. The abort was
+    seen with gloo only; NCCL barriers stay plain (a multi-GPU run has not been made here).
     """
-    global _final_barrier_work
+    global _last_gloo_barrier
     if dist.get_backend() != "gloo":
         dist.barrier()
         return
-    _final_barrier_work = dist.barrier(async_op=True)
-    _final_barrier_work.wait()
+    _last_gloo_barrier = dist.barrier(async_op=True)
+    _last_gloo_barrier.wait()

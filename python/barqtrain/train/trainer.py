@@ -533,7 +533,7 @@ def _train(config, resume, stop_after, log, device, progress_bar, ranks: distrib
         model_state, _ = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
         if ranks.is_main:
             save_weights(model, config, run_dir, model_state)
-        distributed.final_barrier()
+        distributed.barrier()  # every rank returns with the weights on disk
     else:
         save_weights(model, config, run_dir)
     metrics.close()

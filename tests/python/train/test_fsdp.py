@@ -124,13 +124,13 @@ def test_the_torchrun_environment(monkeypatch):
     assert (ranks.rank, ranks.world_size, ranks.local_rank, ranks.is_main) == (1, 2, 1, False)
 
 
-def test_the_final_barrier_leaves_its_work_to_the_main_thread(tmp_path):
-    """final_barrier keeps the barrier's work (and the collectives it holds) referenced, so
-    that gloo's worker threads never drop the last reference during interpreter exit, where
-    taking the GIL aborts the process (the worker runs above did, about one in 30)."""
+def test_a_gloo_barrier_leaves_its_work_to_the_main_thread(tmp_path):
+    """barrier keeps a gloo barrier's work (and the collectives it holds) referenced, so that
+    gloo's worker threads never drop the last reference during interpreter exit, where taking
+    the GIL aborts the process (the worker runs above did, 2 in 45 before)."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        distributed.final_barrier()
-        assert distributed._final_barrier_work is not None and distributed._final_barrier_work.is_completed()
+        distributed.barrier()
+        assert distributed._last_gloo_barrier is not None and distributed._last_gloo_barrier.is_completed()
     finally:
         dist.destroy_process_group()
