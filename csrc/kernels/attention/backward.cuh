@@ -146,7 +146,6 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
   cp_async_commit();
 
   float dk[kD / 8][4] = {}, dv[kD / 8][4] = {};
-  const int key_in_block = warp * 16 + lane / 4;  // + 8 for the second row of the fragment
   // One query block of one q head; kMasked blocks test every element, the others none.
   auto process_step = [&](int step, int m0, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
@@ -171,10 +170,10 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
       for (int e = 0; e < 4; ++e) {
         const int col = j * 8 + 2 * (lane % 4) + (e % 2);
         prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse_s[col] * kLog2e));
-        if constexpr (kMasked) {
-          if (!mask.visible(m0 + col, n0 + key_in_block + 8 * (e / 2))) prob[j][e] = 0.0f;
-        }
       }
+    }
+    if constexpr (kMasked) {
+      hide_outside_ranges(prob, n0 + warp * 16, m0, lane, [&](int key) { return mask.queries_seeing(key); }, 0.0f);
     }
     mma_regs_by_rows<T, kBlockM, kD / 8, kQStride>(dv, prob, do_s, 0, lane);
 
@@ -323,10 +322,10 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         prob[j][e] = exp2_ftz(fmaf(s[j][e], transform.multiplier, -lse2[e / 2]));
-        if constexpr (kMasked) {
-          if (!mask.visible(m0 + row_in_block + 8 * (e / 2), n0 + j * 8 + 2 * (lane % 4) + (e % 2))) prob[j][e] = 0.0f;
-        }
       }
+    }
+    if constexpr (kMasked) {
+      hide_outside_ranges(prob, m0 + warp * 16, n0, lane, [&](int query) { return mask.keys_seen_by(query); }, 0.0f);
     }
     float dp[kNTiles][4] = {};
     mma_rows_by_rows<T, kD, kNTiles, kQStride, kKVStride>(dp, do_s, warp * 16, v_s, 0, lane);

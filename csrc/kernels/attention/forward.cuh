@@ -121,17 +121,15 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
     uint32_t prob[kM][kBlockN / 16][4];  // P rounded to T, as mma A fragments
 #pragma unroll
     for (int t = 0; t < kM; ++t) {
+      if constexpr (kMasked) {
+        hide_outside_ranges(s[t], m0 + warp_row0 + 16 * t, n0, lane,
+                            [&](int query) { return mask.keys_seen_by(query); }, -INFINITY);
+      }
       float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if constexpr (kMasked) {
-            const int i = m0 + warp_row0 + 16 * t + lane / 4 + 8 * (e / 2);
-            if (!mask.visible(i, n0 + j * 8 + 2 * (lane % 4) + (e % 2))) s[t][j][e] = -INFINITY;
-          }
-          block_max[e / 2] = fmaxf(block_max[e / 2], s[t][j][e]);
-        }
+        for (int e = 0; e < 4; ++e) block_max[e / 2] = fmaxf(block_max[e / 2], s[t][j][e]);
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

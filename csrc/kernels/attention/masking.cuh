@@ -68,10 +68,10 @@ struct Mask {
         window_left(p.window_left),
         window_right(p.window_right) {}
 
-  __device__ bool visible(int i, int j) const {
-    return i < seqlen_q && j < seqlen_k && (window_right < 0 || j <= i + offset + window_right) &&
-           (window_left < 0 || j >= i + offset - window_left);
-  }
+  // The keys query i sees, [first, last), and the queries that see key j: empty past the
+  // sequence. Masked blocks test each score against its row's two bounds, computed once per row.
+  __device__ int2 keys_seen_by(int i) const { return i < seqlen_q ? key_range(i, i + 1) : make_int2(0, 0); }
+  __device__ int2 queries_seeing(int j) const { return j < seqlen_k ? query_range(j, j + 1) : make_int2(0, 0); }
   // Keys [first, last) seen by any query of [i0, i1) (i1 clipped to the sequence).
   __device__ int2 key_range(int i0, int i1) const {
     i1 = min(i1, seqlen_q);
@@ -94,6 +94,29 @@ struct Mask {
            (window_left < 0 || j0 >= i1 - 1 + offset - window_left);
   }
 };
+
+// Sets to `hidden` the elements of one 16-row tile of m16n8 accumulators (warp_mma.cuh's
+// layout: rows row0 + lane / 4 (+ 8), columns col0 + 8 j + 2 (lane % 4) (+ 1)) whose column
+// lies outside its row's [first, last) = range_of(row). The bounds become offsets from this
+// thread's first column, so that each element costs two compares against constants.
+template <int kNTiles, typename RangeOf>
+__device__ __forceinline__ void hide_outside_ranges(float (&acc)[kNTiles][4], int row0, int col0, int lane,
+                                                    const RangeOf& range_of, float hidden) {
+  const int thread_col0 = col0 + 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int2 range = range_of(row0 + lane / 4 + 8 * r);
+    const int first = range.x - thread_col0, last = range.y - thread_col0;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + e;
+        if (c < first || c >= last) acc[j][2 * r + e] = hidden;
+      }
+    }
+  }
+}
 
 // Raw score s = q.k -> capped score c = softcap * tanh(scale * s / softcap) with softcap,
 // else c = s; the log2-domain logit is then x = multiplier * c, so that a probability is one

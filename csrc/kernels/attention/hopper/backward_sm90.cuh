@@ -356,21 +356,28 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   auto probabilities_and_score_grads = [&](int stage, int stream0, auto masked_tag, auto softcap_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
     constexpr bool kSoftcap = decltype(softcap_tag)::value;
+    // A row's streamed rows in view, [first, last): the queries that see an owned key, or
+    // the keys an owned query sees (Mask), computed once per row.
+    int2 in_view[kRows];
+    if constexpr (kMasked) {
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int owned = owned0 + get<0>(score_coords(r, 0));
+        in_view[r] = kOwnsKeys ? mask.queries_seeing(owned) : mask.keys_seen_by(owned);
+      }
+    }
     // Columns outside: in the dK/dV role a column's lse and D serve both rows, loaded once.
     CUTE_UNROLL
     for (int c = 0; c < size<1>(scores); ++c) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const auto coord = score_coords(r, c);
-        const int row = get<0>(coord), col = get<1>(coord);
+        const int col = get<1>(score_coords(r, c));
         const float lse2 = kOwnsKeys ? smem.stream_lse2[stage][col] : row_lse2[r];
         const float dot = kOwnsKeys ? smem.stream_dot[stage][col] : row_dot[r];
         const float score = kSoftcap ? transform.cap(scores(r, c)) : scores(r, c);
         float prob = exp2_ftz(fmaf(score, multiplier, -lse2));
         if constexpr (kMasked) {
-          const int query = kOwnsKeys ? stream0 + col : owned0 + row;
-          const int key = kOwnsKeys ? owned0 + row : stream0 + col;
-          if (!mask.visible(query, key)) prob = 0.0f;
+          if (stream0 + col < in_view[r].x || stream0 + col >= in_view[r].y) prob = 0.0f;
         }
         scores(r, c) = prob;
         dp(r, c) = prob * (dp(r, c) - dot);

@@ -318,15 +318,18 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     constexpr bool kMasked = decltype(masked_tag)::value;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      if constexpr (kMasked) {
+        // The row's visible keys as bounds on the column (Mask::keys_seen_by), computed once.
+        const int2 keys = mask.keys_seen_by(m0 + get<0>(score_coords(r, 0)));
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(scores); ++c) {
+          const int key = n0 + get<1>(score_coords(r, c));
+          if (key < keys.x || key >= keys.y) scores(r, c) = -INFINITY;
+        }
+      }
       float block_max = -INFINITY;
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(scores); ++c) {
-        if constexpr (kMasked) {
-          const auto coord = score_coords(r, c);
-          if (!mask.visible(m0 + get<0>(coord), n0 + get<1>(coord))) scores(r, c) = -INFINITY;
-        }
-        block_max = fmaxf(block_max, scores(r, c));
-      }
+      for (int c = 0; c < size<1>(scores); ++c) block_max = fmaxf(block_max, scores(r, c));
       // The four threads of a quad hold one row's columns.
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
