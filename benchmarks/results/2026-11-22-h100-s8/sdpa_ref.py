@@ -49,33 +49,13 @@ def run_case(
     causal: bool,
     profile_only: bool,
 ) -> None:
-    q = torch.randn(
-        batch,
-        heads,
-        seq,
-        head_dim,
-        device="cuda",
-        dtype=torch.bfloat16,
-        requires_grad=True,
-    )
-    k = torch.randn(
-        batch,
-        kv_heads,
-        seq,
-        head_dim,
-        device="cuda",
-        dtype=torch.bfloat16,
-        requires_grad=True,
-    )
-    v = torch.randn(
-        batch,
-        kv_heads,
-        seq,
-        head_dim,
-        device="cuda",
-        dtype=torch.bfloat16,
-        requires_grad=True,
-    )
+    def operand(head_count: int) -> torch.Tensor:
+        shape = (batch, head_count, seq, head_dim)
+        return torch.randn(
+            shape, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
+
+    q, k, v = operand(heads), operand(kv_heads), operand(kv_heads)
     d_o = torch.randn_like(q)
     flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
 

@@ -1,9 +1,12 @@
-// Times BarqTrain's general (sm_80, mma.sync) attention forward and backward through the public
-// launchers (kGeneral) on normal inputs (as torch.randn), and prints an FNV-1a hash of O, LSE,
-// dQ, dK and dV, so that builds of this file against different trees compare speed and
-// bit-identity on the same inputs in one device call. With an argument: five forwards of the
-// first case only (for ncu). FLOPs as FlashAttention counts them: forward 4 B H S^2 D (half
-// under a causal mask), backward 2.5x that.
+// Times BarqTrain's attention forward and backward through the public launchers on normal
+// inputs (as torch.randn) and prints an FNV-1a hash of O, LSE, dQ, dK and dV, so that builds of
+// this file against different trees (build_general.sh, build_step.sh) compare speed and
+// bit-identity on the same inputs in one device call.
+//   --general: the sm_80 (mma.sync) kernels (kGeneral); otherwise kAuto, the Hopper kernels on
+//              sm_90 when built in
+//   --profile: five forwards of the first case only (for ncu)
+// FLOPs as FlashAttention counts them: forward 4 B H S^2 D (half under a causal mask), backward
+// 2.5x that.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -52,7 +56,11 @@ uint64_t fnv1a(const void* device, size_t bytes, uint64_t hash = 146959810393466
 }
 
 int main(int argc, char** argv) {
-  const bool only_causal128 = argc > 1;
+  bool general = false, profile = false;
+  for (int i = 1; i < argc; ++i) {
+    general |= std::strcmp(argv[i], "--general") == 0;
+    profile |= std::strcmp(argv[i], "--profile") == 0;
+  }
   struct Case {
     int batch, seq, heads, kv_heads, d;
     bool causal;
@@ -60,8 +68,8 @@ int main(int argc, char** argv) {
   const Case cases[] = {{4, 4096, 32, 8, 128, true}, {4, 4096, 32, 8, 128, false}, {4, 4096, 32, 8, 64, true},
                         {1, 16384, 32, 8, 128, true}, {4, 4096, 32, 8, 64, false}};
   for (const Case& c : cases) {
-    const size_t nq = size_t{c.batch} * c.seq * c.heads * c.d, nk = size_t{c.batch} * c.seq * c.kv_heads * c.d;
-    const size_t rows = size_t{c.batch} * c.seq;
+    const size_t nq = static_cast<size_t>(c.batch) * c.seq * c.heads * c.d, nk = static_cast<size_t>(c.batch) * c.seq * c.kv_heads * c.d;
+    const size_t rows = static_cast<size_t>(c.batch) * c.seq;
     __nv_bfloat16 *q, *kk, *v, *o, *d_o, *dq, *dk, *dv;
     float *lse, *dot;
     for (auto [ptr, n] : {std::pair{&q, nq}, {&kk, nk}, {&v, nk}, {&o, nq}, {&d_o, nq}, {&dq, nq}, {&dk, nk}, {&dv, nk}}) {
@@ -97,8 +105,8 @@ int main(int argc, char** argv) {
     p.head_dim = c.d;
     p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     p.causal = c.causal;
-    p.forward_kernel = p.backward_kernel = k::AttentionKernel::kGeneral;
-    if (only_causal128) {
+    if (general) p.forward_kernel = p.backward_kernel = k::AttentionKernel::kGeneral;
+    if (profile) {
       for (int i = 0; i < 5; ++i) k::attention_forward(p, nullptr);
       CHECK(cudaDeviceSynchronize());
       return 0;
