@@ -25,7 +25,8 @@ SUMMARY=()
 FAILED=0
 export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 cd "$REPO"
-# The device machine's copy of the tree has no .git: the caller may pass the commit.
+# Pass the commit from the machine that made the call: the device machine's copy of the tree
+# may carry no .git or a stale one (session 8: it reported the session's first commit).
 export BARQTRAIN_GIT_COMMIT=${BARQTRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
 phase() {  # phase NAME COMMAND...: run, log, record the outcome
