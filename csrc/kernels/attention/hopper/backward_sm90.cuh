@@ -16,9 +16,8 @@
 //       waits the fixed order imposes on CTAs that finish early.
 //   (a) moves fewer bytes than (b) saves FLOPs, and is the simpler of the two: it is this
 //   file. (b), measured on an H100 in session 9 (branch perf/hopper-dq-in-key-order): correct
-//   and bit-identical across runs, but 9-24% slower than (a) in the same run. Its tiles reached
-//   DRAM (ncu: 55% DRAM throughput against the dK/dV kernel's 7%;
-//   benchmarks/results/2026-11-22-h100-s9).
+//   and bit-identical across runs, but 9-24% slower than (a) in the same run, at 55% DRAM
+//   throughput against the dK/dV kernel's 7% (ncu; benchmarks/results/2026-11-22-h100-s9).
 //
 // One kernel template serves both CTA roles (kOwnsKeys): a CTA owns 128 rows of one operand
 // pair, loaded once by TMA, and streams 64-row blocks of the other pair through a 2-stage
