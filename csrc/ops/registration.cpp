@@ -629,12 +629,14 @@ k::AttentionParams attention_params(const AttentionArgs& a, const at::Tensor& q,
     p.seqlen_q = static_cast<int>(a.max_seqlen_q);
     p.seqlen_k = static_cast<int>(a.max_seqlen_k);
     p.q_rows = q.size(0);
+    p.k_rows = k.size(0);
   } else {
     TORCH_CHECK(k.size(0) == q.size(0), "barqtrain: attention q and k must have the same batch size");
     p.batch = static_cast<int>(q.size(0));
     p.seqlen_q = static_cast<int>(q.size(1));
     p.seqlen_k = static_cast<int>(k.size(1));
     p.q_rows = q.size(0) * q.size(1);
+    p.k_rows = k.size(0) * k.size(1);
   }
   p.softmax_scale = static_cast<float>(a.softmax_scale);
   p.softcap = static_cast<float>(a.softcap);

@@ -58,6 +58,9 @@ void check_params(const AttentionParams& p, bool backward) {
           std::string(dir) + ": cu_seqlens_q and cu_seqlens_k must be given together");
   require(p.cu_seqlens_q != nullptr || p.q_rows == static_cast<int64_t>(p.batch) * p.seqlen_q,
           std::string(dir) + ": q_rows must be batch * seqlen_q for a plain batch");
+  require(p.cu_seqlens_k != nullptr || p.k_rows == static_cast<int64_t>(p.batch) * p.seqlen_k,
+          std::string(dir) + ": k_rows must be batch * seqlen_k for a plain batch");
+  require(p.q_rows >= 0 && p.k_rows >= 0, std::string(dir) + ": q_rows and k_rows must be >= 0");
   require(std::isfinite(p.softmax_scale) && p.softmax_scale > 0.0f,
           std::string(dir) + ": softmax_scale must be positive and finite");
   require(std::isfinite(p.softcap) && p.softcap >= 0.0f, std::string(dir) + ": softcap must be >= 0 (0: none)");

@@ -59,6 +59,7 @@ struct AttentionParams {
   int seqlen_q = 0;
   int seqlen_k = 0;
   int64_t q_rows = 0;  // rows of lse: batch * seqlen_q, or cu_seqlens_q[batch]
+  int64_t k_rows = 0;  // rows of k and v: batch * seqlen_k, or cu_seqlens_k[batch]
   int q_heads = 0;
   int kv_heads = 0;    // divides q_heads; q head h reads kv head h / (q_heads / kv_heads)
   int head_dim = 0;    // a multiple of 8, at most 256 (128 for the backward)

@@ -72,13 +72,6 @@ void launch_rotation(const AttentionParams& p, const RotationJob& job, cudaStrea
   check_cuda(cudaGetLastError(), "attention RoPE rotation launch");
 }
 
-// Rows of k: known on the host for a plain batch, and for a packed one that shares q's
-// cu_seqlens; -1 otherwise.
-int64_t key_rows(const AttentionParams& p) {
-  if (p.cu_seqlens_q == nullptr) return static_cast<int64_t>(p.batch) * p.seqlen_k;
-  return p.cu_seqlens_k == p.cu_seqlens_q ? p.q_rows : -1;
-}
-
 AttentionStrides dense_strides(const AttentionParams& p, int seqlen, int heads) {
   const bool packed = p.cu_seqlens_q != nullptr;
   return {packed ? 0 : static_cast<int64_t>(seqlen) * heads * p.head_dim, static_cast<int64_t>(heads) * p.head_dim,
@@ -103,22 +96,17 @@ AttentionParams rotated_into(const AttentionParams& p, void* workspace) {
 }  // namespace
 
 size_t rotation_workspace_bytes(const AttentionParams& p) {
-  const int64_t k_rows = key_rows(p);
-  if (k_rows < 0) return 0;
-  return static_cast<size_t>(p.q_rows * p.q_heads + k_rows * p.kv_heads) * p.head_dim * kElementBytes;
+  return static_cast<size_t>(p.q_rows * p.q_heads + p.k_rows * p.kv_heads) * p.head_dim * kElementBytes;
 }
 
 AttentionParams as_rotated_ahead(const AttentionParams& p) {
-  if (p.rope_cos == nullptr || p.rope_workspace == nullptr || key_rows(p) < 0) return p;
+  if (p.rope_cos == nullptr || p.rope_workspace == nullptr) return p;
   return rotated_into(p, p.rope_workspace);
 }
 
 std::string rope_workspace_hint(const AttentionParams& p) {
-  if (p.rope_cos == nullptr) return "";
-  if (p.rope_workspace == nullptr) {
-    return " (rotated ahead into rope_workspace, which was not given: attention_rope_workspace_bytes)";
-  }
-  return " (rotated ahead only for a plain batch or a packed one with one cu_seqlens for q and k)";
+  if (p.rope_cos == nullptr || p.rope_workspace != nullptr) return "";
+  return " (rotated ahead into rope_workspace, which was not given: attention_rope_workspace_bytes)";
 }
 
 void rotate_operands_ahead(const AttentionParams& p, cudaStream_t stream) {

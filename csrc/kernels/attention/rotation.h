@@ -19,8 +19,7 @@
 
 namespace barqtrain::kernels::attention {
 
-// Bytes of the workspace for these parameters (RoPE on or not); 0 where the key rows are not
-// known on the host (separate cu_seqlens for q and k, which the Hopper kernels do not take).
+// Bytes of the workspace for these parameters (RoPE on or not).
 size_t rotation_workspace_bytes(const AttentionParams& params);
 
 // The parameters the Hopper kernels see: with RoPE and a workspace, q and k are its rotated
@@ -29,7 +28,7 @@ size_t rotation_workspace_bytes(const AttentionParams& params);
 AttentionParams as_rotated_ahead(const AttentionParams& params);
 
 // For an error naming why the Hopper kernels refuse a case that still has its rotation (no
-// workspace given, or key rows unknown on the host): what rotating ahead needs; else empty.
+// workspace given): what rotating ahead needs; else empty.
 std::string rope_workspace_hint(const AttentionParams& params);
 
 // Writes the rotated q and k into params.rope_workspace (RoPE on, workspace set).

@@ -39,6 +39,7 @@ struct AttentionCase {
   int batch = 1;
   int seqlen_q = 128, seqlen_k = 128;  // plain batch
   std::vector<int> packed_lengths;     // non-empty: a packed batch of these sequences
+  std::vector<int> packed_lengths_k;   // with packed_lengths: the keys' own lengths (separate cu_seqlens)
   int q_heads = 4, kv_heads = 4;
   bool causal = true;
   int window_left = -1;
@@ -122,7 +123,8 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
 
     ref::AttentionProblem pr;
     if (packed) {
-      pr.seqlens_q = pr.seqlens_k = c.packed_lengths;
+      pr.seqlens_q = c.packed_lengths;
+      pr.seqlens_k = c.packed_lengths_k.empty() ? c.packed_lengths : c.packed_lengths_k;
     } else {
       pr.seqlens_q.assign(c.batch, c.seqlen_q);
       pr.seqlens_k.assign(c.batch, c.seqlen_k);
@@ -186,9 +188,13 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     DeviceBuffer d_q = DeviceBuffer::from_host(q), d_k = DeviceBuffer::from_host(kk), d_v = DeviceBuffer::from_host(v);
     DeviceBuffer d_do = DeviceBuffer::from_host(d_o);
     DeviceBuffer d_out(q.size() * sizeof(T)), d_lse(q_rows * c.q_heads * sizeof(float));
-    std::vector<int32_t> cu_seqlens(1, 0);
-    for (int len : pr.seqlens_q) cu_seqlens.push_back(cu_seqlens.back() + len);
-    DeviceBuffer d_cu = DeviceBuffer::from_host(cu_seqlens);
+    auto prefix_sums = [](const std::vector<int>& lengths) {
+      std::vector<int32_t> sums(1, 0);
+      for (int len : lengths) sums.push_back(sums.back() + len);
+      return sums;
+    };
+    DeviceBuffer d_cu_q = DeviceBuffer::from_host(prefix_sums(pr.seqlens_q));
+    DeviceBuffer d_cu_k = DeviceBuffer::from_host(prefix_sums(pr.seqlens_k));
     DeviceBuffer d_cos = DeviceBuffer::from_host(cos_table), d_sin = DeviceBuffer::from_host(sin_table);
     DeviceBuffer d_qpos = DeviceBuffer::from_host(q_positions), d_kpos = DeviceBuffer::from_host(k_positions);
 
@@ -201,7 +207,8 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_for(c, seq_q, c.q_heads);
     p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_for(c, seq_k, c.kv_heads);
     if (packed) {
-      p.cu_seqlens_q = p.cu_seqlens_k = static_cast<const int32_t*>(d_cu.get());
+      p.cu_seqlens_q = static_cast<const int32_t*>(d_cu_q.get());
+      p.cu_seqlens_k = static_cast<const int32_t*>(d_cu_k.get());
       p.batch = static_cast<int>(c.packed_lengths.size());
     } else {
       p.batch = c.batch;
@@ -209,6 +216,7 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     p.seqlen_q = max_q;
     p.seqlen_k = max_k;
     p.q_rows = q_rows;
+    p.k_rows = k_rows;
     p.q_heads = c.q_heads;
     p.kv_heads = c.kv_heads;
     p.head_dim = c.head_dim;
@@ -414,6 +422,23 @@ std::vector<AttentionCase> all_cases() {
   c.seqlen_k = 37;
   c.causal = false;
   add(c);
+  // Separate cu_seqlens for q and k: longer, equal and shorter key sequences (queries that see
+  // no key under the causal mask), one empty query sequence.
+  c = AttentionCase{};
+  c.name = "bf16_packed_cross_lengths_causal";
+  c.packed_lengths = {3, 130, 77, 0, 150};
+  c.packed_lengths_k = {5, 260, 77, 9, 40};
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  add(c);
+  c = AttentionCase{};
+  c.name = "fp16_packed_cross_lengths_full_d128";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 128;
+  c.packed_lengths = {100, 1, 66};
+  c.packed_lengths_k = {37, 200, 129};
+  c.causal = false;
+  add(c);
   for (k::DType dtype : {k::DType::kBFloat16, k::DType::kFloat16}) {
     c = AttentionCase{};
     c.name = std::string(dtype == k::DType::kBFloat16 ? "bf16" : "fp16") + "_d256_forward";
@@ -441,7 +466,7 @@ INSTANTIATE_TEST_SUITE_P(AllShapes, AttentionKernel, ::testing::ValuesIn(all_cas
 #if BARQTRAIN_HOPPER_KERNELS
 // The features of a case as the Hopper path's coverage rule sees them (no device memory).
 k::AttentionParams features_of(const AttentionCase& c) {
-  static const int32_t cu_seqlens_marker = 0;
+  static const int32_t cu_seqlens_markers[2] = {};
   static const float rope_marker = 0.0f;
   const bool packed = !c.packed_lengths.empty();
   k::AttentionParams p;
@@ -454,13 +479,18 @@ k::AttentionParams features_of(const AttentionCase& c) {
   p.q_heads = c.q_heads;
   p.kv_heads = c.kv_heads;
   if (packed) {
-    p.cu_seqlens_q = p.cu_seqlens_k = &cu_seqlens_marker;  // one cu_seqlens, as in run_case
-    p.seqlen_q = p.seqlen_k = *std::max_element(c.packed_lengths.begin(), c.packed_lengths.end());
+    const std::vector<int>& lengths_k = c.packed_lengths_k.empty() ? c.packed_lengths : c.packed_lengths_k;
+    p.cu_seqlens_q = &cu_seqlens_markers[0];
+    p.cu_seqlens_k = c.packed_lengths_k.empty() ? p.cu_seqlens_q : &cu_seqlens_markers[1];  // as in run_case
+    p.seqlen_q = *std::max_element(c.packed_lengths.begin(), c.packed_lengths.end());
+    p.seqlen_k = *std::max_element(lengths_k.begin(), lengths_k.end());
     p.q_rows = std::accumulate(c.packed_lengths.begin(), c.packed_lengths.end(), int64_t{0});
+    p.k_rows = std::accumulate(lengths_k.begin(), lengths_k.end(), int64_t{0});
   } else {
     p.seqlen_q = c.seqlen_q;
     p.seqlen_k = c.seqlen_k;
     p.q_rows = int64_t{c.batch} * c.seqlen_q;
+    p.k_rows = int64_t{c.batch} * c.seqlen_k;
   }
   p.q_strides = p.o_strides = p.d_o_strides = p.dq_strides = strides_for(c, packed ? 0 : c.seqlen_q, c.q_heads);
   p.k_strides = p.v_strides = p.dk_strides = p.dv_strides = strides_for(c, packed ? 0 : c.seqlen_k, c.kv_heads);
@@ -740,12 +770,11 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   AttentionCase rope = c;
   rope.rotary_dim = 64;
   EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(rope)).find("RoPE"), std::string::npos);
-  k::AttentionParams separate_cu_seqlens = features_of(c);
-  static const int32_t cu_q = 0, cu_k = 0;
-  separate_cu_seqlens.cu_seqlens_q = &cu_q;
-  separate_cu_seqlens.cu_seqlens_k = &cu_k;
-  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(separate_cu_seqlens).find("cu_seqlens"),
-            std::string::npos);
+  AttentionCase separate_cu_seqlens = c;  // packed, keys of their own lengths
+  separate_cu_seqlens.packed_lengths = {100, 1, 66};
+  separate_cu_seqlens.packed_lengths_k = {37, 200, 129};
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(separate_cu_seqlens)), "");
+  EXPECT_EQ(k::attention::hopper::hopper_backward_unsupported_reason(features_of(separate_cu_seqlens)), "");
   // K broadcast over its heads (an expanded tensor: head stride 0) cannot be described to TMA.
   AttentionCase gqa = c;
   gqa.kv_heads = 2;
@@ -786,7 +815,7 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90) {
   p.k_strides = p.v_strides = {int64_t{kRows} * kKvHeads * kHeadDim, kKvHeads * kHeadDim, kHeadDim};
   p.batch = 1;
   p.seqlen_q = p.seqlen_k = kRows;
-  p.q_rows = kRows;
+  p.q_rows = p.k_rows = kRows;
   p.q_heads = kQHeads;
   p.kv_heads = kKvHeads;
   p.head_dim = kHeadDim;

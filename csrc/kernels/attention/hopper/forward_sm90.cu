@@ -44,15 +44,12 @@ std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
     return "head_dim " + std::to_string(p.head_dim) + " (covers multiples of 8 up to 128)";
   }
   if (p.rope_cos != nullptr) return "fused RoPE";
-  if (p.cu_seqlens_q != nullptr && (p.cu_seqlens_q != p.cu_seqlens_k || p.seqlen_q != p.seqlen_k)) {
-    // The k descriptor's row count is cu_seqlens_k[batch], which lives on the device;
-    // with one cu_seqlens for both it is q_rows.
-    return "packed batch with separate cu_seqlens for q and k";
-  }
-  if (p.cu_seqlens_q != nullptr && p.q_rows > INT32_MAX) return "more than 2^31 packed rows";
+  const bool packed = p.cu_seqlens_q != nullptr;
+  if (packed && (p.q_rows > INT32_MAX || p.k_rows > INT32_MAX)) return "more than 2^31 packed rows";
   // The descriptors need at least one row, and strides the TMA unit takes; a
   // cuTensorMapEncodeTiled failure would otherwise surface only as a bad kernel.
-  if (p.seqlen_k == 0 || (p.cu_seqlens_q != nullptr && p.q_rows == 0)) return "no keys";
+  if (p.seqlen_k == 0 || (packed && p.k_rows == 0)) return "no keys";
+  if (packed && p.q_rows == 0) return "no queries";
   const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
   if (!tma_can_take(p.q_strides, q_shape) || !tma_can_take(p.k_strides, k_shape) || !tma_can_take(p.v_strides, k_shape)) {
     return "strides the TMA unit cannot take (zero, or 2^40 bytes and more)";

@@ -31,9 +31,9 @@
 // to the end of the keys) and sliding windows (Mask: the key blocks outside every row's
 // window are never loaded, the partial ones are masked per element); logit softcap (Gemma 2:
 // ScoreTransform, the sm_80 kernel's numerics and LSE convention); GQA/MQA; plain batches and
-// packed self-attention batches (one cu_seqlens for q and k). No RoPE here (the dispatch
-// rotates q and k ahead, rotation.h); head_dim above 128 and separate cu_seqlens run on the
-// sm_80 kernel; see hopper_forward_unsupported_reason.
+// packed batches (cu_seqlens, the same or separate for q and k). No RoPE here (the dispatch
+// rotates q and k ahead, rotation.h); head_dim above 128 runs on the sm_80 kernel; see
+// hopper_forward_unsupported_reason.
 //
 // Head dims below the tile: head_dim <= 64 runs the 64-wide tile, above it the 128-wide one.
 // The TMA descriptors carry the real head_dim as the extent of that mode, so the unit fills

@@ -18,10 +18,10 @@ inline bool tma_stride_valid(int64_t stride_elements) {
 }
 
 // The (rows, head_dim, heads, batch) extents of q (or k and v) that the descriptors cover.
-// A packed batch is one batch of q_rows rows (k has the same rows: one cu_seqlens for both).
+// A packed batch is one batch of q_rows (or k_rows) rows.
 inline GmemShape operand_shape(const AttentionParams& p, bool keys) {
   const bool packed = p.cu_seqlens_q != nullptr;
-  const int rows = packed ? static_cast<int>(p.q_rows) : keys ? p.seqlen_k : p.seqlen_q;
+  const int rows = static_cast<int>(packed ? (keys ? p.k_rows : p.q_rows) : keys ? p.seqlen_k : p.seqlen_q);
   return GmemShape{rows, p.head_dim, keys ? p.kv_heads : p.q_heads, packed ? 1 : p.batch};
 }
 
