@@ -4,6 +4,8 @@
 #if BARQTRAIN_HOPPER_KERNELS
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "kernels/attention/hopper/backward_sm90.cuh"
 #include "kernels/attention/hopper/forward_sm90.cuh"
 
@@ -73,6 +75,46 @@ class HopperForwardLayout {
     expect_rows_of_quad<typename Traits::MmaPV, Output>(Traits::kConsumerThreads, "O");
   }
 
+  // The epilogue stages O as T in Q's swizzled tile: a thread's columns of a row come in
+  // adjacent even-aligned pairs (one 4-byte write), a warp's 32 writes of one register pair
+  // fall in distinct banks, and 8 columns from a multiple of 8 are 16 contiguous bytes (one
+  // 16-byte read).
+  static void expect_output_staged_in_q() {
+    typename Traits::QLayout q;
+    typename Traits::MmaPV mma;
+    for (int row = 0; row < Traits::kBlockM; ++row) {
+      for (int chunk = 0; chunk < kD / 8; ++chunk) {
+        ASSERT_EQ(q(row, chunk * 8) % 8, 0) << row << ", " << chunk;
+        for (int e = 1; e < 8; ++e) ASSERT_EQ(q(row, chunk * 8 + e), q(row, chunk * 8) + e) << row << ", " << chunk;
+      }
+    }
+    for (int warp = 0; warp < Traits::kConsumerThreads / 32; ++warp) {
+      std::vector<std::vector<int>> words;  // [register pair][lane]
+      for (int lane = 0; lane < 32; ++lane) {
+        Tensor flat = mma.get_thread_slice(warp * 32 + lane).partition_C(make_identity_tensor(Output{}));
+        Tensor coords = make_tensor(flat.data(), hopper::rows_by_columns(flat.layout()));
+        int pair = 0;
+        for (int r = 0; r < size<0>(coords); ++r) {
+          for (int c = 0; c < size<1>(coords); c += 2, ++pair) {
+            const int row = get<0>(coords(r, c)), col = get<1>(coords(r, c));
+            ASSERT_EQ(col % 2, 0);
+            ASSERT_EQ(get<0>(coords(r, c + 1)), row);
+            ASSERT_EQ(get<1>(coords(r, c + 1)), col + 1);
+            if (lane == 0) words.emplace_back();
+            words[pair].push_back(static_cast<int>(q(row, col)) / 2);  // 2-byte elements, 4-byte words
+          }
+        }
+      }
+      for (const std::vector<int>& lanes : words) {
+        std::vector<bool> bank_used(32, false);
+        for (int word : lanes) {
+          ASSERT_FALSE(bank_used[word % 32]) << "warp " << warp << ": two lanes write bank " << word % 32;
+          bank_used[word % 32] = true;
+        }
+      }
+    }
+  }
+
   // V is written by TMA as (keys, head_dim) and read by wgmma as (head_dim, keys).
   static void expect_transposed_v_view() {
     typename Traits::KVStagedLayout v;
@@ -91,10 +133,18 @@ TEST(HopperForwardLayout, ProbabilitiesReuseScoreRegistersD64) {
 TEST(HopperForwardLayout, ProbabilitiesReuseScoreRegistersD128) {
   HopperForwardLayout<128>::expect_probabilities_reuse_score_registers();
 }
+TEST(HopperForwardLayout, ProbabilitiesReuseScoreRegistersD256) {
+  HopperForwardLayout<256>::expect_probabilities_reuse_score_registers();
+}
 TEST(HopperForwardLayout, RowsPerQuadD64) { HopperForwardLayout<64>::expect_rows_per_quad(); }
 TEST(HopperForwardLayout, RowsPerQuadD128) { HopperForwardLayout<128>::expect_rows_per_quad(); }
+TEST(HopperForwardLayout, RowsPerQuadD256) { HopperForwardLayout<256>::expect_rows_per_quad(); }
+TEST(HopperForwardLayout, OutputStagedInQD64) { HopperForwardLayout<64>::expect_output_staged_in_q(); }
+TEST(HopperForwardLayout, OutputStagedInQD128) { HopperForwardLayout<128>::expect_output_staged_in_q(); }
+TEST(HopperForwardLayout, OutputStagedInQD256) { HopperForwardLayout<256>::expect_output_staged_in_q(); }
 TEST(HopperForwardLayout, TransposedVViewD64) { HopperForwardLayout<64>::expect_transposed_v_view(); }
 TEST(HopperForwardLayout, TransposedVViewD128) { HopperForwardLayout<128>::expect_transposed_v_view(); }
+TEST(HopperForwardLayout, TransposedVViewD256) { HopperForwardLayout<256>::expect_transposed_v_view(); }
 
 template <int kD, bool kOwnsKeys>
 class HopperBackwardLayout {

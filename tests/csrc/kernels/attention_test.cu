@@ -594,6 +594,27 @@ std::vector<AttentionCase> hopper_cases() {
   c.backward = false;
   c.forward_kernel = k::AttentionKernel::kHopper;
   cases.push_back(c);
+  // The 256 tile (64-key blocks): many key blocks, and a padded head_dim with packed
+  // sequences, a window and a softcap.
+  c = AttentionCase{};
+  c.name = "hopper_bf16_d256_causal_s1000_gqa2";
+  c.head_dim = 256;
+  c.seqlen_q = c.seqlen_k = 1000;
+  c.q_heads = 4;
+  c.kv_heads = 2;
+  c.backward = false;
+  c.forward_kernel = k::AttentionKernel::kHopper;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "hopper_fp16_d192_packed_window_softcap";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 192;
+  c.packed_lengths = random_lengths(5, 400, 17);
+  c.window_left = 100;
+  c.softcap = 30.0f;
+  c.backward = false;
+  c.forward_kernel = k::AttentionKernel::kHopper;
+  cases.push_back(c);
   return cases;
 }
 
@@ -753,8 +774,8 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   AttentionCase c;
   c.head_dim = 128;
   EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(c)), "");
-  // Covered: every multiple of 8 up to 128 (on the 64 or 128 tile), softcap, sliding windows.
-  for (int head_dim : {8, 32, 40, 64, 80, 96, 120, 128}) {
+  // Covered: every multiple of 8 up to 256 (on the 64, 128 or 256 tile), softcap, sliding windows.
+  for (int head_dim : {8, 32, 40, 64, 80, 96, 120, 128, 136, 192, 256}) {
     AttentionCase padded = c;
     padded.head_dim = head_dim;
     EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(padded)), "") << head_dim;
@@ -763,9 +784,14 @@ TEST(AttentionArguments, HopperForwardLeavesUncoveredFeaturesToTheGeneralPath) {
   softcap_window.softcap = 30.0f;
   softcap_window.window_left = 31;
   EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(softcap_window)), "");
-  AttentionCase d256 = c;
+  AttentionCase d256 = c;  // on the 256 tile, forward only
   d256.head_dim = 256;
-  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d256)).find("head_dim 256"),
+  EXPECT_EQ(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d256)), "");
+  EXPECT_NE(k::attention::hopper::hopper_backward_unsupported_reason(features_of(d256)).find("head_dim 256"),
+            std::string::npos);
+  AttentionCase d264 = c;
+  d264.head_dim = 264;
+  EXPECT_NE(k::attention::hopper::hopper_forward_unsupported_reason(features_of(d264)).find("head_dim 264"),
             std::string::npos);
   AttentionCase rope = c;
   rope.rotary_dim = 64;

@@ -32,16 +32,22 @@ void launch(const AttentionParams& p, cudaStream_t stream) {
 
 template <typename T>
 void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (head_dim_tile(p.head_dim) == 64) return launch<T, 64>(p, stream);
-  return launch<T, 128>(p, stream);
+  switch (head_dim_tile(p.head_dim)) {
+    case 64:
+      return launch<T, 64>(p, stream);
+    case 128:
+      return launch<T, 128>(p, stream);
+    default:
+      return launch<T, 256>(p, stream);
+  }
 }
 
 }  // namespace
 
 std::string hopper_forward_unsupported_reason(const AttentionParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype other than float16/bfloat16";
-  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > 128) {
-    return "head_dim " + std::to_string(p.head_dim) + " (covers multiples of 8 up to 128)";
+  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > 256) {
+    return "head_dim " + std::to_string(p.head_dim) + " (covers multiples of 8 up to 256)";
   }
   if (p.rope_cos != nullptr) return "fused RoPE";
   const bool packed = p.cu_seqlens_q != nullptr;

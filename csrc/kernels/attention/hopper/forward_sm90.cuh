@@ -27,15 +27,15 @@
 //
 // T below is cutlass::bfloat16_t or cutlass::half_t (CutlassElement).
 //
-// Covered: bf16/fp16; head_dim any multiple of 8 up to 128; causal or full (queries aligned
+// Covered: bf16/fp16; head_dim any multiple of 8 up to 256; causal or full (queries aligned
 // to the end of the keys) and sliding windows (Mask: the key blocks outside every row's
 // window are never loaded, the partial ones are masked per element); logit softcap (Gemma 2:
 // ScoreTransform, the sm_80 kernel's numerics and LSE convention); GQA/MQA; plain batches and
 // packed batches (cu_seqlens, the same or separate for q and k). No RoPE here (the dispatch
-// rotates q and k ahead, rotation.h); head_dim above 128 runs on the sm_80 kernel; see
-// hopper_forward_unsupported_reason.
+// rotates q and k ahead, rotation.h); see hopper_forward_unsupported_reason.
 //
-// Head dims below the tile: head_dim <= 64 runs the 64-wide tile, above it the 128-wide one.
+// Head dims below the tile: head_dim <= 64 runs the 64-wide tile, up to 128 the 128-wide one,
+// above it the 256-wide one (with 64-key blocks, ForwardTraits).
 // The TMA descriptors carry the real head_dim as the extent of that mode, so the unit fills
 // the box's columns past it with zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), and it still
 // writes, and counts on the mbarrier, the whole box: the expect-tx byte count stays the full
@@ -43,7 +43,8 @@
 // TmaTransactionBytes is the shared-memory tile's size for every k block). Zero columns add
 // nothing to Q K^T, and P V's columns past head_dim are never stored. The cost is the padded
 // GEMMs: at head_dim 80 both GEMMs run 128 columns for 80 useful (1.6x the FLOPs, 37.5% of the
-// tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%.
+// tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%,
+// 160 and 192 on the 256 tile 37.5% and 25%.
 //
 // Not yet here (FlashAttention-3 ideas for the next steps, measured first): a persistent
 // grid with a tile scheduler, and the epilogue through TMA stores.
@@ -93,17 +94,21 @@ struct WarpSpecializedCta {
                 "setmaxnreg would ask for more registers than the CTA holds: the consumers' increase never returns");
 };
 
-// The head_dim tile of the Hopper kernels: the real head_dim padded to 64 or 128 (above).
-constexpr int head_dim_tile(int head_dim) { return head_dim <= 64 ? 64 : 128; }
+// The head_dim tile of the Hopper kernels: the real head_dim padded to 64, 128 or 256 (above;
+// the backward takes the first two).
+constexpr int head_dim_tile(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
-// Consumers hold S, P and O (at head_dim 128: 64 + 32 + 64 registers per thread).
+// Consumers hold S, P and O: at head_dim 128, 64 + 32 + 64 registers per thread. At 256, O
+// alone takes 128, so the key blocks halve to 64 (S 32, P 16), which also keeps Q and two
+// stages of K and V within shared memory (64 + 2 x 2 x 32 KB).
 // kHeadDimTile: head_dim_tile of the case's head_dim.
 template <typename T, int kHeadDimTile>
 struct ForwardTraits : WarpSpecializedCta {
-  static_assert(kHeadDimTile == 64 || kHeadDimTile == 128, "the head_dim tiles are 64 and 128");
+  static_assert(kHeadDimTile == 64 || kHeadDimTile == 128 || kHeadDimTile == 256,
+                "the forward's head_dim tiles are 64, 128 and 256");
   static constexpr int kD = kHeadDimTile;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kD == 256 ? 64 : 128;
   static constexpr int kStages = 2;    // K and V buffers in flight per CTA
 
   using BlockM = Int<kBlockM>;
@@ -127,11 +132,6 @@ struct ForwardTraits : WarpSpecializedCta {
       GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockN>, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
 
-  // The output tile staged for coalesced 16-byte row stores, each warp its own 16 rows:
-  // row-major, rows padded by 16 bytes so that the accumulators' column pairs spread over
-  // the banks.
-  static constexpr int kOStride = kD + 8;
-
   using TmaQ = TmaLoad<T, QLayout>;
   using TmaKV = TmaLoad<T, KVLayout>;
 };
@@ -141,7 +141,6 @@ struct SharedStorage {
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::QLayout>> q;  // 1024: the 128-byte swizzle's period
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> k;
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> v;
-  alignas(16) T o[Traits::kBlockM * Traits::kOStride];
   uint64_t q_full;
   uint64_t k_full[Traits::kStages], k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages], v_empty[Traits::kStages];
@@ -166,8 +165,10 @@ CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
 }
 
 // Named barriers of the consumer warpgroups (0 is __syncthreads'): 2 + w is consumer
-// warpgroup w's turn to issue its GEMMs (see consume).
+// warpgroup w's turn to issue its GEMMs, 4 + w its own 128 threads meeting before the
+// epilogue (see consume).
 constexpr int kFirstTurnBarrier = 2;
+constexpr int kFirstEpilogueBarrier = 4;
 
 // Ids as immediates: ptxas then reserves only the barriers used (a register id reserves all 16).
 template <int kId, int kThreads>
@@ -453,12 +454,20 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   }
   if (warpgroup == 0) wait_for_turn();
 
-  // Epilogue: normalize, write the lse, then each warp stores its own 16 rows of O. A warp's
-  // accumulator rows are its own (lane / 4 and lane / 4 + 8 of its 16, HopperForwardLayout), so
-  // it stages them as T in its slice of shared memory and copies them out as 16-byte row chunks
-  // with only __syncwarp between: no CTA-wide exchange, no barrier shared with the producer.
-  const int warp_first_row = consumer_thread / 32 * 16;
-  T* warp_o = smem.o + warp_first_row * Traits::kOStride;
+  // Epilogue: normalize, write the lse, then each warp stores its own 16 rows of O, staged as
+  // T through the warpgroup's own 64 rows of the Q tile. Q is dead there once all four warps
+  // of the warpgroup have waited for its last GEMM (barrier 4 + w), and no other warpgroup
+  // reads those rows (a warpgroup's S takes its own 64 rows of Q as the A operand). A warp's
+  // accumulator rows are its own (lane / 4 and lane / 4 + 8 of its 16, HopperForwardLayout),
+  // and 8 columns are 16 contiguous bytes in the swizzled layout (which also spreads a warp's
+  // column-pair writes over the banks), so it copies them out as 16-byte row chunks with only
+  // __syncwarp between.
+  if (warpgroup == 0) {
+    named_barrier_sync<kFirstEpilogueBarrier, 128>();
+  } else {
+    named_barrier_sync<kFirstEpilogueBarrier + 1, 128>();
+  }
+  Tensor sO = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::QLayout{});  // (BlockM, D)
   Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
   Tensor out_coords = make_tensor(out_coords_flat.data(), rows_by_columns(out_coords_flat.layout()));
   CUTE_UNROLL
@@ -468,9 +477,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int row = get<0>(out_coords(r, 0));
+    // A thread's columns come in adjacent pairs (as the backward's gradients, HopperBackwardLayout).
     CUTE_UNROLL
-    for (int c = 0; c < size<1>(out); ++c) {
-      warp_o[(row - warp_first_row) * Traits::kOStride + get<1>(out_coords(r, c))] = static_cast<T>(out(r, c) * inverse);
+    for (int c = 0; c < size<1>(out); c += 2) {
+      cutlass::Array<T, 2> pair;
+      pair[0] = static_cast<T>(out(r, c) * inverse);
+      pair[1] = static_cast<T>(out(r, c + 1) * inverse);
+      *reinterpret_cast<cutlass::Array<T, 2>*>(&sO(row, get<1>(out_coords(r, c)))) = pair;
     }
     const int i = m0 + row;
     if (consumer_thread % 4 == 0 && i < seq.seqlen_q) {
@@ -485,13 +498,14 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
   constexpr int kChunks = kD / 8;
   const int head_dim_chunks = p.head_dim / 8;
+  const int warp_first_row = consumer_thread / 32 * 16;
   CUTE_UNROLL
   for (int idx = consumer_thread % 32; idx < 16 * kChunks; idx += 32) {
-    const int r = idx / kChunks, c = idx % kChunks;
-    const int i = m0 + warp_first_row + r;
+    const int r = warp_first_row + idx / kChunks, c = idx % kChunks;
+    const int i = m0 + r;
     if (i >= seq.seqlen_q || c >= head_dim_chunks) continue;
     *reinterpret_cast<uint4*>(o + static_cast<int64_t>(i) * p.o_strides.row + c * 8) =
-        *reinterpret_cast<const uint4*>(warp_o + r * Traits::kOStride + c * 8);
+        *reinterpret_cast<const uint4*>(&sO(r, c * 8));
   }
 }
 
