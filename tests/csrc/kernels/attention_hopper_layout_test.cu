@@ -4,6 +4,7 @@
 #if BARQTRAIN_HOPPER_KERNELS
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "kernels/attention/hopper/backward_sm90.cuh"
@@ -80,7 +81,12 @@ class HopperForwardLayout {
   // fall in distinct banks, and 8 columns from a multiple of 8 are 16 contiguous bytes (one
   // 16-byte read).
   static void expect_output_staged_in_q() {
-    typename Traits::QLayout q;
+    // The swizzle acts on shared-memory addresses (the pointer's bits, from a 1024-byte aligned
+    // base in the kernel): element offsets as the kernel's tensor computes them.
+    using Element = cutlass::bfloat16_t;
+    Element* const base = reinterpret_cast<Element*>(uintptr_t{1} << 20);
+    Tensor q_tile = make_tensor(make_smem_ptr(base), typename Traits::QLayout{});
+    auto q = [&](int row, int col) { return static_cast<int>(&q_tile(row, col) - base); };
     typename Traits::MmaPV mma;
     for (int row = 0; row < Traits::kBlockM; ++row) {
       for (int chunk = 0; chunk < kD / 8; ++chunk) {
@@ -101,7 +107,7 @@ class HopperForwardLayout {
             ASSERT_EQ(get<0>(coords(r, c + 1)), row);
             ASSERT_EQ(get<1>(coords(r, c + 1)), col + 1);
             if (lane == 0) words.emplace_back();
-            words[pair].push_back(static_cast<int>(q(row, col)) / 2);  // 2-byte elements, 4-byte words
+            words[pair].push_back(q(row, col) / 2);  // 2-byte elements, 4-byte words
           }
         }
       }

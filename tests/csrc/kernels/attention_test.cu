@@ -991,9 +991,11 @@ TEST(AttentionArguments, HopperKernelRequestNamesWhatKeepsItFromRunning) {
   k::AttentionParams p = valid_params();
   p.forward_kernel = k::AttentionKernel::kHopper;
 #if BARQTRAIN_HOPPER_KERNELS
-  p.head_dim = 256;
-  p.q_strides = p.k_strides = p.v_strides = p.o_strides = {256, 256, 256};
-  expect_error(p, false, "unsupported head_dim 256");
+  static float table[8];
+  p.rope_cos = p.rope_sin = table;
+  p.rope_table_rows = 1;
+  p.rotary_dim = 64;
+  expect_error(p, false, "unsupported fused RoPE (rotated ahead into rope_workspace, which was not given");
 #else
   expect_error(p, false, "this build has none");
 #endif
@@ -1007,10 +1009,9 @@ TEST(AttentionArguments, HopperBackwardRequestNamesWhatKeepsItFromRunning) {
   p.d_o_strides = p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
   p.backward_kernel = k::AttentionKernel::kHopper;
 #if BARQTRAIN_HOPPER_KERNELS
-  static const int32_t cu_seqlens_q[2] = {0, 1}, cu_seqlens_k[2] = {0, 1};
-  p.cu_seqlens_q = cu_seqlens_q;
-  p.cu_seqlens_k = cu_seqlens_k;
-  expect_error(p, true, "unsupported packed batch with separate cu_seqlens");
+  p.q_heads = p.kv_heads = 2;
+  p.d_o_strides.head = 0;  // dO broadcast over the heads: TMA takes no zero stride
+  expect_error(p, true, "unsupported d_o strides the TMA unit cannot take");
 #else
   expect_error(p, true, "this build has none");
 #endif
