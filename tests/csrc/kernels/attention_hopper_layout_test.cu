@@ -76,22 +76,22 @@ class HopperForwardLayout {
     expect_rows_of_quad<typename Traits::MmaPV, Output>(Traits::kConsumerThreads, "O");
   }
 
-  // The epilogue stages O as T in Q's swizzled tile: a thread's columns of a row come in
-  // adjacent even-aligned pairs (one 4-byte write), a warp's 32 writes of one register pair
-  // fall in distinct banks, and 8 columns from a multiple of 8 are 16 contiguous bytes (one
-  // 16-byte read).
-  static void expect_output_staged_in_q() {
-    // The swizzle acts on shared-memory addresses (the pointer's bits, from a 1024-byte aligned
+  // The epilogue stages O as T (in Q's swizzled tile at head_dim 256, in a padded row-major
+  // tile below): a thread's columns of a row come in adjacent even-aligned pairs (one 4-byte
+  // write), a warp's 32 writes of one register pair fall in distinct banks, and 8 columns from
+  // a multiple of 8 are 16 contiguous bytes (one 16-byte read).
+  static void expect_output_staging() {
+    // A swizzle acts on shared-memory addresses (the pointer's bits, from a 1024-byte aligned
     // base in the kernel): element offsets as the kernel's tensor computes them.
     using Element = cutlass::bfloat16_t;
     Element* const base = reinterpret_cast<Element*>(uintptr_t{1} << 20);
-    Tensor q_tile = make_tensor(make_smem_ptr(base), typename Traits::QLayout{});
-    auto q = [&](int row, int col) { return static_cast<int>(&q_tile(row, col) - base); };
+    Tensor staging = make_tensor(make_smem_ptr(base), typename Traits::OutputStagingLayout{});
+    auto offset = [&](int row, int col) { return static_cast<int>(&staging(row, col) - base); };
     typename Traits::MmaPV mma;
     for (int row = 0; row < Traits::kBlockM; ++row) {
       for (int chunk = 0; chunk < kD / 8; ++chunk) {
-        ASSERT_EQ(q(row, chunk * 8) % 8, 0) << row << ", " << chunk;
-        for (int e = 1; e < 8; ++e) ASSERT_EQ(q(row, chunk * 8 + e), q(row, chunk * 8) + e) << row << ", " << chunk;
+        ASSERT_EQ(offset(row, chunk * 8) % 8, 0) << row << ", " << chunk;
+        for (int e = 1; e < 8; ++e) ASSERT_EQ(offset(row, chunk * 8 + e), offset(row, chunk * 8) + e) << row << ", " << chunk;
       }
     }
     for (int warp = 0; warp < Traits::kConsumerThreads / 32; ++warp) {
@@ -107,7 +107,7 @@ class HopperForwardLayout {
             ASSERT_EQ(get<0>(coords(r, c + 1)), row);
             ASSERT_EQ(get<1>(coords(r, c + 1)), col + 1);
             if (lane == 0) words.emplace_back();
-            words[pair].push_back(q(row, col) / 2);  // 2-byte elements, 4-byte words
+            words[pair].push_back(offset(row, col) / 2);  // 2-byte elements, 4-byte words
           }
         }
       }
@@ -145,9 +145,9 @@ TEST(HopperForwardLayout, ProbabilitiesReuseScoreRegistersD256) {
 TEST(HopperForwardLayout, RowsPerQuadD64) { HopperForwardLayout<64>::expect_rows_per_quad(); }
 TEST(HopperForwardLayout, RowsPerQuadD128) { HopperForwardLayout<128>::expect_rows_per_quad(); }
 TEST(HopperForwardLayout, RowsPerQuadD256) { HopperForwardLayout<256>::expect_rows_per_quad(); }
-TEST(HopperForwardLayout, OutputStagedInQD64) { HopperForwardLayout<64>::expect_output_staged_in_q(); }
-TEST(HopperForwardLayout, OutputStagedInQD128) { HopperForwardLayout<128>::expect_output_staged_in_q(); }
-TEST(HopperForwardLayout, OutputStagedInQD256) { HopperForwardLayout<256>::expect_output_staged_in_q(); }
+TEST(HopperForwardLayout, OutputStagingD64) { HopperForwardLayout<64>::expect_output_staging(); }
+TEST(HopperForwardLayout, OutputStagingD128) { HopperForwardLayout<128>::expect_output_staging(); }
+TEST(HopperForwardLayout, OutputStagingD256) { HopperForwardLayout<256>::expect_output_staging(); }
 TEST(HopperForwardLayout, TransposedVViewD64) { HopperForwardLayout<64>::expect_transposed_v_view(); }
 TEST(HopperForwardLayout, TransposedVViewD128) { HopperForwardLayout<128>::expect_transposed_v_view(); }
 TEST(HopperForwardLayout, TransposedVViewD256) { HopperForwardLayout<256>::expect_transposed_v_view(); }

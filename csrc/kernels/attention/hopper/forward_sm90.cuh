@@ -58,6 +58,8 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include <type_traits>
+
 #include "kernels/attention/masking.cuh"
 #include "kernels/cutlass_element.cuh"
 #include "kernels/attention/params.h"
@@ -132,15 +134,33 @@ struct ForwardTraits : WarpSpecializedCta {
       GMMA::rs_op_selector<T, T, float, Shape<_64, HeadDim, BlockN>, GMMA::Major::K, GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
 
+  // Where the epilogue stages O for coalesced 16-byte row stores, each warp its own 16 rows:
+  // a tile of its own, row-major with rows padded by 16 bytes so that the accumulators'
+  // column pairs spread over the banks; at head_dim 256, where shared memory has no room for
+  // one, the warpgroup's own rows of Q (dead once its last S has completed). Staging in Q at
+  // 64 and 128 too measured 1-2% slower (its barrier), 2026-11-22.
+  static constexpr bool kOutputStagedInQ = kD == 256;
+  using OutputStagingLayout = std::conditional_t<kOutputStagedInQ, QLayout,
+                                                 Layout<Shape<BlockM, HeadDim>, Stride<Int<kD + 8>, _1>>>;
+
   using TmaQ = TmaLoad<T, QLayout>;
   using TmaKV = TmaLoad<T, KVLayout>;
 };
+
+// The output staging tile of its own (ForwardTraits::kOutputStagedInQ false), or nothing.
+template <typename T, typename Traits, bool = Traits::kOutputStagedInQ>
+struct OutputStagingStorage {
+  alignas(16) ArrayEngine<T, cosize_v<typename Traits::OutputStagingLayout>> o;
+};
+template <typename T, typename Traits>
+struct OutputStagingStorage<T, Traits, true> {};
 
 template <typename T, typename Traits>
 struct SharedStorage {
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::QLayout>> q;  // 1024: the 128-byte swizzle's period
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> k;
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> v;
+  OutputStagingStorage<T, Traits> staging;
   uint64_t q_full;
   uint64_t k_full[Traits::kStages], k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages], v_empty[Traits::kStages];
@@ -165,8 +185,8 @@ CUTE_HOST_DEVICE auto rows_by_columns(Layout layout) {
 }
 
 // Named barriers of the consumer warpgroups (0 is __syncthreads'): 2 + w is consumer
-// warpgroup w's turn to issue its GEMMs, 4 + w its own 128 threads meeting before the
-// epilogue (see consume).
+// warpgroup w's turn to issue its GEMMs, 4 + w its own 128 threads meeting before an
+// epilogue that stages O in Q (see consume).
 constexpr int kFirstTurnBarrier = 2;
 constexpr int kFirstEpilogueBarrier = 4;
 
@@ -455,19 +475,23 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   if (warpgroup == 0) wait_for_turn();
 
   // Epilogue: normalize, write the lse, then each warp stores its own 16 rows of O, staged as
-  // T through the warpgroup's own 64 rows of the Q tile. Q is dead there once all four warps
-  // of the warpgroup have waited for its last GEMM (barrier 4 + w), and no other warpgroup
-  // reads those rows (a warpgroup's S takes its own 64 rows of Q as the A operand). A warp's
-  // accumulator rows are its own (lane / 4 and lane / 4 + 8 of its 16, HopperForwardLayout),
-  // and 8 columns are 16 contiguous bytes in the swizzled layout (which also spreads a warp's
-  // column-pair writes over the banks), so it copies them out as 16-byte row chunks with only
-  // __syncwarp between.
-  if (warpgroup == 0) {
-    named_barrier_sync<kFirstEpilogueBarrier, 128>();
+  // T (ForwardTraits::OutputStagingLayout). A warp's accumulator rows are its own (lane / 4
+  // and lane / 4 + 8 of its 16, HopperForwardLayout), and 8 columns from a multiple of 8 are 16
+  // contiguous bytes in either staging layout, so it copies them out as 16-byte row chunks with
+  // only __syncwarp between. Staged in Q, the rows are the warpgroup's own (its S takes its own
+  // 64 rows of Q as the A operand), dead once all four of its warps have waited for its last
+  // GEMM: barrier 4 + w.
+  T* staging = smem.q.begin();
+  if constexpr (Traits::kOutputStagedInQ) {
+    if (warpgroup == 0) {
+      named_barrier_sync<kFirstEpilogueBarrier, 128>();
+    } else {
+      named_barrier_sync<kFirstEpilogueBarrier + 1, 128>();
+    }
   } else {
-    named_barrier_sync<kFirstEpilogueBarrier + 1, 128>();
+    staging = smem.staging.o.begin();
   }
-  Tensor sO = make_tensor(make_smem_ptr(smem.q.begin()), typename Traits::QLayout{});  // (BlockM, D)
+  Tensor sO = make_tensor(make_smem_ptr(staging), typename Traits::OutputStagingLayout{});  // (BlockM, D)
   Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
   Tensor out_coords = make_tensor(out_coords_flat.data(), rows_by_columns(out_coords_flat.layout()));
   CUTE_UNROLL
