@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from op_testing import assert_no_worse_than_torch, poison_cuda_allocator, relative_error
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
@@ -320,19 +321,39 @@ def test_cuda_packed_rope_matches_float64_no_worse_than_torch(rotary_dim):
         assert_no_worse_than_torch(name, mine, torch_same_dtype, exact)
 
 
+def _same_dtype_per_sequence(q, k, v, cu_q, cu_k, scale, causal):
+    """PyTorch in the inputs' dtype, sequence by sequence: SDPA's flash backend for full attention (k and v repeated
+    over the group: with enable_gqa and queries and keys of different lengths SDPA takes its math backend, which
+    computes in fp32); for a causal mask with more keys than queries, which the flash backend does not align to
+    the end of the keys, Hugging Face's eager computation with that mask."""
+    group = q.shape[1] // k.shape[1]
+    outputs = []
+    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qs, ks, vs = q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        if not causal:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], scale=scale)[0]
+        else:
+            visible = attention_impl._visible(q1 - q0, k1 - k0, -1, 0, q.device)
+            scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+            out = scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ vs
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("causal", "head_dim"), [(True, 128), (False, 64)])
 def test_cuda_separate_cu_seqlens_match_float64_no_worse_than_torch(causal, head_dim):
     """Keys of their own length per sequence (cu_seqlens_k apart from cu_seqlens_q): the Hopper kernels on sm_90.
-    Each sequence has at least as many keys as queries, so that every query sees a key (SDPA's path gives NaN
-    gradients for one that sees none; the C++ tests cover those rows)."""
+    Each sequence has at least as many keys as queries, so that every query sees a key."""
     torch.manual_seed(0)
     q, _, _, cu_q = packed_qkv([3, 130, 77, 150, 300], 8, 2, head_dim, torch.bfloat16, "cuda")
     _, k, v, cu_k = packed_qkv([5, 260, 77, 151, 700], 8, 2, head_dim, torch.bfloat16, "cuda")
     d_o = torch.randn_like(q)
     scale = head_dim ** -0.5
     ref = _float64_reference(q, k, v, d_o, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal)
-    theirs_out = attention_impl._fallback(q, k, v, cu_q, cu_k, scale, 0.0, causal, -1, -1, None, None, None)
+    theirs_out = _same_dtype_per_sequence(q, k, v, cu_q, cu_k, scale, causal)
     theirs = (theirs_out, *torch.autograd.grad(theirs_out, (q, k, v), d_o))
     poison_cuda_allocator(q, k)
     out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, softmax_scale=scale)
