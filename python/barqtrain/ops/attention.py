@@ -15,9 +15,9 @@ rope_cos / rope_sin are fp32 [positions, rotary_dim / 2] tables
 its sequence). Gradients flow to the unrotated q and k.
 
 On CUDA the kernels of csrc/kernels/attention run (the backward is deterministic; on sm_90
-wgmma/TMA kernels for every head_dim up to 128, the sm_80 kernels otherwise); cases they do not
-cover fall back to PyTorch
-(SDPA, or eager math for softcap), with one warning per reason. On the CPU the op runs its
+wgmma/TMA kernels, forward up to head_dim 256 and backward up to 128, the sm_80 kernels
+otherwise); cases they do not cover fall back to PyTorch (SDPA, or eager math for softcap), with
+one warning per reason. On the CPU the op runs its
 PyTorch reference.
 """
 
