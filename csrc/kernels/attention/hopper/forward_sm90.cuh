@@ -138,7 +138,7 @@ struct ForwardTraits : WarpSpecializedCta {
   // a tile of its own, row-major with rows padded by 16 bytes so that the accumulators'
   // column pairs spread over the banks; at head_dim 256, where shared memory has no room for
   // one, the warpgroup's own rows of Q (dead once its last S has completed). Staging in Q at
-  // 64 and 128 too measured 1-2% slower (its barrier), 2026-11-22.
+  // 64 and 128 too measured 1-2% slower on an H100 (benchmarks/results/2026-11-22-h100-s10).
   static constexpr bool kOutputStagedInQ = kD == 256;
   using OutputStagingLayout = std::conditional_t<kOutputStagedInQ, QLayout,
                                                  Layout<Shape<BlockM, HeadDim>, Stride<Int<kD + 8>, _1>>>;
