@@ -562,11 +562,15 @@ std::vector<AttentionCase> hopper_cases() {
     c.forward_kernel = k::AttentionKernel::kHopper;
     cases.push_back(c);
   }
-  for (AttentionCase c : hopper_feature_cases()) {
-    c.name = "hopper_" + c.name;
+  // Forward only: the general backward on the Hopper forward's outputs runs in the cases above.
+  auto add_forward_only = [&](AttentionCase c) {
     c.backward = false;
     c.forward_kernel = k::AttentionKernel::kHopper;
     cases.push_back(c);
+  };
+  for (AttentionCase c : hopper_feature_cases()) {
+    c.name = "hopper_" + c.name;
+    add_forward_only(c);
   }
   AttentionCase c;
   c.name = "hopper_bf16_d128_causal_s1537_gqa4";
@@ -574,26 +578,22 @@ std::vector<AttentionCase> hopper_cases() {
   c.seqlen_q = c.seqlen_k = 1537;
   c.q_heads = 4;
   c.kv_heads = 1;
-  c.backward = false;
-  c.forward_kernel = k::AttentionKernel::kHopper;
-  cases.push_back(c);
+  add_forward_only(c);
+  c = AttentionCase{};
   c.name = "hopper_fp16_d64_full_s1100_b2";
   c.dtype = k::DType::kFloat16;
-  c.head_dim = 64;
   c.batch = 2;
   c.seqlen_q = c.seqlen_k = 1100;
   c.q_heads = c.kv_heads = 2;
   c.causal = false;
-  cases.push_back(c);
+  add_forward_only(c);
   c = AttentionCase{};
   c.name = "hopper_bf16_d128_packed_long_gqa2";
   c.head_dim = 128;
   c.packed_lengths = random_lengths(6, 700, 13);
   c.q_heads = 4;
   c.kv_heads = 2;
-  c.backward = false;
-  c.forward_kernel = k::AttentionKernel::kHopper;
-  cases.push_back(c);
+  add_forward_only(c);
   // The 256 tile (64-key blocks): many key blocks, and a padded head_dim with packed
   // sequences, a window and a softcap.
   c = AttentionCase{};
@@ -602,9 +602,7 @@ std::vector<AttentionCase> hopper_cases() {
   c.seqlen_q = c.seqlen_k = 1000;
   c.q_heads = 4;
   c.kv_heads = 2;
-  c.backward = false;
-  c.forward_kernel = k::AttentionKernel::kHopper;
-  cases.push_back(c);
+  add_forward_only(c);
   c = AttentionCase{};
   c.name = "hopper_fp16_d192_packed_window_softcap";
   c.dtype = k::DType::kFloat16;
@@ -612,9 +610,7 @@ std::vector<AttentionCase> hopper_cases() {
   c.packed_lengths = random_lengths(5, 400, 17);
   c.window_left = 100;
   c.softcap = 30.0f;
-  c.backward = false;
-  c.forward_kernel = k::AttentionKernel::kHopper;
-  cases.push_back(c);
+  add_forward_only(c);
   return cases;
 }
 
