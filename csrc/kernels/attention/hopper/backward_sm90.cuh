@@ -53,9 +53,10 @@
 // or full, sliding windows, softcap, GQA/MQA, plain or packed with the same or separate
 // cu_seqlens for q and k); see hopper_backward_unsupported_reason. Windows: stream_schedule
 // walks only the streamed blocks that some owned row sees (Mask's query_range / key_range), and
-// the partial blocks are masked per element. Head dims below the tile as in the forward (forward_sm90.cuh): the 64 or 128
-// tile, TMA zero-fills the columns past head_dim and counts whole boxes, the gradients' columns
-// past head_dim are not stored; the padded GEMMs cost 1.6x the FLOPs at head_dim 80, 1.33x at 96.
+// the partial blocks are masked per element. Head dims below the tile as in the forward
+// (forward_sm90.cuh): the 64 or 128 tile, TMA zero-fills the columns past head_dim and counts
+// whole boxes, the gradients' columns past head_dim are not stored; the padded GEMMs cost 1.6x
+// the FLOPs at head_dim 80, 1.33x at 96.
 #pragma once
 
 #include "kernels/attention/hopper/forward_sm90.cuh"
