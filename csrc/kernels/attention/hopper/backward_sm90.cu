@@ -65,7 +65,9 @@ std::string hopper_backward_unsupported_reason(const AttentionParams& p) {
   const std::string forward_reason = hopper_forward_unsupported_reason(p);
   if (!forward_reason.empty()) return forward_reason;
   // dK and dV of 64 owned rows at head_dim 256 would take 256 accumulator registers per thread.
-  if (p.head_dim > 128) return "head_dim " + std::to_string(p.head_dim) + " (the backward covers multiples of 8 up to 128)";
+  if (p.head_dim > 128) {
+    return "head_dim " + std::to_string(p.head_dim) + " (the backward covers multiples of 8 up to 128)";
+  }
   // The q and dO descriptors need at least one row (the forward returns before building them).
   if (p.seqlen_q == 0) return "no queries";
   if (!tma_can_take(p.d_o_strides, operand_shape(p, /*keys=*/false))) {
