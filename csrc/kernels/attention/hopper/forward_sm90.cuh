@@ -7,11 +7,15 @@
 // accelerator (TMA) copies whole tiles on its own, signalling an mbarrier when the bytes
 // have landed.
 //
-// Structure (one CTA per 128-query block of one head of one sequence, 3 warpgroups):
-//   - warpgroup 0, the producer: one thread issues the TMA loads of Q once and of K and V
-//     per key block into a ring of kStages buffers; a buffer is refilled after both
+// Structure (3 warpgroups per CTA; a tile is 128 queries of one head of one sequence, and one
+// resident CTA per SM runs tiles in turn, taking each next one from a counter: ForwardTiles;
+// at head_dim 256 one CTA runs one tile, ForwardTraits::kPersistent):
+//   - warpgroup 0, the producer: one thread issues the TMA loads of Q once per tile and of K
+//     and V per key block into a ring of kStages buffers; a buffer is refilled after both
 //     consumers have released it (an "empty" mbarrier), and each load completes on a
-//     "full" mbarrier with its byte count. It gives most of its registers back (setmaxnreg).
+//     "full" mbarrier with its byte count. The Q buffer and the ring run on across tiles, so
+//     the next tile's Q and first K and V load under the current tile's last blocks and
+//     epilogue. It gives most of its registers back (setmaxnreg).
 //   - warpgroups 1 and 2, the consumers: 64 query rows each. Per key block: S = Q K^T
 //     (wgmma, both operands from shared memory), the online softmax in registers (running
 //     row max and sum in the log2 domain, O rescaled when the max grows), P rounded to
@@ -46,9 +50,9 @@
 // tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%,
 // 160 and 192 on the 256 tile 37.5% and 25%.
 //
-// Not here: the epilogue through TMA stores (not tried), and a persistent grid with a tile
-// scheduler (measured on an H100 without gain once the masked blocks tested per-row ranges;
-// NOTES.md).
+// Not here: the epilogue through TMA stores (not tried). The persistent walk lost to one CTA
+// per tile until the masked blocks got cheap (per-row ranges) and the tiles were handed out
+// dynamically in the one-CTA-per-tile order (a static schedule left 3% imbalance); NOTES.md.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -143,6 +147,10 @@ struct ForwardTraits : WarpSpecializedCta {
   static constexpr bool kOutputStagedInQ = kD == 256;
   using OutputStagingLayout = std::conditional_t<kOutputStagedInQ, QLayout,
                                                  Layout<Shape<BlockM, HeadDim>, Stride<Int<kD + 8>, _1>>>;
+  // One resident CTA per SM walks the tiles (ForwardTiles), except where O is staged in Q: the
+  // next tile's Q could load only after the epilogue there, and at head_dim 256 the walk measured
+  // 10-12% slower on an H100 (session 11) than one CTA per tile.
+  static constexpr bool kPersistent = !kOutputStagedInQ;
 
   using TmaQ = TmaLoad<T, QLayout>;
   using TmaKV = TmaLoad<T, KVLayout>;
@@ -162,10 +170,55 @@ struct SharedStorage {
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> k;
   alignas(1024) ArrayEngine<T, cosize_v<typename Traits::KVStagedLayout>> v;
   OutputStagingStorage<T, Traits> staging;
-  uint64_t q_full;
+  uint64_t q_full, q_empty;
   uint64_t k_full[Traits::kStages], k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages], v_empty[Traits::kStages];
+  // The producer hands each tile's index to the consumers through a two-slot ring.
+  int tile_index[2];
+  uint64_t tile_full[2], tile_empty[2];
 };
+
+// The launch's tiles (query block, q head, batch), numbered in the order a one-CTA-per-tile
+// grid would start them: a head's query blocks from the last (the longest under a causal
+// mask), then the next head, so that CTAs running together share K and V in L2. A resident
+// CTA runs its blockIdx.x-th tile, then takes the next unstarted one from a counter: the
+// grid stays as balanced as the hardware's own scheduling, and each CTA's copies of the next
+// tile run under its current tile's last blocks and epilogue.
+struct ForwardTiles {
+  int m_blocks = 0;  // query blocks of the longest sequence
+  int heads = 0;
+  int count = 0;
+};
+
+// One tile's work; empty when its query block lies past its sequence (packed batches: the
+// tiles cover the longest sequence).
+struct TileWork {
+  int b = 0, head = 0, m_block = 0;
+  int first_block = 0, end_block = 0;  // key blocks [first_block, end_block), run from the last
+  bool empty = true;
+};
+
+template <typename Traits>
+__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, const ForwardTiles& tiles, int index) {
+  TileWork work;
+  work.m_block = tiles.m_blocks - 1 - index % tiles.m_blocks;
+  work.head = index / tiles.m_blocks % tiles.heads;
+  work.b = index / tiles.m_blocks / tiles.heads;
+  const Sequence seq = Sequence::of(p, work.b);
+  const int m0 = work.m_block * Traits::kBlockM;
+  if (m0 >= seq.seqlen_q) return work;
+  const int2 keys = Mask(p, seq).key_range(m0, m0 + Traits::kBlockM);
+  work.first_block = keys.x / Traits::kBlockN;
+  work.end_block = keys.x < keys.y ? (keys.y + Traits::kBlockN - 1) / Traits::kBlockN : work.first_block;
+  work.empty = false;
+  return work;
+}
+
+// mbarrier parities by use count of a buffer (0, 1, ...): "full" waits for the use's
+// completion; "empty" barriers start in phase 0 with nothing released, so waiting on the
+// phase before it returns at once for the first use.
+__device__ __forceinline__ uint32_t full_parity(int use) { return use & 1; }
+__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
 
 template <typename T, typename Traits>
 struct ForwardKernelParams {
@@ -174,6 +227,8 @@ struct ForwardKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   GmemShape q_shape, k_shape;  // the coordinate extents the descriptors were built with
+  ForwardTiles tiles;
+  int* tile_counter;  // zero at launch: the tiles handed out after each CTA's first
 };
 
 // An accumulator fragment ((column pair, row half, column chunk), M tiles, N tiles) viewed
@@ -201,11 +256,47 @@ __device__ __forceinline__ void named_barrier_arrive() {
   asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
-// The producer: one thread issues every TMA load of the CTA.
+// Between the two consumer warpgroups (ping-pong): they take turns issuing their GEMMs, each
+// handing the turn over right after its issue, so that one warpgroup's softmax runs while the
+// other's GEMMs hold the tensor cores. Turn barrier 2 + w (256 threads: w syncs, the other
+// arrives) opens when the other warpgroup passed the turn. Both issue the same number of times
+// per tile, so the turns alternate across tiles too: warpgroup 1 passes once before its first
+// turn (begin) so that warpgroup 0 starts, and warpgroup 0 takes one turn more after its last
+// tile (end) to consume warpgroup 1's last pass: every arrival is matched.
+struct GemmTurns {
+  static constexpr int kPair = WarpSpecializedCta::kConsumerThreads;
+  static_assert(WarpSpecializedCta::kConsumerWarpgroups == 2, "the turn-taking pairs two consumer warpgroups");
+  __device__ static void wait(int warpgroup) {
+    if (warpgroup == 0) {
+      named_barrier_sync<kFirstTurnBarrier, kPair>();
+    } else {
+      named_barrier_sync<kFirstTurnBarrier + 1, kPair>();
+    }
+  }
+  __device__ static void pass(int warpgroup) {
+    if (warpgroup == 0) {
+      named_barrier_arrive<kFirstTurnBarrier + 1, kPair>();
+    } else {
+      named_barrier_arrive<kFirstTurnBarrier, kPair>();
+    }
+  }
+  __device__ static void begin(int warpgroup) {
+    if (warpgroup == 1) pass(warpgroup);
+  }
+  __device__ static void end(int warpgroup) {
+    if (warpgroup == 0) wait(warpgroup);
+  }
+};
+
+// The producer: one thread issues every TMA load of the CTA, here those of one tile.
+// tiles_run: the CTA's tiles before this one (the Q buffer's uses); kv_loads: its K/V ring
+// loads so far, advanced past this tile's.
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& params, SharedStorage<T, Traits>& smem,
-                                        const Sequence& seq, int b, int head, int kv_head, int m_block,
-                                        int first_block, int end_block) {
+                                        const TileWork& work, int tiles_run, int& kv_loads) {
+  const AttentionParams& p = params.p;
+  const Sequence seq = Sequence::of(p, work.b);
+  const int kv_head = work.head / (p.q_heads / p.kv_heads);
   using BlockM = typename Traits::BlockM;
   using BlockN = typename Traits::BlockN;
   using HeadDim = typename Traits::HeadDim;
@@ -216,7 +307,7 @@ __device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& pa
   constexpr uint32_t kKVBytes = Traits::kBlockN * Traits::kD * sizeof(T);
 
   // A packed sequence is a row offset into batch 0; a plain one is its batch index.
-  const int batch_coord = seq.packed ? 0 : b;
+  const int batch_coord = seq.packed ? 0 : work.b;
   const int q_row_offset = seq.packed ? static_cast<int>(seq.q_first_row) : 0;
   const int k_row_offset = seq.packed ? static_cast<int>(seq.k_first_row) : 0;
 
@@ -225,12 +316,12 @@ __device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& pa
   Tensor sV = make_tensor(make_smem_ptr(smem.v.begin()), typename Traits::KVStagedLayout{});
 
   Tensor mQ = domain_offset(make_coord(q_row_offset, _0{}),
-                            params.tma_q.get_tma_tensor(params.q_shape)(_, _, head, batch_coord));
+                            params.tma_q.get_tma_tensor(params.q_shape)(_, _, work.head, batch_coord));
   Tensor mK = domain_offset(make_coord(k_row_offset, _0{}),
                             params.tma_k.get_tma_tensor(params.k_shape)(_, _, kv_head, batch_coord));
   Tensor mV = domain_offset(make_coord(k_row_offset, _0{}),
                             params.tma_v.get_tma_tensor(params.k_shape)(_, _, kv_head, batch_coord));
-  Tensor gQ = local_tile(mQ, Shape<BlockM, HeadDim>{}, make_coord(m_block, _0{}));  // (BlockM, D)
+  Tensor gQ = local_tile(mQ, Shape<BlockM, HeadDim>{}, make_coord(work.m_block, _0{}));  // (BlockM, D)
   Tensor gK = local_tile(mK, Shape<BlockN, HeadDim>{}, make_coord(_, _0{}));        // (BlockN, D, key blocks)
   Tensor gV = local_tile(mV, Shape<BlockN, HeadDim>{}, make_coord(_, _0{}));
 
@@ -240,37 +331,35 @@ __device__ __forceinline__ void produce(const ForwardKernelParams<T, Traits>& pa
 
   using cutlass::arch::ClusterBarrier;
   using cutlass::arch::ClusterTransactionBarrier;
+  ClusterBarrier::wait(&smem.q_empty, empty_parity(tiles_run));  // the previous tile's last S has run
   ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, kQBytes);
   copy(params.tma_q.with(smem.q_full), tQgQ, tQsQ);
 
-  int iteration = 0;
-  for (int n_block = end_block - 1; n_block >= first_block; --n_block, ++iteration) {
-    const int stage = iteration % kStages;
-    // The empty barriers start in phase 0 with nothing released: waiting on the parity of
-    // the phase before it returns at once for the first pass over the ring.
-    const uint32_t empty_parity = ((iteration / kStages) & 1) ^ 1;
-    ClusterBarrier::wait(&smem.k_empty[stage], empty_parity);
+  for (int n_block = work.end_block - 1; n_block >= work.first_block; --n_block, ++kv_loads) {
+    const int stage = kv_loads % kStages, use = kv_loads / kStages;
+    ClusterBarrier::wait(&smem.k_empty[stage], empty_parity(use));
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.k_full[stage], kKVBytes);
     copy(params.tma_k.with(smem.k_full[stage]), tKgK(_, n_block), tKsK(_, stage));
-    ClusterBarrier::wait(&smem.v_empty[stage], empty_parity);
+    ClusterBarrier::wait(&smem.v_empty[stage], empty_parity(use));
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.v_full[stage], kKVBytes);
     copy(params.tma_v.with(smem.v_full[stage]), tVgV(_, n_block), tVsV(_, stage));
   }
 }
 
-// The consumers: S, softmax, P V over every key block, then the epilogue. consumer_thread
-// is 0 .. kConsumerThreads - 1.
+// The consumers: S, softmax, P V over every key block of one tile, then its epilogue.
+// consumer_thread is 0 .. kConsumerThreads - 1; tiles_run and kv_loads as in produce (the
+// same counts: both sides walk the same tiles).
 template <typename T, typename Traits>
-__device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<T, Traits>& smem, const Sequence& seq,
-                                        int b, int head, int m_block, int first_block, int end_block,
-                                        int consumer_thread) {
+__device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<T, Traits>& smem, const TileWork& work,
+                                        int tiles_run, int& kv_loads, int consumer_thread) {
+  const int first_block = work.first_block, end_block = work.end_block;
   using BlockM = typename Traits::BlockM;
   using BlockN = typename Traits::BlockN;
   using HeadDim = typename Traits::HeadDim;
   constexpr int kStages = Traits::kStages;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kD = Traits::kD;
-  const int m0 = m_block * kBlockM;
-  const Mask mask(p, seq);
+  const int m0 = work.m_block * kBlockM;
+  const Mask mask(p, Sequence::of(p, work.b));
   const ScoreTransform transform(p);
   const float multiplier = transform.multiplier;
 
@@ -309,7 +398,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   }
 
   using cutlass::arch::ClusterBarrier;
-  ClusterBarrier::wait(&smem.q_full, 0);
+  ClusterBarrier::wait(&smem.q_full, full_parity(tiles_run));
 
   // S = Q K^T of one key block, issued and left in flight.
   auto issue_scores = [&](int stage) {
@@ -402,32 +491,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     *reinterpret_cast<typename ProbabilityConverter::result_type*>(tOrP.data()) =
         ProbabilityConverter::convert(*reinterpret_cast<const typename ProbabilityConverter::source_type*>(tSrS.data()));
   };
-  auto full_parity = [](int iteration) { return static_cast<uint32_t>((iteration / kStages) & 1); };
+  // Key block `iteration` of this tile is the CTA's K/V ring load kv_loads + iteration.
+  auto stage_of = [&](int iteration) { return (kv_loads + iteration) % kStages; };
+  auto kv_full_parity = [&](int iteration) { return full_parity((kv_loads + iteration) / kStages); };
 
-  // Between the two warpgroups (ping-pong): they take turns issuing their GEMMs, each
-  // handing the turn over right after its issue, so that one warpgroup's softmax runs while
-  // the other's GEMMs hold the tensor cores. Turn barrier 2 + w (256 threads: w syncs, the
-  // other arrives) opens when the other warpgroup passed the turn. Warpgroup 1 passes once
-  // before its first turn so that warpgroup 0 starts, and warpgroup 0 takes one turn more
-  // at the end to consume warpgroup 1's last pass: every arrival is matched.
-  static_assert(Traits::kConsumerWarpgroups == 2, "the turn-taking pairs two consumer warpgroups");
   const int warpgroup = consumer_thread / 128;
-  constexpr int kPair = Traits::kConsumerThreads;
-  auto wait_for_turn = [&] {
-    if (warpgroup == 0) {
-      named_barrier_sync<kFirstTurnBarrier, kPair>();
-    } else {
-      named_barrier_sync<kFirstTurnBarrier + 1, kPair>();
-    }
-  };
-  auto pass_turn = [&] {
-    if (warpgroup == 0) {
-      named_barrier_arrive<kFirstTurnBarrier + 1, kPair>();
-    } else {
-      named_barrier_arrive<kFirstTurnBarrier, kPair>();
-    }
-  };
-  if (warpgroup == 1) pass_turn();
+  auto wait_for_turn = [&] { GemmTurns::wait(warpgroup); };
+  auto pass_turn = [&] { GemmTurns::pass(warpgroup); };
 
   // Within a warpgroup, the softmax of key block n overlaps two GEMMs on the tensor cores:
   // S of block n is issued together with O += P V of block n + 1 (the previous one), and
@@ -435,19 +505,20 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   int iteration = 0;
   if (first_block < end_block) {
     float rescale[kRows];
-    ClusterBarrier::wait(&smem.k_full[0], 0);
+    const int first = stage_of(0);
+    ClusterBarrier::wait(&smem.k_full[first], kv_full_parity(0));
     wait_for_turn();
-    issue_scores(0);
+    issue_scores(first);
     pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    ClusterBarrier::arrive(&smem.k_empty[0]);
+    ClusterBarrier::arrive(&smem.k_empty[first]);
     softmax_of_block(end_block - 1, rescale);  // O is still zero: nothing to rescale
     convert_probabilities();
     for (iteration = 1; end_block - 1 - iteration >= first_block; ++iteration) {
-      const int stage = iteration % kStages, previous = (iteration - 1) % kStages;
-      ClusterBarrier::wait(&smem.k_full[stage], full_parity(iteration));
-      ClusterBarrier::wait(&smem.v_full[previous], full_parity(iteration - 1));
+      const int stage = stage_of(iteration), previous = stage_of(iteration - 1);
+      ClusterBarrier::wait(&smem.k_full[stage], kv_full_parity(iteration));
+      ClusterBarrier::wait(&smem.v_full[previous], kv_full_parity(iteration - 1));
       wait_for_turn();
       issue_scores(stage);
       issue_output(previous);
@@ -463,8 +534,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
       rescale_output(rescale);
       convert_probabilities();
     }
-    const int last = (iteration - 1) % kStages;
-    ClusterBarrier::wait(&smem.v_full[last], full_parity(iteration - 1));
+    // Every S of the tile has run: the next tile's Q may load under this P V and the epilogue
+    // (unless O is staged in Q).
+    if constexpr (!Traits::kOutputStagedInQ) ClusterBarrier::arrive(&smem.q_empty);
+    const int last = stage_of(iteration - 1);
+    ClusterBarrier::wait(&smem.v_full[last], kv_full_parity(iteration - 1));
     wait_for_turn();
     issue_output(last);
     pass_turn();
@@ -472,8 +546,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP);
     ClusterBarrier::arrive(&smem.v_empty[last]);
+  } else if constexpr (!Traits::kOutputStagedInQ) {
+    ClusterBarrier::arrive(&smem.q_empty);
   }
-  if (warpgroup == 0) wait_for_turn();
+  kv_loads += iteration;
 
   // Epilogue: normalize, write the lse, then each warp stores its own 16 rows of O, staged as
   // T (ForwardTraits::OutputStagingLayout). A warp's accumulator rows are its own (lane / 4
@@ -481,7 +557,11 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
   // contiguous bytes in either staging layout, so it copies them out as 16-byte row chunks with
   // only __syncwarp between. Staged in Q, the rows are the warpgroup's own (its S takes its own
   // 64 rows of Q as the A operand), dead once all four of its warps have waited for its last
-  // GEMM: barrier 4 + w.
+  // GEMM: barrier 4 + w. The producer reloads Q only once every consumer thread has copied its
+  // rows out (q_empty, at the end). In a tile of its own, the warp's slice is free again once the
+  // warp's copy-out of the previous tile has read it: __syncwarp.
+  const Sequence seq = Sequence::of(p, work.b);  // read again rather than held through the key loop
+  const int head = work.head;
   T* staging = smem.q.begin();
   if constexpr (Traits::kOutputStagedInQ) {
     if (warpgroup == 0) {
@@ -491,6 +571,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     }
   } else {
     staging = smem.staging.o.begin();
+    __syncwarp();
   }
   Tensor sO = make_tensor(make_smem_ptr(staging), typename Traits::OutputStagingLayout{});  // (BlockM, D)
   Tensor out_coords_flat = thread_pv.partition_C(make_identity_tensor(Shape<BlockM, HeadDim>{}));
@@ -520,7 +601,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
 
   // Only the columns < head_dim leave (a multiple of 8: whole 16-byte chunks); the tile's
   // others hold P times V's zero-filled columns.
-  T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, b, head);
+  T* o = static_cast<T*>(p.o) + seq.q_offset(p.o_strides, work.b, head);
   constexpr int kChunks = kD / 8;
   const int head_dim_chunks = p.head_dim / 8;
   const int warp_first_row = consumer_thread / 32 * 16;
@@ -532,37 +613,83 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
     *reinterpret_cast<uint4*>(o + static_cast<int64_t>(i) * p.o_strides.row + c * 8) =
         *reinterpret_cast<const uint4*>(&sO(r, c * 8));
   }
+  if constexpr (Traits::kOutputStagedInQ) ClusterBarrier::arrive(&smem.q_empty);
+}
+
+// Both sides walk the same tiles and count the Q buffer's uses and the K/V ring's loads alike.
+// Persistent: the producer hands each tile's index to the consumers through the tile ring
+// (the last one past the end, which stops them) and takes the next from the counter.
+template <typename T, typename Traits>
+__device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Traits>& params,
+                                              SharedStorage<T, Traits>& smem) {
+  using cutlass::arch::ClusterBarrier;
+  int tiles_run = 0, kv_loads = 0;
+  if constexpr (!Traits::kPersistent) {
+    const TileWork work = tile_work<Traits>(params.p, params.tiles, blockIdx.x);
+    if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run, kv_loads);
+  } else {
+    for (int n = 0, index = blockIdx.x;; ++n) {
+      ClusterBarrier::wait(&smem.tile_empty[n % 2], empty_parity(n / 2));
+      smem.tile_index[n % 2] = index;
+      ClusterBarrier::arrive(&smem.tile_full[n % 2]);
+      if (index >= params.tiles.count) return;
+      const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
+      if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run++, kv_loads);
+      // Taken once this tile's loads are issued, while the consumers still have its last
+      // blocks to run: the counter's round trip hides under them.
+      index = atomicAdd(params.tile_counter, 1) + gridDim.x;
+    }
+  }
+}
+
+template <typename T, typename Traits>
+__device__ __forceinline__ void consume_tiles(const ForwardKernelParams<T, Traits>& params,
+                                              SharedStorage<T, Traits>& smem) {
+  using cutlass::arch::ClusterBarrier;
+  const int warpgroup = (threadIdx.x - 128) / 128;
+  int tiles_run = 0, kv_loads = 0;
+  GemmTurns::begin(warpgroup);
+  if constexpr (!Traits::kPersistent) {
+    const TileWork work = tile_work<Traits>(params.p, params.tiles, blockIdx.x);
+    if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run, kv_loads, threadIdx.x - 128);
+  } else {
+    for (int n = 0;; ++n) {
+      ClusterBarrier::wait(&smem.tile_full[n % 2], full_parity(n / 2));
+      const int index = smem.tile_index[n % 2];
+      ClusterBarrier::arrive(&smem.tile_empty[n % 2]);
+      if (index >= params.tiles.count) break;
+      const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
+      // The thread index read afresh per tile (asm volatile): otherwise the compiler hoists
+      // every thread-dependent address of the epilogue out of the tile loop and spills them.
+      uint32_t thread;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+      if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run++, kv_loads, static_cast<int>(thread) - 128);
+    }
+  }
+  GemmTurns::end(warpgroup);
 }
 
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_forward_sm90_kernel(const __grid_constant__ ForwardKernelParams<T, Traits> params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const AttentionParams& p = params.p;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<SharedStorage<T, Traits>*>(smem_raw);
-
-  // The longest-running (last, under a causal mask) query blocks start first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, b = blockIdx.z;
-  const Sequence seq = Sequence::of(p, b);
-  const int m0 = m_block * Traits::kBlockM;
-  if (m0 >= seq.seqlen_q) return;
-  const int kv_head = head / (p.q_heads / p.kv_heads);
-  const Mask mask(p, seq);
-  const int2 keys = mask.key_range(m0, m0 + Traits::kBlockM);
-  const int first_block = keys.x / Traits::kBlockN;
-  const int end_block = keys.x < keys.y ? (keys.y + Traits::kBlockN - 1) / Traits::kBlockN : first_block;
 
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     using cutlass::arch::ClusterBarrier;
     ClusterBarrier::init(&smem.q_full, 1);
+    ClusterBarrier::init(&smem.q_empty, Traits::kConsumerThreads);
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterBarrier::init(&smem.k_full[s], 1);
       ClusterBarrier::init(&smem.v_full[s], 1);
       ClusterBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads);
       ClusterBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads);
+    }
+    for (int s = 0; s < 2; ++s) {
+      ClusterBarrier::init(&smem.tile_full[s], 1);
+      ClusterBarrier::init(&smem.tile_empty[s], Traits::kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -574,11 +701,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-      produce<T, Traits>(params, smem, seq, b, head, kv_head, m_block, first_block, end_block);
+      produce_tiles<T, Traits>(params, smem);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume<T, Traits>(p, smem, seq, b, head, m_block, first_block, end_block, threadIdx.x - 128);
+    consume_tiles<T, Traits>(params, smem);
   }
 #endif
 }
