@@ -1,8 +1,8 @@
 // Backward launcher: rowsum(dO * O), then the dK/dV and dQ kernels (independent of each
 // other). dtype and padded head dim are compile-time; the rest are runtime flags. On sm_90,
 // with the Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels
-// cover go there after the rowsum (AttentionKernel's rules), with RoPE rotated ahead and dQ,
-// dK rotated back (rotation.h).
+// cover go there instead (AttentionKernel's rules; its dQ kernel computes the rowsum itself),
+// with RoPE rotated ahead and dQ, dK rotated back (rotation.h).
 #include "kernels/attention/attention.h"
 #include "kernels/attention/backward.cuh"
 #include "kernels/attention/checks.h"
@@ -83,10 +83,6 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
-    if (items > 0) {
-      attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
-      check_cuda(cudaGetLastError(), "attention backward rowsum launch");
-    }
 #if BARQTRAIN_HOPPER_KERNELS
     if (hopper) {
       if (p.rope_cos != nullptr) attention::rotate_operands_ahead(p, stream);
@@ -95,6 +91,10 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
       return;
     }
 #endif
+    if (items > 0) {
+      attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
+      check_cuda(cudaGetLastError(), "attention backward rowsum launch");
+    }
     dispatch_head_dim<T>(p, stream);
   };
   dispatch_16bit_dtype(p.dtype, run);

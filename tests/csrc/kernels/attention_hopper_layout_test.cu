@@ -187,6 +187,54 @@ class HopperBackwardLayout {
     }
   }
 
+  // The dQ role's D: a row's four quad threads read, through row_dot_chunk, every 16-byte
+  // chunk of the row once (8 columns from a multiple of 8, contiguous in the swizzled owned
+  // tile), and the 8 threads of one 16-byte shared-memory access read 8 distinct 16-byte
+  // bank groups.
+  static void expect_row_dot_chunks() {
+    using Element = cutlass::half_t;
+    Element* const base = reinterpret_cast<Element*>(uintptr_t{1} << 20);  // 1024-byte aligned, as in the kernel
+    Tensor tile = make_tensor(make_smem_ptr(base), typename Traits::OwnedLayout{});
+    auto offset = [&](int row, int col) { return static_cast<int>(&tile(row, col) - base); };
+    constexpr int kChunks = kD / 8, kSteps = kChunks / 4;
+    for (int row = 0; row < Traits::kBlockOwned; ++row) {
+      for (int chunk = 0; chunk < kChunks; ++chunk) {
+        ASSERT_EQ(offset(row, chunk * 8) % 8, 0) << row << ", " << chunk;
+        for (int e = 1; e < 8; ++e) ASSERT_EQ(offset(row, chunk * 8 + e), offset(row, chunk * 8) + e) << row << ", " << chunk;
+      }
+    }
+    typename Traits::MmaScores mma;
+    std::vector<std::vector<int>> reads(Traits::kBlockOwned, std::vector<int>(kChunks, 0));
+    for (int warp = 0; warp < Traits::kConsumerThreads / 32; ++warp) {
+      for (int r = 0; r < 2; ++r) {
+        for (int step = 0; step < kSteps; ++step) {
+          std::vector<int> bank_groups;  // [lane]
+          for (int lane = 0; lane < 32; ++lane) {
+            const int t = warp * 32 + lane;
+            Tensor flat = mma.get_thread_slice(t).partition_C(make_identity_tensor(Scores{}));
+            Tensor coords = make_tensor(flat.data(), hopper::rows_by_columns(flat.layout()));
+            const int row = get<0>(coords(r, 0));
+            const int chunk = hopper::row_dot_chunk<Traits>(row, t % 4, step);
+            ASSERT_GE(chunk, 0);
+            ASSERT_LT(chunk, kChunks);
+            ++reads[row][chunk];
+            bank_groups.push_back(offset(row, chunk * 8) / 8 % 8);  // 16-byte groups of a 128-byte line
+          }
+          for (int first = 0; first < 32; first += 8) {
+            std::vector<bool> used(8, false);
+            for (int lane = first; lane < first + 8; ++lane) {
+              ASSERT_FALSE(used[bank_groups[lane]]) << "warp " << warp << " step " << step << " lane " << lane;
+              used[bank_groups[lane]] = true;
+            }
+          }
+        }
+      }
+    }
+    for (int row = 0; row < Traits::kBlockOwned; ++row) {
+      for (int chunk = 0; chunk < kChunks; ++chunk) ASSERT_EQ(reads[row][chunk], 1) << row << ", " << chunk;
+    }
+  }
+
   // A streamed tile is written by TMA as (rows, head_dim) and read by the gradient wgmma as
   // (head_dim, rows).
   static void expect_transposed_stream_view() {
@@ -201,6 +249,7 @@ class HopperBackwardLayout {
 };
 
 // The two roles share every layout; the dK/dV role's D64 and D128 and the dQ role's D128 cover them.
+// The reads for D are the dQ role's alone.
 TEST(HopperBackwardLayout, ScoreGradsReuseScoreRegistersD64) {
   HopperBackwardLayout<64, true>::expect_score_grads_reuse_score_registers();
 }
@@ -211,6 +260,8 @@ TEST(HopperBackwardLayout, GradientPairsAndRowsD64) { HopperBackwardLayout<64, t
 TEST(HopperBackwardLayout, GradientPairsAndRowsD128) {
   HopperBackwardLayout<128, false>::expect_gradient_pairs_and_rows();
 }
+TEST(HopperBackwardLayout, RowDotChunksD64) { HopperBackwardLayout<64, false>::expect_row_dot_chunks(); }
+TEST(HopperBackwardLayout, RowDotChunksD128) { HopperBackwardLayout<128, false>::expect_row_dot_chunks(); }
 TEST(HopperBackwardLayout, TransposedStreamViewD64) { HopperBackwardLayout<64, true>::expect_transposed_stream_view(); }
 TEST(HopperBackwardLayout, TransposedStreamViewD128) {
   HopperBackwardLayout<128, false>::expect_transposed_stream_view();

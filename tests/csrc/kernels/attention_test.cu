@@ -918,8 +918,9 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90) {
     }
     return all;
   };
-  // The two backwards give bit-identical gradients (an H100 showed it: the same fp32 sums in the
-  // same order), so the gradients cannot tell which one ran: the selection is asserted directly.
+  // The two backwards can give bit-identical gradients (an H100 showed it when both read D from
+  // attention_dot_kernel; the Hopper dQ kernel now sums D itself, in another order), so the
+  // gradients cannot tell which one ran: the selection is asserted directly.
   k::AttentionParams expanded = p;
   expand_kv(expanded);
   EXPECT_TRUE(k::attention::hopper::hopper_backward_selected(k::attention::normalized(p)));

@@ -1,7 +1,11 @@
 // Hopper (sm_90a) attention backward: dQ, dK and dV on wgmma and TMA, deterministic (every
 // output element is accumulated by one CTA in a fixed order; no atomics), reading the
-// forward's O (through D = rowsum(dO * O), computed first by the sm_80 path's
-// attention_dot_kernel) and its LSE.
+// forward's O (through D = rowsum(dO * O)) and its LSE. Two kernels, dQ first: its CTAs also
+// load their 128 rows of O, compute D from the O and dO tiles in shared memory, use it in
+// registers and write it to AttentionParams::d_o_dot_o, where the dK/dV kernel (next on the
+// stream) reads it. This replaces the sm_80 path's attention_dot_kernel, a third kernel that
+// read dO and O once more (~0.1 ms, ~2% of forward + backward at B4 S4096 H32/8 D128 causal
+// on an H100); the change's speed is not yet measured.
 //
 // Choice of the dQ scheme, counted at B4 H32 S4096 D128 causal (the SPEC's case), bf16:
 //   (a) two kernels, 7 GEMMs (the sm_80 path's scheme): a dK/dV kernel (S^T, dP^T, dV, dK)
@@ -41,7 +45,8 @@
 //
 // Warps (as in the forward): warpgroup 0 is the producer (thread 0 issues the TMA loads; in
 // the dK/dV role warp 1 also copies each step's 64 lse and D values, which vary along the
-// score columns there, into shared memory), warpgroups 1 and 2 consume 64 owned rows each.
+// score columns there, into shared memory), warpgroups 1 and 2 consume 64 owned rows each
+// (in the dQ role computing their rows' D first, from the owned dO and O tiles).
 // No ping-pong and no overlap of the softmax with the GEMMs yet: each step issues its two
 // score GEMMs, waits, computes P and dS, issues the gradient GEMMs and waits. The gradients
 // leave straight from the accumulator registers (two 16-bit values per 4-byte store).
@@ -104,6 +109,15 @@ struct BackwardTraits : WarpSpecializedCta {
   using TmaStream = TmaLoad<T, StreamLayout>;
 };
 
+// The dQ role's tile of O, for D = rowsum(dO * O); the dK/dV role reads D from global memory
+// and has none.
+template <typename T, typename Traits, bool = Traits::kOwnsKeys>
+struct OwnedOutputStorage {
+  alignas(1024) ArrayEngine<T, cosize_v<typename Traits::OwnedLayout>> tile;
+};
+template <typename T, typename Traits>
+struct OwnedOutputStorage<T, Traits, true> {};
+
 // "scores" operands give S (or S^T), "grad" operands dP (or dP^T): owned K, V and streamed
 // Q, dO in the dK/dV role; owned Q, dO and streamed K, V in the dQ role.
 template <typename T, typename Traits>
@@ -117,7 +131,12 @@ struct BackwardSharedStorage {
   float stream_dot[Traits::kStages][Traits::kBlockStream];
   uint64_t owned_full;
   uint64_t stream_full[Traits::kStages], stream_empty[Traits::kStages];
+  // Last: the dK/dV role's empty one then falls in the padding to the 1024-byte alignment,
+  // so that role's shared memory is what it was without O.
+  OwnedOutputStorage<T, Traits> owned_out;
 };
+
+struct NoOperand {};
 
 template <typename T, typename Traits>
 struct BackwardKernelParams {
@@ -127,6 +146,8 @@ struct BackwardKernelParams {
   typename Traits::TmaStream tma_stream_scores;  // Q or K
   typename Traits::TmaStream tma_stream_grad;    // dO or V
   GmemShape owned_shape, stream_shape;         // the coordinate extents the descriptors were built with
+  // O over the owned shape (dQ role only).
+  std::conditional_t<Traits::kOwnsKeys, NoOperand, typename Traits::TmaOwned> tma_owned_out;
 };
 
 // The streamed blocks of one CTA, in the order producer and consumers both walk them.
@@ -154,7 +175,8 @@ __device__ StreamSchedule stream_schedule(const Mask& mask, int owned0, int grou
   return s;
 }
 
-// The producer's TMA thread: the owned tiles once, then both streamed tiles of every step.
+// The producer's TMA thread: the owned tiles once (dQ role: with O), then both streamed tiles
+// of every step.
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Traits>& params,
                                               BackwardSharedStorage<T, Traits>& smem, const Sequence& seq, int b,
@@ -164,7 +186,7 @@ __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Trai
   using BlockStream = typename Traits::BlockStream;
   using HeadDim = typename Traits::HeadDim;
   constexpr int kStages = Traits::kStages;
-  constexpr uint32_t kOwnedBytes = 2 * Traits::kBlockOwned * Traits::kD * sizeof(T);
+  constexpr uint32_t kOwnedBytes = (Traits::kOwnsKeys ? 2 : 3) * Traits::kBlockOwned * Traits::kD * sizeof(T);
   constexpr uint32_t kStreamBytes = 2 * Traits::kBlockStream * Traits::kD * sizeof(T);
 
   // A packed sequence is a row offset into batch 0; a plain one is its batch index.
@@ -194,6 +216,12 @@ __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Trai
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.owned_full, kOwnedBytes);
     copy(params.tma_owned_scores.with(smem.owned_full), tSgS, tSsS);
     copy(params.tma_owned_grad.with(smem.owned_full), tGgG, tGsG);
+    if constexpr (!Traits::kOwnsKeys) {
+      Tensor sOwnedOut = make_tensor(make_smem_ptr(smem.owned_out.tile.begin()), typename Traits::OwnedLayout{});
+      auto [tOgO, tOsO] = tma_partition(params.tma_owned_out, _0{}, Layout<_1>{}, group_modes<0, 2>(sOwnedOut),
+                                        group_modes<0, 2>(owned_tile(params.tma_owned_out)));
+      copy(params.tma_owned_out.with(smem.owned_full), tOgO, tOsO);
+    }
   }
 
   for (int step = 0; step < schedule.steps; ++step) {
@@ -271,6 +299,57 @@ __device__ __forceinline__ void store_gradient(const Accumulator& acc, const Thr
   }
 }
 
+// The 16-byte chunk (8 columns of the owned tile) that quad thread `quarter` reads at its
+// step `step` of owned row `row` for D (owned_row_dots): the four quarters take every fourth
+// chunk, in an order rotated by the row, so that the 8 threads of one 16-byte shared-memory
+// access (two rows of a quad pair, lane / 4) hit 8 distinct 16-byte bank groups through the
+// 128-byte swizzle (HopperBackwardLayout checks both).
+template <typename Traits>
+CUTE_HOST_DEVICE constexpr int row_dot_chunk(int row, int quarter, int step) {
+  constexpr int kStepsPerQuarter = Traits::kD / 8 / 4;
+  return quarter + 4 * ((step + row) % kStepsPerQuarter);
+}
+
+// dQ role: D = rowsum(dO * O) of this thread's two owned rows, from the dO and O tiles in
+// shared memory, in fp32: the four threads of a quad hold the scores of the same two rows,
+// so each sums a quarter of the row and two shuffles add the quarters. D of a row inside the
+// sequence goes to p.d_o_dot_o (attention_dot_kernel's indexing) for the dK/dV kernel; rows
+// past it (their P is 0) are not written and use D = 0. The sum's order is not
+// attention_dot_kernel's, so D (and through dS the gradients) may differ from the general
+// backward's in the last bits.
+template <typename T, typename Traits, typename ScoreCoords>
+__device__ __forceinline__ void owned_row_dots(const AttentionParams& p, BackwardSharedStorage<T, Traits>& smem,
+                                               const Sequence& seq, int owned_head, int owned0,
+                                               const ScoreCoords& score_coords, int quarter, float (&row_dot)[2]) {
+  Tensor sOwnedGrad = make_tensor(make_smem_ptr(smem.owned_grad.begin()), typename Traits::OwnedLayout{});  // dO
+  Tensor sOwnedOut = make_tensor(make_smem_ptr(smem.owned_out.tile.begin()), typename Traits::OwnedLayout{});
+  using ChunkConverter = cutlass::NumericArrayConverter<float, T, 8>;
+  // One 16-byte load per chunk (8 columns from a multiple of 8 are contiguous in the swizzled tile).
+  auto load_chunk = [](const T& first) {
+    const uint4 bits = *reinterpret_cast<const uint4*>(&first);
+    return ChunkConverter::convert(reinterpret_cast<const typename ChunkConverter::source_type&>(bits));
+  };
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = get<0>(score_coords(r, 0));
+    float sum = 0.0f;
+    CUTE_UNROLL
+    for (int step = 0; step < Traits::kD / 8 / 4; ++step) {
+      const int col = 8 * row_dot_chunk<Traits>(row, quarter, step);
+      const auto d_o = load_chunk(sOwnedGrad(row, col));
+      const auto o = load_chunk(sOwnedOut(row, col));
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) sum += d_o[e] * o[e];
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int i = owned0 + row;
+    const bool valid = i < seq.seqlen_q;
+    row_dot[r] = valid ? sum : 0.0f;
+    if (valid && quarter == 0) p.d_o_dot_o[owned_head * p.q_rows + seq.q_first_row + i] = sum;
+  }
+}
+
 // The consumers: for every streamed block, scores and dP, then P and dS, then the gradient
 // GEMMs; the gradients are stored at the end. consumer_thread is 0 .. kConsumerThreads - 1.
 template <typename T, typename Traits>
@@ -330,8 +409,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   constexpr int kRows = decltype(size<0>(scores))::value;
   static_assert(kRows == 2, "a thread owns two rows of each 64-row wgmma tile");
 
-  // dQ role: the lse (log2 units) and D of this thread's two query rows, fixed for the CTA.
-  // Rows past the sequence (or seeing no key: lse +inf) get P = 0.
+  // dQ role: the lse (log2 units) and D of this thread's two query rows, fixed for the CTA
+  // (D once the owned tiles are in, owned_row_dots). Rows past the sequence (or seeing no
+  // key: lse +inf) get P = 0.
   float row_lse2[kRows], row_dot[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -339,11 +419,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
     row_dot[r] = 0.0f;
     if constexpr (!kOwnsKeys) {
       const int i = owned0 + get<0>(score_coords(r, 0));
-      if (i < seq.seqlen_q) {
-        const int64_t idx = owned_head * p.q_rows + seq.q_first_row + i;
-        row_lse2[r] = p.lse[idx] * kLog2e;
-        row_dot[r] = p.d_o_dot_o[idx];
-      }
+      if (i < seq.seqlen_q) row_lse2[r] = p.lse[owned_head * p.q_rows + seq.q_first_row + i] * kLog2e;
     }
   }
 
@@ -419,6 +495,9 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
 
   using cutlass::arch::ClusterBarrier;
   ClusterBarrier::wait(&smem.owned_full, 0);
+  if constexpr (!kOwnsKeys) {
+    owned_row_dots<T, Traits>(p, smem, seq, owned_head, owned0, score_coords, consumer_thread % 4, row_dot);
+  }
   for (int step = 0; step < schedule.steps; ++step) {
     const int stage = step % kStages;
     ClusterBarrier::wait(&smem.stream_full[stage], static_cast<uint32_t>((step / kStages) & 1));
@@ -513,6 +592,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cute::prefetch_tma_descriptor(params.tma_owned_grad.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_stream_scores.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_stream_grad.get_tma_descriptor());
+      if constexpr (!Traits::kOwnsKeys) cute::prefetch_tma_descriptor(params.tma_owned_out.get_tma_descriptor());
       produce_tiles<T, Traits>(params, smem, seq, b, owned_head, owned_block, group, schedule);
     } else if (Traits::kOwnsKeys && warp == 1) {
       produce_stats<T, Traits>(p, smem, seq, owned_head, group, schedule, threadIdx.x % 32);
