@@ -5,7 +5,7 @@
 // registers and write it to AttentionParams::d_o_dot_o, where the dK/dV kernel (next on the
 // stream) reads it. This replaces the sm_80 path's attention_dot_kernel, a third kernel that
 // read dO and O once more (~0.1 ms, ~2% of forward + backward at B4 S4096 H32/8 D128 causal
-// on an H100); the change's speed is not yet measured.
+// on an H100; measured without it: NOTES.md, session 11).
 //
 // Choice of the dQ scheme, counted at B4 H32 S4096 D128 causal (the SPEC's case), bf16:
 //   (a) two kernels, 7 GEMMs (the sm_80 path's scheme): a dK/dV kernel (S^T, dP^T, dV, dK)
