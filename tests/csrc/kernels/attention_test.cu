@@ -554,6 +554,40 @@ std::vector<AttentionCase> hopper_feature_cases() {
 // Every case above the Hopper forward covers, plus longer ones that go around its K/V
 // buffer ring many times (causal and full, both head dims, GQA, a ragged last block) and the
 // longer feature cases (forward only: the backward list runs them on the Hopper backward).
+// More query tiles than an H100 has SMs (132), so that each resident CTA of the persistent
+// forward and dQ kernels runs several: the owned buffers, the streamed ring and (forward) the
+// turn-taking go on across tiles; the packed case's CTAs skip the tiles past their short
+// sequences, the window's tiles start past key 0.
+std::vector<AttentionCase> hopper_many_tile_cases() {
+  std::vector<AttentionCase> cases;
+  AttentionCase c;
+  c.name = "bf16_d128_causal_s384_b2_h40_gqa5_many_tiles";
+  c.head_dim = 128;
+  c.batch = 2;
+  c.seqlen_q = c.seqlen_k = 384;
+  c.q_heads = 40;
+  c.kv_heads = 8;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "fp16_d64_full_packed48_mqa_many_tiles";
+  c.dtype = k::DType::kFloat16;
+  c.head_dim = 64;
+  c.causal = false;
+  c.packed_lengths = random_lengths(48, 400, 31);
+  c.q_heads = 4;
+  c.kv_heads = 1;
+  cases.push_back(c);
+  c = AttentionCase{};
+  c.name = "bf16_d96_causal_window_s1000_h20_gqa5_many_tiles";
+  c.head_dim = 96;
+  c.seqlen_q = c.seqlen_k = 1000;
+  c.q_heads = 20;
+  c.kv_heads = 4;
+  c.window_left = 200;
+  cases.push_back(c);
+  return cases;
+}
+
 std::vector<AttentionCase> hopper_cases() {
   std::vector<AttentionCase> cases;
   for (AttentionCase c : all_cases()) {
@@ -611,34 +645,10 @@ std::vector<AttentionCase> hopper_cases() {
   c.window_left = 100;
   c.softcap = 30.0f;
   add_forward_only(c);
-  // More tiles than an H100 has SMs (132), so that each resident CTA of the persistent forward
-  // runs several: Q, the K/V ring and the turn-taking go on across tiles; the packed case's
-  // CTAs skip the tiles past their short sequences, the window's tiles start past key 0.
-  c = AttentionCase{};
-  c.name = "hopper_bf16_d128_causal_s384_b2_h40_gqa5_many_tiles";
-  c.head_dim = 128;
-  c.batch = 2;
-  c.seqlen_q = c.seqlen_k = 384;
-  c.q_heads = 40;
-  c.kv_heads = 8;
-  add_forward_only(c);
-  c = AttentionCase{};
-  c.name = "hopper_fp16_d64_full_packed48_mqa_many_tiles";
-  c.dtype = k::DType::kFloat16;
-  c.head_dim = 64;
-  c.causal = false;
-  c.packed_lengths = random_lengths(48, 400, 31);
-  c.q_heads = 4;
-  c.kv_heads = 1;
-  add_forward_only(c);
-  c = AttentionCase{};
-  c.name = "hopper_bf16_d96_causal_window_s1000_h20_gqa5_many_tiles";
-  c.head_dim = 96;
-  c.seqlen_q = c.seqlen_k = 1000;
-  c.q_heads = 20;
-  c.kv_heads = 4;
-  c.window_left = 200;
-  add_forward_only(c);
+  for (AttentionCase c : hopper_many_tile_cases()) {
+    c.name = "hopper_" + c.name;
+    add_forward_only(c);
+  }
   return cases;
 }
 
@@ -689,6 +699,7 @@ std::vector<AttentionCase> hopper_backward_cases() {
   c.seqlen_k = 700;
   add(c);
   for (const AttentionCase& feature_case : hopper_feature_cases()) add(feature_case);
+  for (const AttentionCase& many_tile_case : hopper_many_tile_cases()) add(many_tile_case);
   return cases;
 }
 

@@ -29,7 +29,7 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
       return owned_tma(p.o, p.o_strides);
     }
   };
-  const BackwardKernelParams<T, Traits> params =
+  BackwardKernelParams<T, Traits> params =
       kOwnsKeys ? BackwardKernelParams<T, Traits>{p,
                                                   owned_tma(p.k, p.k_strides),
                                                   owned_tma(p.v, p.v_strides),
@@ -37,7 +37,9 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
                                                   stream_tma(p.d_o, p.d_o_strides),
                                                   owned_shape,
                                                   stream_shape,
-                                                  out_tma()}
+                                                  out_tma(),
+                                                  QueryTiles{},
+                                                  nullptr}
                 : BackwardKernelParams<T, Traits>{p,
                                                   owned_tma(p.q, p.q_strides),
                                                   owned_tma(p.d_o, p.d_o_strides),
@@ -45,17 +47,21 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
                                                   stream_tma(p.v, p.v_strides),
                                                   owned_shape,
                                                   stream_shape,
-                                                  out_tma()};
+                                                  out_tma(),
+                                                  query_tiles(p, Traits::kBlockOwned),
+                                                  nullptr};
 
   auto kernel = attention_backward_sm90_kernel<T, Traits>;
   constexpr int kSmemBytes = sizeof(BackwardSharedStorage<T, Traits>);
   const char* role = kOwnsKeys ? "hopper attention backward dk/dv" : "hopper attention backward dq";
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), role);
-  const int owned_rows = kOwnsKeys ? p.seqlen_k : p.seqlen_q;
-  const dim3 grid((owned_rows + Traits::kBlockOwned - 1) / Traits::kBlockOwned, kOwnsKeys ? p.kv_heads : p.q_heads,
-                  p.batch);
-  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(params);
-  check_cuda(cudaGetLastError(), role);
+  if constexpr (Traits::kPersistent) {
+    launch_persistent(kernel, params, Traits::kThreads, kSmemBytes, stream, role);
+  } else {
+    const dim3 grid((p.seqlen_k + Traits::kBlockOwned - 1) / Traits::kBlockOwned, p.kv_heads, p.batch);
+    kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(params);
+    check_cuda(cudaGetLastError(), role);
+  }
 }
 
 // dQ first: the dK/dV kernel reads the D it writes (stream order).

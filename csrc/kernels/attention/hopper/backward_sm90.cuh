@@ -83,6 +83,10 @@ struct BackwardTraits : WarpSpecializedCta {
   static constexpr int kStages = 2;
   // The lse / D copy of the dK/dV role: one warp, arriving on the stage's full barrier.
   static constexpr int kStatsThreads = kOwnsKeys ? 32 : 0;
+  // The dQ role walks QueryTiles with one resident CTA per SM, as the forward does (its CTAs
+  // are short: ~33 steps at S4096 causal); a dK/dV CTA walks a whole GQA group's queries and
+  // runs one tile.
+  static constexpr bool kPersistent = !kOwnsKeys;
 
   using BlockOwned = Int<kBlockOwned>;
   using BlockStream = Int<kBlockStream>;
@@ -129,8 +133,9 @@ struct BackwardSharedStorage {
   // dK/dV role: lse (log2 units) and D of the step's 64 queries, 0 past the sequence.
   float stream_lse2[Traits::kStages][Traits::kBlockStream];
   float stream_dot[Traits::kStages][Traits::kBlockStream];
-  uint64_t owned_full;
+  uint64_t owned_full, owned_empty;  // owned_empty: the persistent dQ role's owned tiles, reloaded per tile
   uint64_t stream_full[Traits::kStages], stream_empty[Traits::kStages];
+  TileRing tile_ring;  // the persistent dQ role's tile indices
   // Last: the dK/dV role's empty one then falls in the padding to the 1024-byte alignment,
   // so that role's shared memory is what it was without O.
   OwnedOutputStorage<T, Traits> owned_out;
@@ -148,6 +153,8 @@ struct BackwardKernelParams {
   GmemShape owned_shape, stream_shape;         // the coordinate extents the descriptors were built with
   // O over the owned shape (dQ role only).
   std::conditional_t<Traits::kOwnsKeys, NoOperand, typename Traits::TmaOwned> tma_owned_out;
+  QueryTiles tiles;   // the persistent dQ role's tiles
+  int* tile_counter;  // zero at launch (launch_persistent)
 };
 
 // The streamed blocks of one CTA, in the order producer and consumers both walk them.
@@ -175,13 +182,47 @@ __device__ StreamSchedule stream_schedule(const Mask& mask, int owned0, int grou
   return s;
 }
 
-// The producer's TMA thread: the owned tiles once (dQ role: with O), then both streamed tiles
-// of every step.
+// One owned tile: where it lies and the streamed blocks it walks; empty when it starts past its
+// sequence (packed batches: the tiles cover the longest).
+struct OwnedTile {
+  Sequence seq;
+  int b = 0, head = 0, block = 0;
+  StreamSchedule schedule;
+  bool empty = true;
+};
+
+template <typename Traits>
+__device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int block, int head, int b) {
+  OwnedTile tile;
+  tile.seq = Sequence::of(p, b);
+  tile.b = b;
+  tile.head = head;
+  tile.block = block;
+  const int owned0 = block * Traits::kBlockOwned;
+  if (owned0 >= (Traits::kOwnsKeys ? tile.seq.seqlen_k : tile.seq.seqlen_q)) return tile;
+  tile.schedule = stream_schedule<Traits>(Mask(p, tile.seq), owned0, p.q_heads / p.kv_heads);
+  tile.empty = false;
+  return tile;
+}
+
+// The CTA's one tile, in a grid of (owned blocks, owned heads, batch). Causal: the first key
+// blocks and the last query blocks see the most rows; those start first.
+template <typename Traits>
+__device__ __forceinline__ OwnedTile grid_tile(const AttentionParams& p) {
+  return owned_tile<Traits>(p, Traits::kOwnsKeys ? blockIdx.x : gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// The producer's TMA thread, for one owned tile: its owned tiles (dQ role: with O), then both
+// streamed tiles of every step. tiles_run: the CTA's tiles before this one (the owned buffers'
+// uses); stream_loads: its stream ring loads so far, advanced past this tile's.
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Traits>& params,
-                                              BackwardSharedStorage<T, Traits>& smem, const Sequence& seq, int b,
-                                              int owned_head, int owned_block, int group,
-                                              const StreamSchedule& schedule) {
+                                              BackwardSharedStorage<T, Traits>& smem, const OwnedTile& tile,
+                                              int tiles_run, int& stream_loads) {
+  const Sequence& seq = tile.seq;
+  const StreamSchedule& schedule = tile.schedule;
+  const int b = tile.b, owned_head = tile.head, owned_block = tile.block;
+  const int group = params.p.q_heads / params.p.kv_heads;
   using BlockOwned = typename Traits::BlockOwned;
   using BlockStream = typename Traits::BlockStream;
   using HeadDim = typename Traits::HeadDim;
@@ -213,6 +254,8 @@ __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Trai
                                       group_modes<0, 2>(owned_tile(params.tma_owned_scores)));
     auto [tGgG, tGsG] = tma_partition(params.tma_owned_grad, _0{}, Layout<_1>{}, group_modes<0, 2>(sOwnedGrad),
                                       group_modes<0, 2>(owned_tile(params.tma_owned_grad)));
+    // The previous tile's last score GEMMs have read the owned tiles.
+    if constexpr (Traits::kPersistent) ClusterBarrier::wait(&smem.owned_empty, empty_parity(tiles_run));
     ClusterTransactionBarrier::arrive_and_expect_tx(&smem.owned_full, kOwnedBytes);
     copy(params.tma_owned_scores.with(smem.owned_full), tSgS, tSsS);
     copy(params.tma_owned_grad.with(smem.owned_full), tGgG, tGsG);
@@ -224,11 +267,9 @@ __device__ __forceinline__ void produce_tiles(const BackwardKernelParams<T, Trai
     }
   }
 
-  for (int step = 0; step < schedule.steps; ++step) {
-    const int stage = step % kStages;
-    // Empty barriers start in phase 0 with nothing released: waiting on the parity of the
-    // phase before it returns at once for the first pass over the ring.
-    ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
+  for (int step = 0; step < schedule.steps; ++step, ++stream_loads) {
+    const int stage = stream_loads % kStages;
+    ClusterBarrier::wait(&smem.stream_empty[stage], empty_parity(stream_loads / kStages));
     // dK/dV role: a q head of the kv head's group; dQ role: the q head's kv head.
     const int stream_head = Traits::kOwnsKeys ? owned_head * group + schedule.group_member(step) : owned_head / group;
     auto stream_tile = [&](const auto& tma) {
@@ -350,12 +391,16 @@ __device__ __forceinline__ void owned_row_dots(const AttentionParams& p, Backwar
   }
 }
 
-// The consumers: for every streamed block, scores and dP, then P and dS, then the gradient
-// GEMMs; the gradients are stored at the end. consumer_thread is 0 .. kConsumerThreads - 1.
+// The consumers, for one owned tile: for every streamed block, scores and dP, then P and dS,
+// then the gradient GEMMs; the gradients are stored at the end. consumer_thread is 0 ..
+// kConsumerThreads - 1; tiles_run and stream_loads as in produce_tiles (the same counts).
 template <typename T, typename Traits>
 __device__ __forceinline__ void consume(const AttentionParams& p, BackwardSharedStorage<T, Traits>& smem,
-                                        const Sequence& seq, int b, int owned_head, int owned_block,
-                                        const StreamSchedule& schedule, int consumer_thread) {
+                                        const OwnedTile& tile, int tiles_run, int& stream_loads,
+                                        int consumer_thread) {
+  const Sequence& seq = tile.seq;
+  const StreamSchedule& schedule = tile.schedule;
+  const int b = tile.b, owned_head = tile.head, owned_block = tile.block;
   using BlockOwned = typename Traits::BlockOwned;
   using BlockStream = typename Traits::BlockStream;
   using HeadDim = typename Traits::HeadDim;
@@ -494,17 +539,25 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   };
 
   using cutlass::arch::ClusterBarrier;
-  ClusterBarrier::wait(&smem.owned_full, 0);
+  ClusterBarrier::wait(&smem.owned_full, full_parity(tiles_run));
   if constexpr (!kOwnsKeys) {
     owned_row_dots<T, Traits>(p, smem, seq, owned_head, owned0, score_coords, consumer_thread % 4, row_dot);
   }
+  // Persistent: the owned tiles are free for the next tile's once their last reader has run
+  // (the last step's score GEMMs, or D when there is no step).
+  if constexpr (Traits::kPersistent) {
+    if (schedule.steps == 0) ClusterBarrier::arrive(&smem.owned_empty);
+  }
   for (int step = 0; step < schedule.steps; ++step) {
-    const int stage = step % kStages;
-    ClusterBarrier::wait(&smem.stream_full[stage], static_cast<uint32_t>((step / kStages) & 1));
+    const int stage = (stream_loads + step) % kStages;
+    ClusterBarrier::wait(&smem.stream_full[stage], full_parity((stream_loads + step) / kStages));
     issue_score_gemms(stage);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tSrDp);
+    if constexpr (Traits::kPersistent) {
+      if (step == schedule.steps - 1) ClusterBarrier::arrive(&smem.owned_empty);
+    }
 
     const int stream0 = schedule.block(step) * kBlockStream;
     const bool fully_visible =
@@ -537,6 +590,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
     }
     ClusterBarrier::arrive(&smem.stream_empty[stage]);
   }
+  stream_loads += schedule.steps;
 
   // Owned rows that no streamed row reaches (schedule.steps == 0) store zeros.
   if constexpr (kOwnsKeys) {
@@ -553,34 +607,65 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   }
 }
 
-// Grid: (owned blocks, owned heads, batch), the owned operand being K/V (kv heads) or Q/dO
-// (q heads).
+// grid_tile: the CTA's one tile where it runs one. The persistent dQ role's tiles after the
+// CTA's first come from the counter, handed from the producer thread to the consumers through
+// the tile ring (the last index past the end stops them), as in the forward (produce_tiles /
+// consume_tiles there).
+template <typename T, typename Traits>
+__device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T, Traits>& params,
+                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& grid_tile) {
+  int tiles_run = 0, stream_loads = 0;
+  if constexpr (!Traits::kPersistent) {
+    if (!grid_tile.empty) produce_tiles<T, Traits>(params, smem, grid_tile, tiles_run, stream_loads);
+  } else {
+    for (int n = 0, index = blockIdx.x;; ++n) {
+      smem.tile_ring.publish(n, index);
+      if (index >= params.tiles.count) return;
+      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
+                                                params.tiles.batch(index));
+      if (!tile.empty) produce_tiles<T, Traits>(params, smem, tile, tiles_run++, stream_loads);
+      index = atomicAdd(params.tile_counter, 1) + gridDim.x;
+    }
+  }
+}
+
+template <typename T, typename Traits>
+__device__ __forceinline__ void consume_owned_tiles(const BackwardKernelParams<T, Traits>& params,
+                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& grid_tile) {
+  int tiles_run = 0, stream_loads = 0;
+  if constexpr (!Traits::kPersistent) {
+    if (!grid_tile.empty) consume<T, Traits>(params.p, smem, grid_tile, tiles_run, stream_loads, threadIdx.x - 128);
+  } else {
+    for (int n = 0;; ++n) {
+      const int index = smem.tile_ring.receive(n);
+      if (index >= params.tiles.count) return;
+      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
+                                                params.tiles.batch(index));
+      if (!tile.empty) consume<T, Traits>(params.p, smem, tile, tiles_run++, stream_loads, consumer_thread_of_tile());
+    }
+  }
+}
+
+// The owned operand is K/V (kv heads) or Q/dO (q heads); the dK/dV role's grid is (owned
+// blocks, kv heads, batch), the dQ role's one CTA per SM over QueryTiles.
 template <typename T, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_backward_sm90_kernel(const __grid_constant__ BackwardKernelParams<T, Traits> params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  const AttentionParams& p = params.p;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<BackwardSharedStorage<T, Traits>*>(smem_raw);
-
-  // Causal: the first key blocks and the last query blocks see the most rows; start those.
-  const int owned_block = Traits::kOwnsKeys ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
-  const int owned_head = blockIdx.y, b = blockIdx.z;
-  const Sequence seq = Sequence::of(p, b);
-  const int owned0 = owned_block * Traits::kBlockOwned;
-  if (owned0 >= (Traits::kOwnsKeys ? seq.seqlen_k : seq.seqlen_q)) return;
-  const int group = p.q_heads / p.kv_heads;
-  const Mask mask(p, seq);
-  const StreamSchedule schedule = stream_schedule<Traits>(mask, owned0, group);
+  const OwnedTile tile = Traits::kPersistent ? OwnedTile{} : grid_tile<Traits>(params.p);
 
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
     using cutlass::arch::ClusterBarrier;
     ClusterBarrier::init(&smem.owned_full, 1);
+    ClusterBarrier::init(&smem.owned_empty, Traits::kConsumerThreads);
     for (int s = 0; s < Traits::kStages; ++s) {
       ClusterBarrier::init(&smem.stream_full[s], 1 + Traits::kStatsThreads);
       ClusterBarrier::init(&smem.stream_empty[s], Traits::kConsumerThreads);
     }
+    smem.tile_ring.init();
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -593,13 +678,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cute::prefetch_tma_descriptor(params.tma_stream_scores.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_stream_grad.get_tma_descriptor());
       if constexpr (!Traits::kOwnsKeys) cute::prefetch_tma_descriptor(params.tma_owned_out.get_tma_descriptor());
-      produce_tiles<T, Traits>(params, smem, seq, b, owned_head, owned_block, group, schedule);
-    } else if (Traits::kOwnsKeys && warp == 1) {
-      produce_stats<T, Traits>(p, smem, seq, owned_head, group, schedule, threadIdx.x % 32);
+      produce_owned_tiles<T, Traits>(params, smem, tile);
+    } else if (Traits::kOwnsKeys && warp == 1 && !tile.empty) {
+      produce_stats<T, Traits>(params.p, smem, tile.seq, tile.head, params.p.q_heads / params.p.kv_heads, tile.schedule,
+                               threadIdx.x % 32);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
-    consume<T, Traits>(p, smem, seq, b, owned_head, owned_block, schedule, threadIdx.x - 128);
+    consume_owned_tiles<T, Traits>(params, smem, tile);
   }
 #endif
 }

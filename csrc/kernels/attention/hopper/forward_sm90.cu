@@ -5,8 +5,6 @@
 #include "kernels/attention/hopper/operands_sm90.cuh"
 #include "kernels/device_utils.cuh"
 
-#include <algorithm>
-
 namespace barqtrain::kernels::attention::hopper {
 namespace {
 
@@ -21,36 +19,20 @@ void launch(const AttentionParams& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(p.v, k_shape, p.v_strides), typename Traits::KVLayout{}),
       q_shape,
       k_shape,
-      ForwardTiles{},
+      query_tiles(p, Traits::kBlockM),
       nullptr,
   };
-  ForwardTiles& tiles = params.tiles;
-  tiles.m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  tiles.heads = p.q_heads;
-  const int64_t tile_count = int64_t{tiles.m_blocks} * tiles.heads * p.batch;
-  require(tile_count < INT32_MAX / 2, "hopper attention forward: more than 2^30 query tiles");
-  tiles.count = static_cast<int>(tile_count);
 
   auto kernel = attention_forward_sm90_kernel<T, Traits>;
   constexpr int kSmemBytes = sizeof(SharedStorage<T, Traits>);
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes),
              "hopper attention forward shared memory");
-  if constexpr (!Traits::kPersistent) {
-    kernel<<<tiles.count, Traits::kThreads, kSmemBytes, stream>>>(params);
+  if constexpr (Traits::kPersistent) {
+    launch_persistent(kernel, params, Traits::kThreads, kSmemBytes, stream, "hopper attention forward launch");
+  } else {
+    kernel<<<params.tiles.count, Traits::kThreads, kSmemBytes, stream>>>(params);
     check_cuda(cudaGetLastError(), "hopper attention forward launch");
-    return;
   }
-  int device = 0, multiprocessors = 0;
-  check_cuda(cudaGetDevice(&device), "hopper attention forward device");
-  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
-             "hopper attention forward SM count");
-  // The tile counter: allocated, zeroed and freed in stream order on the launch's stream, so
-  // that launches on other streams and graph captures each have their own.
-  check_cuda(cudaMallocAsync(&params.tile_counter, sizeof(int), stream), "hopper attention forward tile counter");
-  check_cuda(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream), "hopper attention forward tile counter");
-  kernel<<<std::min(tiles.count, multiprocessors), Traits::kThreads, kSmemBytes, stream>>>(params);
-  check_cuda(cudaGetLastError(), "hopper attention forward launch");
-  check_cuda(cudaFreeAsync(params.tile_counter, stream), "hopper attention forward tile counter");
 }
 
 template <typename T>

@@ -8,7 +8,7 @@
 // have landed.
 //
 // Structure (3 warpgroups per CTA; a tile is 128 queries of one head of one sequence, and one
-// resident CTA per SM runs tiles in turn, taking each next one from a counter: ForwardTiles;
+// resident CTA per SM runs tiles in turn, taking each next one from a counter: QueryTiles;
 // at head_dim 256 one CTA runs one tile, ForwardTraits::kPersistent):
 //   - warpgroup 0, the producer: one thread issues the TMA loads of Q once per tile and of K
 //     and V per key block into a ring of kStages buffers; a buffer is refilled after both
@@ -147,7 +147,7 @@ struct ForwardTraits : WarpSpecializedCta {
   static constexpr bool kOutputStagedInQ = kD == 256;
   using OutputStagingLayout = std::conditional_t<kOutputStagedInQ, QLayout,
                                                  Layout<Shape<BlockM, HeadDim>, Stride<Int<kD + 8>, _1>>>;
-  // One resident CTA per SM walks the tiles (ForwardTiles), except where O is staged in Q: the
+  // One resident CTA per SM walks the tiles (QueryTiles), except where O is staged in Q: the
   // next tile's Q could load only after the epilogue there, and at head_dim 256 the walk measured
   // 10-12% slower on an H100 (session 11) than one CTA per tile.
   static constexpr bool kPersistent = !kOutputStagedInQ;
@@ -155,6 +155,64 @@ struct ForwardTraits : WarpSpecializedCta {
   using TmaQ = TmaLoad<T, QLayout>;
   using TmaKV = TmaLoad<T, KVLayout>;
 };
+
+// mbarrier parities by use count of a buffer (0, 1, ...): "full" waits for the use's
+// completion; "empty" barriers start in phase 0 with nothing released, so waiting on the
+// phase before it returns at once for the first use.
+__device__ __forceinline__ uint32_t full_parity(int use) { return use & 1; }
+__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
+
+// The tiles of a launch that owns query blocks (the forward, the backward's dQ kernel):
+// (query block, q head, batch), numbered in the order a one-CTA-per-tile grid would start
+// them: a head's query blocks from the last (the longest under a causal mask), then the next
+// head, so that CTAs running together share K and V in L2. A persistent kernel runs tile i on
+// CTA i first, then takes the next unstarted one from a counter: the grid stays as balanced
+// as the hardware's own scheduling, and each CTA's copies of the next tile run under its
+// current tile's last steps and stores.
+struct QueryTiles {
+  int m_blocks = 0;  // query blocks of the longest sequence
+  int heads = 0;
+  int count = 0;
+
+  __device__ int m_block(int index) const { return m_blocks - 1 - index % m_blocks; }
+  __device__ int head(int index) const { return index / m_blocks % heads; }
+  __device__ int batch(int index) const { return index / m_blocks / heads; }
+};
+
+// A persistent CTA's hand-over of tile indices from the producer thread to the consumer
+// warpgroups: two slots, each with a full barrier (the producer's arrival) and an empty one
+// (every consumer thread's, once it has read the index). The n-th index goes through slot n % 2.
+struct TileRing {
+  int index[2];
+  uint64_t full[2], empty[2];
+
+  __device__ void init() {
+    for (int s = 0; s < 2; ++s) {
+      cutlass::arch::ClusterBarrier::init(&full[s], 1);
+      cutlass::arch::ClusterBarrier::init(&empty[s], WarpSpecializedCta::kConsumerThreads);
+    }
+  }
+  __device__ void publish(int n, int value) {
+    cutlass::arch::ClusterBarrier::wait(&empty[n % 2], empty_parity(n / 2));
+    index[n % 2] = value;
+    cutlass::arch::ClusterBarrier::arrive(&full[n % 2]);
+  }
+  __device__ int receive(int n) {
+    cutlass::arch::ClusterBarrier::wait(&full[n % 2], full_parity(n / 2));
+    const int value = index[n % 2];
+    cutlass::arch::ClusterBarrier::arrive(&empty[n % 2]);
+    return value;
+  }
+};
+
+// The thread index read afresh (asm volatile) for each tile of a persistent loop: otherwise the
+// compiler hoists every thread-dependent address of the tile's epilogue out of the loop and
+// keeps them in registers across it (ptxas then spilled up to 1.8 KB in the forward).
+__device__ __forceinline__ int consumer_thread_of_tile() {
+  uint32_t thread;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
+  return static_cast<int>(thread) - 128;
+}
 
 // The output staging tile of its own (ForwardTraits::kOutputStagedInQ false), or nothing.
 template <typename T, typename Traits, bool = Traits::kOutputStagedInQ>
@@ -173,21 +231,7 @@ struct SharedStorage {
   uint64_t q_full, q_empty;
   uint64_t k_full[Traits::kStages], k_empty[Traits::kStages];
   uint64_t v_full[Traits::kStages], v_empty[Traits::kStages];
-  // The producer hands each tile's index to the consumers through a two-slot ring.
-  int tile_index[2];
-  uint64_t tile_full[2], tile_empty[2];
-};
-
-// The launch's tiles (query block, q head, batch), numbered in the order a one-CTA-per-tile
-// grid would start them: a head's query blocks from the last (the longest under a causal
-// mask), then the next head, so that CTAs running together share K and V in L2. A resident
-// CTA runs its blockIdx.x-th tile, then takes the next unstarted one from a counter: the
-// grid stays as balanced as the hardware's own scheduling, and each CTA's copies of the next
-// tile run under its current tile's last blocks and epilogue.
-struct ForwardTiles {
-  int m_blocks = 0;  // query blocks of the longest sequence
-  int heads = 0;
-  int count = 0;
+  TileRing tile_ring;
 };
 
 // One tile's work; empty when its query block lies past its sequence (packed batches: the
@@ -199,11 +243,11 @@ struct TileWork {
 };
 
 template <typename Traits>
-__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, const ForwardTiles& tiles, int index) {
+__device__ __forceinline__ TileWork tile_work(const AttentionParams& p, const QueryTiles& tiles, int index) {
   TileWork work;
-  work.m_block = tiles.m_blocks - 1 - index % tiles.m_blocks;
-  work.head = index / tiles.m_blocks % tiles.heads;
-  work.b = index / tiles.m_blocks / tiles.heads;
+  work.m_block = tiles.m_block(index);
+  work.head = tiles.head(index);
+  work.b = tiles.batch(index);
   const Sequence seq = Sequence::of(p, work.b);
   const int m0 = work.m_block * Traits::kBlockM;
   if (m0 >= seq.seqlen_q) return work;
@@ -214,12 +258,6 @@ __device__ __forceinline__ TileWork tile_work(const AttentionParams& p, const Fo
   return work;
 }
 
-// mbarrier parities by use count of a buffer (0, 1, ...): "full" waits for the use's
-// completion; "empty" barriers start in phase 0 with nothing released, so waiting on the
-// phase before it returns at once for the first use.
-__device__ __forceinline__ uint32_t full_parity(int use) { return use & 1; }
-__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
-
 template <typename T, typename Traits>
 struct ForwardKernelParams {
   AttentionParams p;
@@ -227,7 +265,7 @@ struct ForwardKernelParams {
   typename Traits::TmaKV tma_k;
   typename Traits::TmaKV tma_v;
   GmemShape q_shape, k_shape;  // the coordinate extents the descriptors were built with
-  ForwardTiles tiles;
+  QueryTiles tiles;
   int* tile_counter;  // zero at launch: the tiles handed out after each CTA's first
 };
 
@@ -622,16 +660,13 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Traits>& params,
                                               SharedStorage<T, Traits>& smem) {
-  using cutlass::arch::ClusterBarrier;
   int tiles_run = 0, kv_loads = 0;
   if constexpr (!Traits::kPersistent) {
     const TileWork work = tile_work<Traits>(params.p, params.tiles, blockIdx.x);
     if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run, kv_loads);
   } else {
     for (int n = 0, index = blockIdx.x;; ++n) {
-      ClusterBarrier::wait(&smem.tile_empty[n % 2], empty_parity(n / 2));
-      smem.tile_index[n % 2] = index;
-      ClusterBarrier::arrive(&smem.tile_full[n % 2]);
+      smem.tile_ring.publish(n, index);
       if (index >= params.tiles.count) return;
       const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
       if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run++, kv_loads);
@@ -645,7 +680,6 @@ __device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Trait
 template <typename T, typename Traits>
 __device__ __forceinline__ void consume_tiles(const ForwardKernelParams<T, Traits>& params,
                                               SharedStorage<T, Traits>& smem) {
-  using cutlass::arch::ClusterBarrier;
   const int warpgroup = (threadIdx.x - 128) / 128;
   int tiles_run = 0, kv_loads = 0;
   GemmTurns::begin(warpgroup);
@@ -654,16 +688,10 @@ __device__ __forceinline__ void consume_tiles(const ForwardKernelParams<T, Trait
     if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run, kv_loads, threadIdx.x - 128);
   } else {
     for (int n = 0;; ++n) {
-      ClusterBarrier::wait(&smem.tile_full[n % 2], full_parity(n / 2));
-      const int index = smem.tile_index[n % 2];
-      ClusterBarrier::arrive(&smem.tile_empty[n % 2]);
+      const int index = smem.tile_ring.receive(n);
       if (index >= params.tiles.count) break;
       const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
-      // The thread index read afresh per tile (asm volatile): otherwise the compiler hoists
-      // every thread-dependent address of the epilogue out of the tile loop and spills them.
-      uint32_t thread;
-      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(thread));
-      if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run++, kv_loads, static_cast<int>(thread) - 128);
+      if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run++, kv_loads, consumer_thread_of_tile());
     }
   }
   GemmTurns::end(warpgroup);
@@ -687,10 +715,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ClusterBarrier::init(&smem.k_empty[s], Traits::kConsumerThreads);
       ClusterBarrier::init(&smem.v_empty[s], Traits::kConsumerThreads);
     }
-    for (int s = 0; s < 2; ++s) {
-      ClusterBarrier::init(&smem.tile_full[s], 1);
-      ClusterBarrier::init(&smem.tile_empty[s], Traits::kConsumerThreads);
-    }
+    smem.tile_ring.init();
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -1,9 +1,12 @@
 // Host side shared by the Hopper attention kernels: the (rows, head_dim, heads, batch)
-// global-memory views that their TMA descriptors are built over, and whether the TMA unit
-// can take an operand's strides.
+// global-memory views that their TMA descriptors are built over, whether the TMA unit can
+// take an operand's strides, and the launch of a persistent kernel over QueryTiles.
 #pragma once
 
+#include <algorithm>
+
 #include "kernels/attention/hopper/forward_sm90.cuh"
+#include "kernels/device_utils.cuh"
 
 namespace barqtrain::kernels::attention::hopper {
 
@@ -40,6 +43,34 @@ template <typename T>
 Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(const void* ptr, const GmemShape& shape,
                                                                                  const AttentionStrides& strides) {
   return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), make_layout(shape, tma_strides(strides, shape)));
+}
+
+// The query tiles of these parameters for blocks of block_m queries.
+inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
+  QueryTiles tiles;
+  tiles.m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  tiles.heads = p.q_heads;
+  const int64_t count = int64_t{tiles.m_blocks} * tiles.heads * p.batch;
+  require(count < INT32_MAX / 2, "hopper attention: more than 2^30 query tiles");
+  tiles.count = static_cast<int>(count);
+  return tiles;
+}
+
+// Launches a persistent kernel over params.tiles: one CTA per SM (at most one per tile), whose
+// CTAs take their tiles after the first from params.tile_counter. The counter is 4 bytes
+// allocated, zeroed and freed in stream order on the launch's stream, so that launches on other
+// streams and graph captures each have their own.
+template <typename Params>
+void launch_persistent(void (*kernel)(Params), Params& params, int threads, int smem_bytes, cudaStream_t stream,
+                       const char* what) {
+  int device = 0, multiprocessors = 0;
+  check_cuda(cudaGetDevice(&device), what);
+  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device), what);
+  check_cuda(cudaMallocAsync(&params.tile_counter, sizeof(int), stream), what);
+  check_cuda(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream), what);
+  kernel<<<std::min(params.tiles.count, multiprocessors), threads, smem_bytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), what);
+  check_cuda(cudaFreeAsync(params.tile_counter, stream), what);
 }
 
 }  // namespace barqtrain::kernels::attention::hopper
