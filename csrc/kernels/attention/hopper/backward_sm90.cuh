@@ -24,8 +24,11 @@
 //   throughput against the dK/dV kernel's 7% (ncu; benchmarks/results/2026-11-22-h100-s9).
 //
 // One kernel template serves both CTA roles (kOwnsKeys): a CTA owns 128 rows of one operand
-// pair, loaded once by TMA, and streams 64-row blocks of the other pair through a 2-stage
-// ring. For each streamed block, two SS wgmmas (both operands from shared memory) give the
+// pair, loaded once per tile by TMA, and streams 64-row blocks of the other pair through a
+// 2-stage ring. The dQ role is persistent, as the forward is: one resident CTA per SM runs
+// query tiles in turn (QueryTiles, TileRing), its owned tiles and ring going on across them;
+// a dK/dV CTA runs one tile (its GQA group's queries, ~4x a dQ tile's steps). For each
+// streamed block, two SS wgmmas (both operands from shared memory) give the
 // scores and dP tile of the owned rows, then one or two RS wgmmas (the 16-bit tile from
 // registers, the streamed operand read transposed) accumulate the gradients:
 //
@@ -607,16 +610,16 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   }
 }
 
-// grid_tile: the CTA's one tile where it runs one. The persistent dQ role's tiles after the
+// one_tile: the CTA's tile where it runs one (grid_tile). The persistent dQ role's tiles after the
 // CTA's first come from the counter, handed from the producer thread to the consumers through
 // the tile ring (the last index past the end stops them), as in the forward (produce_tiles /
 // consume_tiles there).
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T, Traits>& params,
-                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& grid_tile) {
+                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& one_tile) {
   int tiles_run = 0, stream_loads = 0;
   if constexpr (!Traits::kPersistent) {
-    if (!grid_tile.empty) produce_tiles<T, Traits>(params, smem, grid_tile, tiles_run, stream_loads);
+    if (!one_tile.empty) produce_tiles<T, Traits>(params, smem, one_tile, tiles_run, stream_loads);
   } else {
     for (int n = 0, index = blockIdx.x;; ++n) {
       smem.tile_ring.publish(n, index);
@@ -631,10 +634,10 @@ __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T
 
 template <typename T, typename Traits>
 __device__ __forceinline__ void consume_owned_tiles(const BackwardKernelParams<T, Traits>& params,
-                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& grid_tile) {
+                                                    BackwardSharedStorage<T, Traits>& smem, const OwnedTile& one_tile) {
   int tiles_run = 0, stream_loads = 0;
   if constexpr (!Traits::kPersistent) {
-    if (!grid_tile.empty) consume<T, Traits>(params.p, smem, grid_tile, tiles_run, stream_loads, threadIdx.x - 128);
+    if (!one_tile.empty) consume<T, Traits>(params.p, smem, one_tile, tiles_run, stream_loads, threadIdx.x - 128);
   } else {
     for (int n = 0;; ++n) {
       const int index = smem.tile_ring.receive(n);
