@@ -50,9 +50,10 @@
 // tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%,
 // 160 and 192 on the 256 tile 37.5% and 25%.
 //
-// Not here: the epilogue through TMA stores (not tried). The persistent walk lost to one CTA
-// per tile until the masked blocks got cheap (per-row ranges) and the tiles were handed out
-// dynamically in the one-CTA-per-tile order (a static schedule left 3% imbalance); NOTES.md.
+// Not here: the epilogue through TMA stores (not tried). Session 7's persistent walk (a static
+// schedule of causal pairs, Q released after the epilogue) gained nothing once the masked blocks
+// got cheap; this one hands the tiles out dynamically in the one-CTA-per-tile order and
+// releases Q after a tile's last S (NOTES.md).
 #pragma once
 
 #include <cute/tensor.hpp>
