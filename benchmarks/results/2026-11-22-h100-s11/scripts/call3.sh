@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, call 3: s11-combined's kernel tests (8 shards at once), backward sanitizers,
+# Session 11, call 3: the combined tree's kernel tests (persistent forward + D in the dQ kernel, e5fcd0e..a6dcec9) (8 shards at once), backward sanitizers,
 # harness A (main) / B (persistent forward) / C (B + the dQ kernel computing D), SDPA.
 cd "$(dirname "$0")" && tar xJf bins.tar.xz
 REPO=$(cd ../.. && pwd)
