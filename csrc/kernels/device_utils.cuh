@@ -36,6 +36,13 @@ inline bool current_device_is_sm90() {
   return major == 9 && minor == 0;
 }
 
+// The SM count of `device`: what persistent grids size themselves by.
+inline int device_multiprocessors(int device) {
+  int count = 0;
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "query SM count");
+  return count;
+}
+
 // The registers a warp-specialized (setmaxnreg) CTA of `threads` threads holds under __launch_bounds__(threads, 1): ptxas
 // gives each thread the most that one CTA per SM allows, 64K / threads rounded down to the
 // allocation unit of 8 (ptxas -v: 168 at 384 threads). setmaxnreg only moves registers

@@ -538,12 +538,6 @@ void dispatch_norm(DType dtype, const RowTiling& tiling, NormKind kind, bool fus
   });
 }
 
-int device_multiprocessors(int device) {
-  int count = 0;
-  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "query SM count");
-  return count;
-}
-
 RowTiling backward_tiling(const NormBackwardParams& p) {
   bool vectorizable = false;
   dispatch_dtype(p.dtype, [&](auto type_tag) {

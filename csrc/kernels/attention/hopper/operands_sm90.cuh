@@ -63,9 +63,9 @@ inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
 template <typename Params>
 void launch_persistent(void (*kernel)(Params), Params& params, int threads, int smem_bytes, cudaStream_t stream,
                        const char* what) {
-  int device = 0, multiprocessors = 0;
+  int device = 0;
   check_cuda(cudaGetDevice(&device), what);
-  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device), what);
+  const int multiprocessors = device_multiprocessors(device);
   check_cuda(cudaMallocAsync(&params.tile_counter, sizeof(int), stream), what);
   check_cuda(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream), what);
   kernel<<<std::min(params.tiles.count, multiprocessors), threads, smem_bytes, stream>>>(params);
