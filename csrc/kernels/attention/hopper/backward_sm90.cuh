@@ -208,12 +208,6 @@ __device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int bl
   return tile;
 }
 
-// The persistent dQ role's tile `index` of QueryTiles.
-template <typename Traits>
-__device__ __forceinline__ OwnedTile query_tile(const AttentionParams& p, const QueryTiles& tiles, int index) {
-  return owned_tile<Traits>(p, tiles.m_block(index), tiles.head(index), tiles.batch(index));
-}
-
 // The CTA's one tile, in a grid of (owned blocks, owned heads, batch). Causal: the first key
 // blocks and the last query blocks see the most rows; those start first.
 template <typename Traits>
@@ -308,7 +302,7 @@ __device__ __forceinline__ void produce_stats(const AttentionParams& p, Backward
   using cutlass::arch::ClusterBarrier;
   for (int step = 0; step < schedule.steps; ++step) {
     const int stage = step % kStages;
-    ClusterBarrier::wait(&smem.stream_empty[stage], empty_parity(step / kStages));
+    ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
     const int head = kv_head * group + schedule.group_member(step);
     const int m0 = schedule.block(step) * kBlockStream;
     for (int r = lane; r < kBlockStream; r += 32) {
@@ -616,8 +610,10 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
   }
 }
 
-// one_tile: the CTA's tile where it runs one (grid_tile). The persistent dQ role walks its tiles
-// as the forward does (walk_tiles_producing / walk_tiles_consuming).
+// one_tile: the CTA's tile where it runs one (grid_tile). The persistent dQ role's tiles after the
+// CTA's first come from the counter, handed from the producer thread to the consumers through
+// the tile ring (the last index past the end stops them), as in the forward (produce_tiles /
+// consume_tiles there).
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T, Traits>& params,
                                                     BackwardSharedStorage<T, Traits>& smem, const OwnedTile& one_tile) {
@@ -625,10 +621,14 @@ __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T
   if constexpr (!Traits::kPersistent) {
     if (!one_tile.empty) produce_tiles<T, Traits>(params, smem, one_tile, tiles_run, stream_loads);
   } else {
-    walk_tiles_producing(smem.tile_ring, params.tiles, params.tile_counter, [&](int index) {
-      const OwnedTile tile = query_tile<Traits>(params.p, params.tiles, index);
+    for (int n = 0, index = blockIdx.x;; ++n) {
+      smem.tile_ring.publish(n, index);
+      if (index >= params.tiles.count) return;
+      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
+                                                params.tiles.batch(index));
       if (!tile.empty) produce_tiles<T, Traits>(params, smem, tile, tiles_run++, stream_loads);
-    });
+      index = atomicAdd(params.tile_counter, 1) + gridDim.x;
+    }
   }
 }
 
@@ -639,10 +639,13 @@ __device__ __forceinline__ void consume_owned_tiles(const BackwardKernelParams<T
   if constexpr (!Traits::kPersistent) {
     if (!one_tile.empty) consume<T, Traits>(params.p, smem, one_tile, tiles_run, stream_loads, threadIdx.x - 128);
   } else {
-    walk_tiles_consuming(smem.tile_ring, params.tiles, [&](int index, int consumer_thread) {
-      const OwnedTile tile = query_tile<Traits>(params.p, params.tiles, index);
-      if (!tile.empty) consume<T, Traits>(params.p, smem, tile, tiles_run++, stream_loads, consumer_thread);
-    });
+    for (int n = 0;; ++n) {
+      const int index = smem.tile_ring.receive(n);
+      if (index >= params.tiles.count) return;
+      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
+                                                params.tiles.batch(index));
+      if (!tile.empty) consume<T, Traits>(params.p, smem, tile, tiles_run++, stream_loads, consumer_thread_of_tile());
+    }
   }
 }
 

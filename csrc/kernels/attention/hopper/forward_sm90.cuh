@@ -215,31 +215,6 @@ __device__ __forceinline__ int consumer_thread_of_tile() {
   return static_cast<int>(thread) - 128;
 }
 
-// A persistent walk over `tiles`, the producer thread's side: it hands each index to the
-// consumers (the last one past the end, which stops them) and calls run(index) below the count.
-// The CTA's first tile is blockIdx.x; each next one comes from the counter, taken once run has
-// issued the tile's loads, while the consumers still have its last steps to run: the counter's
-// round trip hides under them.
-template <typename Run>
-__device__ __forceinline__ void walk_tiles_producing(TileRing& ring, const QueryTiles& tiles, int* counter, Run&& run) {
-  for (int n = 0, index = blockIdx.x;; ++n) {
-    ring.publish(n, index);
-    if (index >= tiles.count) return;
-    run(index);
-    index = atomicAdd(counter, 1) + gridDim.x;
-  }
-}
-
-// The consumers' side: run(index, consumer_thread) for each index the producer hands over.
-template <typename Run>
-__device__ __forceinline__ void walk_tiles_consuming(TileRing& ring, const QueryTiles& tiles, Run&& run) {
-  for (int n = 0;; ++n) {
-    const int index = ring.receive(n);
-    if (index >= tiles.count) return;
-    run(index, consumer_thread_of_tile());
-  }
-}
-
 // The output staging tile of its own (ForwardTraits::kOutputStagedInQ false), or nothing.
 template <typename T, typename Traits, bool = Traits::kOutputStagedInQ>
 struct OutputStagingStorage {
@@ -681,6 +656,8 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
 }
 
 // Both sides walk the same tiles and count the Q buffer's uses and the K/V ring's loads alike.
+// Persistent: the producer hands each tile's index to the consumers through the tile ring
+// (the last one past the end, which stops them) and takes the next from the counter.
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Traits>& params,
                                               SharedStorage<T, Traits>& smem) {
@@ -689,10 +666,15 @@ __device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Trait
     const TileWork work = tile_work<Traits>(params.p, params.tiles, blockIdx.x);
     if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run, kv_loads);
   } else {
-    walk_tiles_producing(smem.tile_ring, params.tiles, params.tile_counter, [&](int index) {
+    for (int n = 0, index = blockIdx.x;; ++n) {
+      smem.tile_ring.publish(n, index);
+      if (index >= params.tiles.count) return;
       const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
       if (!work.empty) produce<T, Traits>(params, smem, work, tiles_run++, kv_loads);
-    });
+      // Taken once this tile's loads are issued, while the consumers still have its last
+      // blocks to run: the counter's round trip hides under them.
+      index = atomicAdd(params.tile_counter, 1) + gridDim.x;
+    }
   }
 }
 
@@ -706,10 +688,12 @@ __device__ __forceinline__ void consume_tiles(const ForwardKernelParams<T, Trait
     const TileWork work = tile_work<Traits>(params.p, params.tiles, blockIdx.x);
     if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run, kv_loads, threadIdx.x - 128);
   } else {
-    walk_tiles_consuming(smem.tile_ring, params.tiles, [&](int index, int consumer_thread) {
+    for (int n = 0;; ++n) {
+      const int index = smem.tile_ring.receive(n);
+      if (index >= params.tiles.count) break;
       const TileWork work = tile_work<Traits>(params.p, params.tiles, index);
-      if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run++, kv_loads, consumer_thread);
-    });
+      if (!work.empty) consume<T, Traits>(params.p, smem, work, tiles_run++, kv_loads, consumer_thread_of_tile());
+    }
   }
   GemmTurns::end(warpgroup);
 }
