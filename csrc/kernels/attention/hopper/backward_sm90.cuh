@@ -54,7 +54,7 @@
 // score GEMMs are issued ahead of step n's gradient GEMMs, and its P and dS are computed while
 // those run. The D128 dK/dV role, short of registers for that, issues its two score GEMMs,
 // waits, computes P and dS, issues the gradient GEMMs and waits. The two consumer warpgroups
-// issue freely: making them take turns (the forward's ping-pong) measured 6-7% slower here.
+// issue freely: making them take turns (the forward's ping-pong) measured 3-7% slower at D64.
 // The gradients leave straight from the accumulator registers (two 16-bit values per 4-byte
 // store).
 //
@@ -98,7 +98,7 @@ struct BackwardTraits : WarpSpecializedCta {
   static constexpr bool kPersistent = !kOwnsKeys;
   // A step's score GEMMs issued ahead of the previous step's gradient GEMMs. S and dP (fp32)
   // then live beside P and dS (16-bit) and the accumulators: at head_dim 128 in the dK/dV role
-  // that is 224 registers of 240 and ptxas spills ~300 bytes, which measured 15-20% slower than
+  // that is 224 registers of 240 and ptxas spills ~300 bytes, which measured 13-19% slower than
   // the unpipelined steps there (H100, session 12); everywhere else it fits and gains 1-4%.
   static constexpr bool kOverlapSteps = !(kOwnsKeys && kD == 128);
 
