@@ -313,7 +313,7 @@ __device__ __forceinline__ void produce_stats(const AttentionParams& p, Backward
   using cutlass::arch::ClusterBarrier;
   for (int step = 0; step < schedule.steps; ++step) {
     const int stage = step % kStages;
-    ClusterBarrier::wait(&smem.stream_empty[stage], ((step / kStages) & 1) ^ 1);
+    ClusterBarrier::wait(&smem.stream_empty[stage], empty_parity(step / kStages));
     const int head = kv_head * group + schedule.group_member(step);
     const int m0 = schedule.block(step) * kBlockStream;
     for (int r = lane; r < kBlockStream; r += 32) {
