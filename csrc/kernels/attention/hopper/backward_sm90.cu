@@ -16,40 +16,38 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
   using Traits = BackwardTraits<T, kHeadDimTile, kOwnsKeys>;
   const GmemShape q_shape = operand_shape(p, /*keys=*/false), k_shape = operand_shape(p, /*keys=*/true);
   const GmemShape owned_shape = kOwnsKeys ? k_shape : q_shape, stream_shape = kOwnsKeys ? q_shape : k_shape;
-  auto owned_tma = [&](const void* ptr, const AttentionStrides& strides) {
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(ptr, owned_shape, strides), typename Traits::OwnedLayout{});
+  // The role's operands (backward_sm90.cuh's table): the dK/dV role owns K and V and streams
+  // Q and dO, the dQ role the reverse; only the dQ role reads O.
+  struct Operand {
+    const void* ptr;
+    AttentionStrides strides;
   };
-  auto stream_tma = [&](const void* ptr, const AttentionStrides& strides) {
-    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(ptr, stream_shape, strides), typename Traits::StreamLayout{});
+  const Operand q{p.q, p.q_strides}, k{p.k, p.k_strides}, v{p.v, p.v_strides}, d_o{p.d_o, p.d_o_strides};
+  auto owned_tma = [&](const Operand& operand) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(operand.ptr, owned_shape, operand.strides),
+                         typename Traits::OwnedLayout{});
+  };
+  auto stream_tma = [&](const Operand& operand) {
+    return make_tma_copy(SM90_TMA_LOAD{}, gmem_view<T>(operand.ptr, stream_shape, operand.strides),
+                         typename Traits::StreamLayout{});
   };
   auto out_tma = [&] {
     if constexpr (kOwnsKeys) {
       return NoOperand{};
     } else {
-      return owned_tma(p.o, p.o_strides);
+      return owned_tma(Operand{p.o, p.o_strides});
     }
   };
-  BackwardKernelParams<T, Traits> params =
-      kOwnsKeys ? BackwardKernelParams<T, Traits>{p,
-                                                  owned_tma(p.k, p.k_strides),
-                                                  owned_tma(p.v, p.v_strides),
-                                                  stream_tma(p.q, p.q_strides),
-                                                  stream_tma(p.d_o, p.d_o_strides),
-                                                  owned_shape,
-                                                  stream_shape,
-                                                  out_tma(),
-                                                  QueryTiles{},
-                                                  nullptr}
-                : BackwardKernelParams<T, Traits>{p,
-                                                  owned_tma(p.q, p.q_strides),
-                                                  owned_tma(p.d_o, p.d_o_strides),
-                                                  stream_tma(p.k, p.k_strides),
-                                                  stream_tma(p.v, p.v_strides),
-                                                  owned_shape,
-                                                  stream_shape,
-                                                  out_tma(),
-                                                  query_tiles(p, Traits::kBlockOwned),
-                                                  nullptr};
+  BackwardKernelParams<T, Traits> params{p,
+                                         owned_tma(kOwnsKeys ? k : q),
+                                         owned_tma(kOwnsKeys ? v : d_o),
+                                         stream_tma(kOwnsKeys ? q : k),
+                                         stream_tma(kOwnsKeys ? d_o : v),
+                                         owned_shape,
+                                         stream_shape,
+                                         out_tma(),
+                                         kOwnsKeys ? QueryTiles{} : query_tiles(p, Traits::kBlockOwned),
+                                         nullptr};
 
   auto kernel = attention_backward_sm90_kernel<T, Traits>;
   constexpr int kSmemBytes = sizeof(BackwardSharedStorage<T, Traits>);
