@@ -78,9 +78,6 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   const AttentionParams hopper_view = attention::as_rotated_ahead(p);
   [[maybe_unused]] const bool hopper = attention::backward_runs_on_hopper(hopper_view);
   if (p.batch == 0) return;
-  const int64_t items = p.q_rows * p.q_heads;
-  const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
-  require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
 #if BARQTRAIN_HOPPER_KERNELS
@@ -91,6 +88,10 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
       return;
     }
 #endif
+    // The general path's rowsum(dO * O); the Hopper dQ kernel computes its own.
+    const int64_t items = p.q_rows * p.q_heads;
+    const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
+    require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
     if (items > 0) {
       attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
       check_cuda(cudaGetLastError(), "attention backward rowsum launch");
