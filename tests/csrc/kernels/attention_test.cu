@@ -551,9 +551,6 @@ std::vector<AttentionCase> hopper_feature_cases() {
   return cases;
 }
 
-// Every case above the Hopper forward covers, plus longer ones that go around its K/V
-// buffer ring many times (causal and full, both head dims, GQA, a ragged last block) and the
-// longer feature cases (forward only: the backward list runs them on the Hopper backward).
 // More query tiles than an H100 has SMs (132), so that each resident CTA of the persistent
 // forward and dQ kernels runs several: the owned buffers, the streamed ring and (forward) the
 // turn-taking go on across tiles; the packed case's CTAs skip the tiles past their short
@@ -588,6 +585,10 @@ std::vector<AttentionCase> hopper_many_tile_cases() {
   return cases;
 }
 
+// Every case above the Hopper forward covers, plus longer ones that go around its K/V
+// buffer ring many times (causal and full, both head dims, GQA, a ragged last block) and the
+// longer feature cases (forward only: the backward list runs them on the Hopper backward), and
+// the many-tile cases.
 std::vector<AttentionCase> hopper_cases() {
   std::vector<AttentionCase> cases;
   for (AttentionCase c : all_cases()) {
