@@ -25,7 +25,7 @@
 //
 // One kernel template serves both CTA roles (kOwnsKeys): a CTA owns 128 rows of one operand
 // pair, loaded once per tile by TMA, and streams 64-row blocks of the other pair through a
-// 2-stage ring. The dQ role is persistent, as the forward is: one resident CTA per SM runs
+// 3-stage ring. The dQ role is persistent, as the forward is: one resident CTA per SM runs
 // query tiles in turn (QueryTiles, TileRing), its owned tiles and ring going on across them;
 // a dK/dV CTA runs one tile (its GQA group's queries, ~4x a dQ tile's steps). For each
 // streamed block, two SS wgmmas (both operands from shared memory) give the
@@ -219,11 +219,25 @@ __device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int bl
   return tile;
 }
 
-// The CTA's one tile, in a grid of (owned blocks, owned heads, batch). Causal: the first key
-// blocks and the last query blocks see the most rows; those start first.
+// The dK/dV CTA's one tile, in a grid of (key blocks, kv heads, batch) whose CTAs the hardware
+// starts in linear order as SMs free up. Under a causal mask without a window key block j sees
+// the queries from its own on, so a tile's steps fall with j: the linear order then takes the
+// key block first (every head's block 0, then every head's block 1, ...) and the longest tiles
+// start first. Taking the heads in turn left the last heads' longest tiles to start when most
+// CTAs had finished: the SMs were busy 87% of the kernel's cycles, against 98% in this order
+// (ncu, B4 S4096 H32/8 D128 causal, session 13). Otherwise, where the tiles are alike, a head's
+// key blocks run together and share its queries in L2 (the key block first measured 3.5%
+// slower under a full mask).
 template <typename Traits>
 __device__ __forceinline__ OwnedTile grid_tile(const AttentionParams& p) {
-  return owned_tile<Traits>(p, Traits::kOwnsKeys ? blockIdx.x : gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z);
+  static_assert(Traits::kOwnsKeys, "the dQ role is persistent");
+  const bool longest_first = p.causal && p.window_left < 0;
+  if (!longest_first) return owned_tile<Traits>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  const int64_t linear = blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+  const int heads_and_batches = gridDim.y * gridDim.z;
+  const int head_and_batch = static_cast<int>(linear % heads_and_batches);
+  return owned_tile<Traits>(p, static_cast<int>(linear / heads_and_batches), head_and_batch % gridDim.y,
+                            head_and_batch / gridDim.y);
 }
 
 // The producer's TMA thread, for one owned tile: its owned tiles (dQ role: with O), then both
@@ -713,7 +727,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<BackwardSharedStorage<T, Traits>*>(smem_raw);
-  const OwnedTile tile = Traits::kPersistent ? OwnedTile{} : grid_tile<Traits>(params.p);
+  OwnedTile tile;
+  if constexpr (!Traits::kPersistent) tile = grid_tile<Traits>(params.p);
 
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
