@@ -169,6 +169,7 @@ struct BackwardKernelParams {
   std::conditional_t<Traits::kOwnsKeys, NoOperand, typename Traits::TmaOwned> tma_owned_out;
   QueryTiles tiles;   // the persistent dQ role's tiles
   int* tile_counter;  // zero at launch (launch_persistent)
+  bool longest_first;  // the dK/dV grid's launch order (grid_tile)
 };
 
 // The streamed blocks of one CTA, in the order producer and consumers both walk them.
@@ -220,19 +221,15 @@ __device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int bl
 }
 
 // The dK/dV CTA's one tile, in a grid of (key blocks, kv heads, batch) whose CTAs the hardware
-// starts in linear order as SMs free up. Under a causal mask without a window key block j sees
-// the queries from its own on, so a tile's steps fall with j: the linear order then takes the
-// key block first (every head's block 0, then every head's block 1, ...) and the longest tiles
-// start first. Taking the heads in turn left the last heads' longest tiles to start when most
-// CTAs had finished: the SMs were busy 87% of the kernel's cycles, against 98% in this order
-// (ncu, B4 S4096 H32/8 D128 causal, session 13). Otherwise, where the tiles are alike, a head's
-// key blocks run together and share its queries in L2 (the key block first measured 3.5%
-// slower under a full mask).
-template <typename Traits>
-__device__ __forceinline__ OwnedTile grid_tile(const AttentionParams& p) {
+// starts in linear order as SMs free up: a head's key blocks one after another (they share the
+// head's queries in L2), or, with longest_first (launch_role says when), the key block first
+// (every head's block 0, then every head's block 1, ...): under a causal mask key block j sees
+// the queries from its own on, so the longest tiles then start first.
+template <typename T, typename Traits>
+__device__ __forceinline__ OwnedTile grid_tile(const BackwardKernelParams<T, Traits>& params) {
   static_assert(Traits::kOwnsKeys, "the dQ role is persistent");
-  const bool longest_first = p.causal && p.window_left < 0;
-  if (!longest_first) return owned_tile<Traits>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  const AttentionParams& p = params.p;
+  if (!params.longest_first) return owned_tile<Traits>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   const int64_t linear = blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
   const int heads_and_batches = gridDim.y * gridDim.z;
   const int head_and_batch = static_cast<int>(linear % heads_and_batches);
@@ -728,7 +725,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<BackwardSharedStorage<T, Traits>*>(smem_raw);
   OwnedTile tile;
-  if constexpr (!Traits::kPersistent) tile = grid_tile<Traits>(params.p);
+  if constexpr (!Traits::kPersistent) tile = grid_tile(params);
 
   const int warp = threadIdx.x / 32;
   if (threadIdx.x == 0) {
