@@ -2,7 +2,8 @@
 # build.sh TREE OUT_BINARY [CUTLASS_INCLUDE]: attention_harness.cu against TREE's attention
 # kernels, for sm_90a, here (nvcc, no GPU needed), so that the device's minutes go to running
 # them. With CUTLASS_INCLUDE the Hopper kernels are built in; without, the general kernels
-# alone (run those with --general). JOBS nvcc at a time.
+# alone (run those with --general). JOBS nvcc at a time. compare.sh runs the binaries side by
+# side on the GPU machine; scripts/kernel_tests_sharded.sh runs a carried kernel test binary.
 set -e
 HERE=$(cd "$(dirname "$0")" && pwd)
 TREE=$1; BIN=$2; CUTLASS_INCLUDE=${3:-}; OBJ=$(mktemp -d)
