@@ -50,6 +50,7 @@ inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
   QueryTiles tiles;
   tiles.m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   tiles.heads = p.q_heads;
+  tiles.group = p.q_heads / p.kv_heads;
   const int64_t count = int64_t{tiles.m_blocks} * tiles.heads * p.batch;
   require(count < INT32_MAX / 2, "hopper attention: more than 2^30 query tiles");
   tiles.count = static_cast<int>(count);
