@@ -220,21 +220,28 @@ __device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int bl
   return tile;
 }
 
-// The dK/dV CTA's one tile, in a grid of (key blocks, kv heads, batch) whose CTAs the hardware
+// The dK/dV tile of CTA `cta` in a grid of (key blocks, kv heads, batch) whose CTAs the hardware
 // starts in linear order as SMs free up: a head's key blocks one after another (they share the
 // head's queries in L2), or, with longest_first (launch_role says when), the key block first
 // (every head's block 0, then every head's block 1, ...): under a causal mask key block j sees
 // the queries from its own on, so the longest tiles then start first.
+struct KeyTile {
+  int block, head, batch;
+};
+CUTE_HOST_DEVICE KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool longest_first) {
+  if (!longest_first) return {static_cast<int>(cta.x), static_cast<int>(cta.y), static_cast<int>(cta.z)};
+  const int64_t linear = cta.x + int64_t{grid.x} * (cta.y + int64_t{grid.y} * cta.z);
+  const int heads_and_batches = static_cast<int>(grid.y * grid.z);
+  const int head_and_batch = static_cast<int>(linear % heads_and_batches);
+  return {static_cast<int>(linear / heads_and_batches), head_and_batch % static_cast<int>(grid.y),
+          head_and_batch / static_cast<int>(grid.y)};
+}
+
 template <typename T, typename Traits>
 __device__ __forceinline__ OwnedTile grid_tile(const BackwardKernelParams<T, Traits>& params) {
   static_assert(Traits::kOwnsKeys, "the dQ role is persistent");
-  const AttentionParams& p = params.p;
-  if (!params.longest_first) return owned_tile<Traits>(p, blockIdx.x, blockIdx.y, blockIdx.z);
-  const int64_t linear = blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-  const int heads_and_batches = gridDim.y * gridDim.z;
-  const int head_and_batch = static_cast<int>(linear % heads_and_batches);
-  return owned_tile<Traits>(p, static_cast<int>(linear / heads_and_batches), head_and_batch % gridDim.y,
-                            head_and_batch / gridDim.y);
+  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, params.longest_first);
+  return owned_tile<Traits>(params.p, tile.block, tile.head, tile.batch);
 }
 
 // The producer's TMA thread, for one owned tile: its owned tiles (dQ role: with O), then both

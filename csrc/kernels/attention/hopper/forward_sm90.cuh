@@ -178,9 +178,9 @@ struct QueryTiles {
   int group = 1;     // q heads per kv head
   int count = 0;
 
-  __device__ int m_block(int index) const { return m_blocks - 1 - index / group % m_blocks; }
-  __device__ int head(int index) const { return index / (m_blocks * group) * group % heads + index % group; }
-  __device__ int batch(int index) const { return index / (m_blocks * heads); }
+  CUTE_HOST_DEVICE int m_block(int index) const { return m_blocks - 1 - index / group % m_blocks; }
+  CUTE_HOST_DEVICE int head(int index) const { return index / (m_blocks * group) * group % heads + index % group; }
+  CUTE_HOST_DEVICE int batch(int index) const { return index / (m_blocks * heads); }
 };
 
 // A persistent CTA's hand-over of tile indices from the producer thread to the consumer
