@@ -1,0 +1,103 @@
+// The orders in which the Hopper attention kernels take their tiles, checked on the host (no
+// GPU): the persistent forward's and dQ kernel's QueryTiles, and the dK/dV grid's
+// key_tile_of_cta. A wrong order would skip a tile or run one twice (wrong gradients), or lose
+// the balance and L2 sharing it was chosen for (slower, and nothing else would show it).
+#if BARQTRAIN_HOPPER_KERNELS
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels/attention/hopper/backward_sm90.cuh"
+#include "kernels/attention/hopper/forward_sm90.cuh"
+
+namespace barqtrain::testing {
+namespace {
+
+namespace hopper = barqtrain::kernels::attention::hopper;
+
+struct QueryTilesCase {
+  int m_blocks, q_heads, kv_heads, batch;
+};
+
+class QueryTilesOrder : public ::testing::TestWithParam<QueryTilesCase> {};
+
+// Every (query block, q head, batch) once; the CTAs of one GQA group's query block adjacent (they
+// read the same K and V); within a group the query blocks from the last (the longest under a
+// causal mask), and the groups one after another.
+TEST_P(QueryTilesOrder, EachTileOnceAGroupAtATimeLongestFirst) {
+  const QueryTilesCase c = GetParam();
+  hopper::QueryTiles tiles;
+  tiles.m_blocks = c.m_blocks;
+  tiles.heads = c.q_heads;
+  tiles.group = c.q_heads / c.kv_heads;
+  tiles.count = c.m_blocks * c.q_heads * c.batch;
+  std::vector<int> seen(tiles.count, 0);
+  for (int index = 0; index < tiles.count; ++index) {
+    const int m = tiles.m_block(index), head = tiles.head(index), b = tiles.batch(index);
+    ASSERT_TRUE(m >= 0 && m < c.m_blocks && head >= 0 && head < c.q_heads && b >= 0 && b < c.batch) << index;
+    ++seen[(b * c.q_heads + head) * c.m_blocks + m];
+    const int group_of_index = index / (c.m_blocks * tiles.group);
+    ASSERT_EQ(b * c.kv_heads + head / tiles.group, group_of_index) << "index " << index << " left its group";
+    ASSERT_EQ(m, c.m_blocks - 1 - index / tiles.group % c.m_blocks) << index;
+    ASSERT_EQ(head % tiles.group, index % tiles.group) << "the group's heads take turns, index " << index;
+  }
+  for (int tile = 0; tile < tiles.count; ++tile) ASSERT_EQ(seen[tile], 1) << "tile " << tile;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, QueryTilesOrder,
+                         ::testing::Values(QueryTilesCase{32, 32, 8, 4},    // GQA 4
+                                           QueryTilesCase{7, 4, 4, 3},      // MHA
+                                           QueryTilesCase{5, 6, 1, 2},      // MQA
+                                           QueryTilesCase{1, 28, 4, 1},     // one block, GQA 7
+                                           QueryTilesCase{128, 32, 8, 1}),  // S16384
+                         [](const auto& info) {
+                           const QueryTilesCase& c = info.param;
+                           return "m" + std::to_string(c.m_blocks) + "_h" + std::to_string(c.q_heads) + "_kv" +
+                                  std::to_string(c.kv_heads) + "_b" + std::to_string(c.batch);
+                         });
+
+class KeyTileOrder : public ::testing::TestWithParam<std::tuple<dim3, bool>> {};
+
+// Every (key block, kv head, batch) once over the grid; in launch (linear) order, head after
+// head keeps a head's key blocks together, longest first takes the key blocks in ascending order
+// (the longest under a causal mask first) across every head and batch.
+TEST_P(KeyTileOrder, EachTileOnceInLaunchOrder) {
+  const auto [grid, longest_first] = GetParam();
+  std::vector<int> seen(grid.x * grid.y * grid.z, 0);
+  int previous_block = -1;
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {  // the hardware's linear order
+        const hopper::KeyTile tile = hopper::key_tile_of_cta(dim3(x, y, z), grid, longest_first);
+        ASSERT_TRUE(tile.block >= 0 && tile.block < static_cast<int>(grid.x) && tile.head >= 0 &&
+                    tile.head < static_cast<int>(grid.y) && tile.batch >= 0 && tile.batch < static_cast<int>(grid.z));
+        ++seen[(tile.batch * grid.y + tile.head) * grid.x + tile.block];
+        if (longest_first) {
+          ASSERT_GE(tile.block, previous_block) << "CTA (" << x << ", " << y << ", " << z << ")";
+          previous_block = tile.block;
+        } else {
+          ASSERT_EQ(tile.block, static_cast<int>(x));
+          ASSERT_EQ(tile.head, static_cast<int>(y));
+          ASSERT_EQ(tile.batch, static_cast<int>(z));
+        }
+      }
+    }
+  }
+  for (size_t tile = 0; tile < seen.size(); ++tile) ASSERT_EQ(seen[tile], 1) << "tile " << tile;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, KeyTileOrder,
+                         ::testing::Combine(::testing::Values(dim3(32, 8, 4), dim3(1, 1, 1), dim3(5, 3, 2),
+                                                              dim3(64, 1, 7)),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           const dim3 grid = std::get<0>(info.param);
+                           return std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" + std::to_string(grid.z) +
+                                  (std::get<1>(info.param) ? "_longest_first" : "_head_after_head");
+                         });
+
+}  // namespace
+}  // namespace barqtrain::testing
+#endif  // BARQTRAIN_HOPPER_KERNELS
