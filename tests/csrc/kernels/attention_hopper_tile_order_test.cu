@@ -5,6 +5,7 @@
 #if BARQTRAIN_HOPPER_KERNELS
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -20,6 +21,9 @@ namespace hopper = barqtrain::kernels::attention::hopper;
 struct QueryTilesCase {
   int m_blocks, q_heads, kv_heads, batch;
 };
+void PrintTo(const QueryTilesCase& c, std::ostream* os) {
+  *os << c.m_blocks << " query blocks, " << c.q_heads << "/" << c.kv_heads << " heads, batch " << c.batch;
+}
 
 class QueryTilesOrder : public ::testing::TestWithParam<QueryTilesCase> {};
 
