@@ -67,7 +67,8 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
     // causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3% at D128
     // and D64. Head after head measured better for H32/32 (tiles a quarter as long: 454 against
     // 431 TFLOP/s forward+backward), B1 S16384 (128 key blocks: one head's fill the SMs; by
-    // 0.5-1%), full masks and windows (tiles alike; by 3.5%).
+    // 0.5-1%) and full masks (tiles alike; by 3.5%). It stays for windows too, whose tiles are
+    // alike as well (not measured).
     params.longest_first = p.causal && p.window_left < 0 && p.q_heads > p.kv_heads &&
                            2 * key_blocks <= device_multiprocessors(device);
     const dim3 grid(key_blocks, p.kv_heads, p.batch);

@@ -52,8 +52,8 @@
 //
 // Not here: the epilogue through TMA stores (not tried). Session 7's persistent walk (a static
 // schedule of causal pairs, Q released after the epilogue) gained nothing once the masked blocks
-// got cheap; this one hands the tiles out dynamically in the one-CTA-per-tile order and
-// releases Q after a tile's last S (NOTES.md).
+// got cheap; this one hands the tiles out dynamically in QueryTiles' order and releases Q
+// after a tile's last S (NOTES.md).
 #pragma once
 
 #include <cute/tensor.hpp>
