@@ -237,6 +237,12 @@ CUTE_HOST_DEVICE KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool longest_first
           head_and_batch / static_cast<int>(grid.y)};
 }
 
+// The persistent dQ role's tile `index` of QueryTiles.
+template <typename Traits>
+__device__ __forceinline__ OwnedTile query_tile(const AttentionParams& p, const QueryTiles& tiles, int index) {
+  return owned_tile<Traits>(p, tiles.m_block(index), tiles.head(index), tiles.batch(index));
+}
+
 template <typename T, typename Traits>
 __device__ __forceinline__ OwnedTile grid_tile(const BackwardKernelParams<T, Traits>& params) {
   static_assert(Traits::kOwnsKeys, "the dQ role is persistent");
@@ -698,8 +704,7 @@ __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T
     for (int n = 0, index = blockIdx.x;; ++n) {
       smem.tile_ring.publish(n, index);
       if (index >= params.tiles.count) return;
-      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
-                                                params.tiles.batch(index));
+      const OwnedTile tile = query_tile<Traits>(params.p, params.tiles, index);
       if (!tile.empty) produce_tiles<T, Traits>(params, smem, tile, tiles_run++, stream_loads);
       index = atomicAdd(params.tile_counter, 1) + gridDim.x;
     }
@@ -716,8 +721,7 @@ __device__ __forceinline__ void consume_owned_tiles(const BackwardKernelParams<T
     for (int n = 0;; ++n) {
       const int index = smem.tile_ring.receive(n);
       if (index >= params.tiles.count) return;
-      const OwnedTile tile = owned_tile<Traits>(params.p, params.tiles.m_block(index), params.tiles.head(index),
-                                                params.tiles.batch(index));
+      const OwnedTile tile = query_tile<Traits>(params.p, params.tiles, index);
       if (!tile.empty) consume<T, Traits>(params.p, smem, tile, tiles_run++, stream_loads, consumer_thread_of_tile());
     }
   }
