@@ -693,7 +693,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, BackwardShared
 // one_tile: the CTA's tile where it runs one (grid_tile). The persistent dQ role's tiles after the
 // CTA's first come from the counter, handed from the producer thread to the consumers through
 // the tile ring (the last index past the end stops them), as in the forward (produce_tiles /
-// consume_tiles there).
+// consume_tiles there, which say why the walk is written out twice).
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_owned_tiles(const BackwardKernelParams<T, Traits>& params,
                                                     BackwardSharedStorage<T, Traits>& smem, const OwnedTile& one_tile) {
