@@ -60,17 +60,8 @@ void launch_role(const AttentionParams& p, cudaStream_t stream) {
     const int key_blocks = (p.seqlen_k + Traits::kBlockOwned - 1) / Traits::kBlockOwned;
     int device = 0;
     check_cuda(cudaGetDevice(&device), role);
-    // grid_tile's order. Taken head after head, the last heads' longest tiles start when most
-    // CTAs have finished: a long tail where a tile walks several q heads (GQA) and one wave of
-    // CTAs holds the key blocks of two heads or more. There the longest tiles go first, at the
-    // price of the L2 sharing of a head's queries. H100, session 13 (NOTES.md): B4 S4096 H32/8
-    // causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3% at D128
-    // and D64. Head after head measured better for H32/32 (tiles a quarter as long: 454 against
-    // 431 TFLOP/s forward+backward), B1 S16384 (128 key blocks: one head's fill the SMs; by
-    // 0.5-1%) and full masks (tiles alike; by 3.5%). It stays for windows too, whose tiles are
-    // alike as well (not measured).
-    params.longest_first = p.causal && p.window_left < 0 && p.q_heads > p.kv_heads &&
-                           2 * key_blocks <= device_multiprocessors(device);
+    // grid_tile's order (tile_order.cuh): one CTA per SM runs at a time.
+    params.longest_first = key_tiles_longest_first(p, key_blocks, device_multiprocessors(device));
     const dim3 grid(key_blocks, p.kv_heads, p.batch);
     kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(params);
     check_cuda(cudaGetLastError(), role);

@@ -220,23 +220,6 @@ __device__ __forceinline__ OwnedTile owned_tile(const AttentionParams& p, int bl
   return tile;
 }
 
-// The dK/dV tile of CTA `cta` in a grid of (key blocks, kv heads, batch) whose CTAs the hardware
-// starts in linear order as SMs free up: a head's key blocks one after another (they share the
-// head's queries in L2), or, with longest_first (launch_role says when), the key block first
-// (every head's block 0, then every head's block 1, ...): under a causal mask key block j sees
-// the queries from its own on, so the longest tiles then start first.
-struct KeyTile {
-  int block, head, batch;
-};
-CUTE_HOST_DEVICE KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool longest_first) {
-  if (!longest_first) return {static_cast<int>(cta.x), static_cast<int>(cta.y), static_cast<int>(cta.z)};
-  const int64_t linear = cta.x + int64_t{grid.x} * (cta.y + int64_t{grid.y} * cta.z);
-  const int heads_and_batches = static_cast<int>(grid.y * grid.z);
-  const int head_and_batch = static_cast<int>(linear % heads_and_batches);
-  return {static_cast<int>(linear / heads_and_batches), head_and_batch % static_cast<int>(grid.y),
-          head_and_batch / static_cast<int>(grid.y)};
-}
-
 // The persistent dQ role's tile `index` of QueryTiles.
 template <typename Traits>
 __device__ __forceinline__ OwnedTile query_tile(const AttentionParams& p, const QueryTiles& tiles, int index) {

@@ -69,6 +69,7 @@
 #include "kernels/attention/masking.cuh"
 #include "kernels/cutlass_element.cuh"
 #include "kernels/attention/params.h"
+#include "kernels/attention/tile_order.cuh"
 #include "kernels/device_utils.cuh"
 
 namespace barqtrain::kernels::attention::hopper {
@@ -162,26 +163,6 @@ struct ForwardTraits : WarpSpecializedCta {
 // phase before it returns at once for the first use.
 __device__ __forceinline__ uint32_t full_parity(int use) { return use & 1; }
 __device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
-
-// The tiles of a launch that owns query blocks (the forward, the backward's dQ kernel):
-// (query block, q head, batch), numbered a GQA group after another: within a group, query
-// blocks from the last (the longest under a causal mask), the group's q heads in turn at each,
-// so that CTAs running together share the group's K and V in L2 and the last tiles to start
-// are short ones. Taken a head after another, the last head's longest tile started when little
-// else was left: the SMs idled 4% of the forward's and the dQ kernel's cycles, against under 1%
-// now (ncu, B4 S4096 H32/8 D128 causal, session 13). A persistent kernel runs tile i on CTA i
-// first, then takes the next unstarted one from a counter, and each CTA's copies of the next
-// tile run under its current tile's last steps and stores.
-struct QueryTiles {
-  int m_blocks = 0;  // query blocks of the longest sequence
-  int heads = 0;     // q heads
-  int group = 1;     // q heads per kv head
-  int count = 0;
-
-  CUTE_HOST_DEVICE int m_block(int index) const { return m_blocks - 1 - index / group % m_blocks; }
-  CUTE_HOST_DEVICE int head(int index) const { return index / (m_blocks * group) * group % heads + index % group; }
-  CUTE_HOST_DEVICE int batch(int index) const { return index / (m_blocks * heads); }
-};
 
 // A persistent CTA's hand-over of tile indices from the producer thread to the consumer
 // warpgroups: two slots, each with a full barrier (the producer's arrival) and an empty one

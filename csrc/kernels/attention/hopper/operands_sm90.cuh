@@ -45,18 +45,6 @@ Tensor<ViewEngine<gmem_ptr<const T*>>, Layout<GmemShape, GmemStride>> gmem_view(
   return make_tensor(make_gmem_ptr(static_cast<const T*>(ptr)), make_layout(shape, tma_strides(strides, shape)));
 }
 
-// The query tiles of these parameters for blocks of block_m queries.
-inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
-  QueryTiles tiles;
-  tiles.m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-  tiles.heads = p.q_heads;
-  tiles.group = p.q_heads / p.kv_heads;
-  const int64_t count = int64_t{tiles.m_blocks} * tiles.heads * p.batch;
-  require(count < INT32_MAX / 2, "hopper attention: more than 2^30 query tiles");
-  tiles.count = static_cast<int>(count);
-  return tiles;
-}
-
 // Launches a persistent kernel over params.tiles: one CTA per SM (at most one per tile), whose
 // CTAs take their tiles after the first from params.tile_counter. The counter is 4 bytes
 // allocated, zeroed and freed in stream order on the launch's stream, so that launches on other

@@ -1,8 +1,8 @@
-// The orders in which the Hopper attention kernels take their tiles, checked on the host (no
-// GPU): the persistent forward's and dQ kernel's QueryTiles, and the dK/dV grid's
-// key_tile_of_cta. A wrong order would skip a tile or run one twice (wrong gradients), or lose
-// the balance and L2 sharing it was chosen for (slower, and nothing else would show it).
-#if BARQTRAIN_HOPPER_KERNELS
+// The orders in which the attention kernels take their tiles (tile_order.cuh), checked on the
+// host (no GPU): the forwards' and dQ kernels' QueryTiles, the dK/dV grids' key_tile_of_cta
+// and the rule that picks its order. A wrong order would skip a tile or run one twice (wrong
+// gradients), or lose the balance and L2 sharing it was chosen for (slower, and nothing else
+// would show it).
 #include <gtest/gtest.h>
 
 #include <ostream>
@@ -10,13 +10,12 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/attention/hopper/backward_sm90.cuh"
-#include "kernels/attention/hopper/forward_sm90.cuh"
+#include "kernels/attention/tile_order.cuh"
 
 namespace barqtrain::testing {
 namespace {
 
-namespace hopper = barqtrain::kernels::attention::hopper;
+namespace attention = barqtrain::kernels::attention;
 
 struct QueryTilesCase {
   int m_blocks, q_heads, kv_heads, batch;
@@ -32,11 +31,14 @@ class QueryTilesOrder : public ::testing::TestWithParam<QueryTilesCase> {};
 // causal mask), and the groups one after another.
 TEST_P(QueryTilesOrder, EachTileOnceAGroupAtATimeLongestFirst) {
   const QueryTilesCase c = GetParam();
-  hopper::QueryTiles tiles;
-  tiles.m_blocks = c.m_blocks;
-  tiles.heads = c.q_heads;
-  tiles.group = c.q_heads / c.kv_heads;
-  tiles.count = c.m_blocks * c.q_heads * c.batch;
+  kernels::AttentionParams p;
+  p.seqlen_q = c.m_blocks * 64 - 5;  // the last block partly filled
+  p.q_heads = c.q_heads;
+  p.kv_heads = c.kv_heads;
+  p.batch = c.batch;
+  const attention::QueryTiles tiles = attention::query_tiles(p, 64);
+  ASSERT_EQ(tiles.m_blocks, c.m_blocks);
+  ASSERT_EQ(tiles.count, c.m_blocks * c.q_heads * c.batch);
   std::vector<int> seen(tiles.count, 0);
   for (int index = 0; index < tiles.count; ++index) {
     const int m = tiles.m_block(index), head = tiles.head(index), b = tiles.batch(index);
@@ -74,7 +76,7 @@ TEST_P(KeyTileOrder, EachTileOnceInLaunchOrder) {
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {  // the hardware's linear order
-        const hopper::KeyTile tile = hopper::key_tile_of_cta(dim3(x, y, z), grid, longest_first);
+        const attention::KeyTile tile = attention::key_tile_of_cta(dim3(x, y, z), grid, longest_first);
         ASSERT_TRUE(tile.block >= 0 && tile.block < static_cast<int>(grid.x) && tile.head >= 0 &&
                     tile.head < static_cast<int>(grid.y) && tile.batch >= 0 && tile.batch < static_cast<int>(grid.z));
         ++seen[(tile.batch * grid.y + tile.head) * grid.x + tile.block];
@@ -102,6 +104,27 @@ INSTANTIATE_TEST_SUITE_P(Cases, KeyTileOrder,
                                   (std::get<1>(info.param) ? "_longest_first" : "_head_after_head");
                          });
 
+// The dK/dV grid takes key blocks first only where head after head leaves a tail: causal
+// without a window (tiles of different lengths), GQA (long tiles), and at most half as many key
+// blocks per head as CTAs run at once (otherwise one head's blocks fill the GPU).
+TEST(KeyTileOrder, LongestFirstOnlyWhereTheTilesDifferAndAHeadLeavesRoom) {
+  kernels::AttentionParams p;
+  p.causal = true;
+  p.q_heads = 32;
+  p.kv_heads = 8;
+  EXPECT_TRUE(attention::key_tiles_longest_first(p, 64, 264));   // sm_80 kernels on an H100, S4096
+  EXPECT_TRUE(attention::key_tiles_longest_first(p, 32, 64));    // exactly half
+  EXPECT_FALSE(attention::key_tiles_longest_first(p, 33, 64));
+  EXPECT_FALSE(attention::key_tiles_longest_first(p, 128, 132));  // Hopper, S16384
+  p.kv_heads = 32;
+  EXPECT_FALSE(attention::key_tiles_longest_first(p, 64, 264));  // no GQA
+  p.kv_heads = 8;
+  p.window_left = 4095;
+  EXPECT_FALSE(attention::key_tiles_longest_first(p, 64, 264));  // sliding window
+  p.window_left = -1;
+  p.causal = false;
+  EXPECT_FALSE(attention::key_tiles_longest_first(p, 64, 264));  // full mask
+}
+
 }  // namespace
 }  // namespace barqtrain::testing
-#endif  // BARQTRAIN_HOPPER_KERNELS
