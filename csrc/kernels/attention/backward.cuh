@@ -2,11 +2,12 @@
 // one CTA in a fixed order.
 //
 //   1. attention_dot_kernel: D = rowsum(dO * O) per query row and head (fp32).
-//   2. attention_dkdv_kernel: a CTA owns a block of keys of one kv head; it loops over the
-//      q heads of the GQA group and over the query blocks that see its keys, computing
-//      S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q.
-//   3. attention_dq_kernel: a CTA owns a block of queries of one head; it loops over the
-//      key blocks it sees, computing S, P, dP = dO V^T, dS and dQ += dS K.
+//   2. attention_dkdv_kernel: a CTA owns a block of keys of one kv head (key_tile_of_cta); it
+//      loops over the q heads of the GQA group and over the query blocks that see its keys,
+//      computing S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//      dK += dS^T Q.
+//   3. attention_dq_kernel: a CTA owns a block of queries of one head (QueryTiles); it loops
+//      over the key blocks it sees, computing S, P, dP = dO V^T, dS and dQ += dS K.
 // The scores are recomputed in both (7 matrix products instead of FlashAttention-2's 5):
 // the price of no fp32 atomics. With RoPE, Q and K are rotated as loaded and dQ, dK are
 // rotated back as stored.
@@ -16,6 +17,7 @@
 
 #include "kernels/attention/masking.cuh"
 #include "kernels/attention/tile_io.cuh"
+#include "kernels/attention/tile_order.cuh"
 
 namespace barqtrain::kernels::attention {
 
@@ -84,7 +86,7 @@ struct DkDvConfig {
 };
 
 template <typename T, typename Config>
-__global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const AttentionParams p, bool longest_first) {
   constexpr int kD = Config::kHeadDimTile, kBlockN = Config::kRowsN, kBlockM = Config::kRowsM;
   constexpr int kThreads = Config::kThreads;
   constexpr int kMTiles = kBlockM / 8;
@@ -97,7 +99,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
   float* lse_buf = reinterpret_cast<float*>(do_buf + 2 * Config::QTile::kElems);  // [2][kBlockM]
   float* dot_buf = lse_buf + 2 * kBlockM;                                          // [2][kBlockM]
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, longest_first);
+  const int n_block = tile.block, kv_head = tile.head, b = tile.batch;
   const Sequence seq = Sequence::of(p, b);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;
@@ -244,8 +247,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
   T* k_buf = do_s + Config::QTile::kElems;         // [2][KVTile]
   T* v_buf = k_buf + 2 * Config::KVTile::kElems;   // [2][KVTile]
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, b = blockIdx.z;
+  const QueryTiles tiles = QueryTiles::covering(p, kBlockM);
+  const int m_block = tiles.m_block(blockIdx.x), head = tiles.head(blockIdx.x), b = tiles.batch(blockIdx.x);
   const Sequence seq = Sequence::of(p, b);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;
