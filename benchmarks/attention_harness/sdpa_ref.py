@@ -1,5 +1,7 @@
 """SDPA's flash and cuDNN backends on attention_harness.cu's cases, forward and forward+backward,
-timed with events.
+timed with events; flash also under torch.use_deterministic_algorithms (sdpa-flash-det, which
+FlashAttention-2 serves with its deterministic backward). Each row says whether two backwards
+gave bit-identical dQ ("dQ repeats").
 
 With an argument: three forwards of the first case per backend only (for ncu).
 """
@@ -19,9 +21,10 @@ CASES = [  # batch, seq, q heads, kv heads, head_dim, causal
     (2, 4096, 16, 8, 256, True),
     (2, 4096, 16, 8, 256, False),
 ]
-BACKENDS = (
-    ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
-    ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+BACKENDS = (  # name, backend, deterministic
+    ("sdpa-flash", SDPBackend.FLASH_ATTENTION, False),
+    ("sdpa-flash-det", SDPBackend.FLASH_ATTENTION, True),
+    ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION, False),
 )
 
 
@@ -71,7 +74,16 @@ def run_case(
         forward().backward(d_o)
 
     label = f"B{batch} S{seq} H{heads}/{kv_heads} D{head_dim} {'causal' if causal else 'full':6s}"
-    for name, backend in BACKENDS:
+    def dq_repeats() -> bool:
+        grads = []
+        for _ in range(2):
+            q.grad = None
+            forward_backward()
+            grads.append(q.grad.clone())
+        return torch.equal(*grads)
+
+    for name, backend, deterministic in BACKENDS:
+        torch.use_deterministic_algorithms(deterministic)
         with sdpa_kernel(backend):
             if profile_only:
                 for _ in range(3):
@@ -84,16 +96,17 @@ def run_case(
                 RuntimeError
             ) as error:  # a backend without this shape says so, once per line
                 print(
-                    f"{name:10s} {label} not run: {str(error).splitlines()[0]}",
+                    f"{name:14s} {label} not run: {str(error).splitlines()[0]}",
                     flush=True,
                 )
                 continue
             try:
                 both = f"fwd+bwd {3.5 * flops / best_ms(forward_backward) / 1e9:5.1f}"
+                both += f" | dQ repeats {'yes' if dq_repeats() else 'no'}"
             except RuntimeError as error:
                 both = f"backward not run: {str(error).splitlines()[0]}"
         print(
-            f"{name:10s} {label} forward {fwd_ms:.3f} ms {flops / fwd_ms / 1e9:5.1f} TFLOP/s | {both}",
+            f"{name:14s} {label} forward {fwd_ms:.3f} ms {flops / fwd_ms / 1e9:5.1f} TFLOP/s | {both}",
             flush=True,
         )
 
