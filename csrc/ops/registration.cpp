@@ -68,8 +68,9 @@ TORCH_LIBRARY(barqtrain, m) {
   // tables rope_cos/rope_sin [positions, rotary_dim / 2] and int32 positions per row (None:
   // the index within each sequence). lse is fp32 [Hq, rows] (rows = B * S or total).
   // forward_kernel: "auto" (the Hopper kernel on sm_90 where it covers the case), "general"
-  // or "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops. (Not named `kernel`: Inductor's fallback lowering
-  // takes a keyword of that name.)
+  // or "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops. The
+  // autograd backward runs the same choice (backward_kernel). (Not named `kernel`: Inductor's
+  // fallback lowering takes a keyword of that name.)
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,"
       " int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal, int window_left,"
@@ -79,8 +80,8 @@ TORCH_LIBRARY(barqtrain, m) {
   m.def(
       "attention_backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? cu_seqlens_q,"
       " Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal,"
-      " int window_left, int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions)"
-      " -> (Tensor dq, Tensor dk, Tensor dv)");
+      " int window_left, int window_right, Tensor? rope_cos, Tensor? rope_sin, Tensor? positions,"
+      " str backward_kernel=\"auto\") -> (Tensor dq, Tensor dk, Tensor dv)");
   // 4-bit weights in the bitsandbytes layout (quant_type "nf4" or "fp4"): x flattened in
   // blocks of 64, packed uint8 [numel / 2, 1] (even element in the high nibble), absmax
   // float32 [numel / 64]. Bytes follow bitsandbytes on the same device (its CUDA kernels on a
@@ -681,12 +682,13 @@ at::Tensor attention_rope_workspace(k::AttentionParams& p, const at::Tensor& q, 
   return workspace;
 }
 
-k::AttentionKernel parse_attention_kernel(c10::string_view forward_kernel) {
-  if (forward_kernel == "auto") return k::AttentionKernel::kAuto;
-  if (forward_kernel == "general") return k::AttentionKernel::kGeneral;
-  if (forward_kernel == "hopper") return k::AttentionKernel::kHopper;
-  TORCH_CHECK(false, "barqtrain: attention forward_kernel must be 'auto', 'general' or 'hopper', got '",
-              std::string(forward_kernel), "'");
+// argument: the op argument's name, for the error.
+k::AttentionKernel parse_attention_kernel(c10::string_view kernel, const char* argument) {
+  if (kernel == "auto") return k::AttentionKernel::kAuto;
+  if (kernel == "general") return k::AttentionKernel::kGeneral;
+  if (kernel == "hopper") return k::AttentionKernel::kHopper;
+  TORCH_CHECK(false, "barqtrain: attention ", argument, " must be 'auto', 'general' or 'hopper', got '",
+              std::string(kernel), "'");
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
@@ -704,7 +706,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
   const int64_t rows = q.dim() == 3 ? q.size(0) : q.size(0) * q.size(1);
   at::Tensor lse = at::empty({q.size(-2), rows}, q.options().dtype(at::kFloat));
   k::AttentionParams p = attention_params(args, q, k, v, o, lse);
-  p.forward_kernel = parse_attention_kernel(forward_kernel);
+  p.forward_kernel = parse_attention_kernel(forward_kernel, "forward_kernel");
   const at::Tensor rope_workspace = attention_rope_workspace(p, q, /*backward=*/false);
   k::attention_forward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {o, lse};
@@ -715,7 +717,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& o_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& cu_seqlens_q,
     const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
     double softcap, bool causal, int64_t window_left, int64_t window_right, const std::optional<at::Tensor>& rope_cos,
-    const std::optional<at::Tensor>& rope_sin, const std::optional<at::Tensor>& positions) {
+    const std::optional<at::Tensor>& rope_sin, const std::optional<at::Tensor>& positions,
+    c10::string_view backward_kernel) {
   TORCH_CHECK(q_in.is_cuda(), "barqtrain: attention q must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in), v = unit_last_stride(v_in);
@@ -745,6 +748,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   p.dq_strides = attention_strides(dq);
   p.dk_strides = attention_strides(dk);
   p.dv_strides = attention_strides(dv);
+  p.backward_kernel = parse_attention_kernel(backward_kernel, "backward_kernel");
   const at::Tensor rope_workspace = attention_rope_workspace(p, q, /*backward=*/true);
   k::attention_backward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {dq, dk, dv};

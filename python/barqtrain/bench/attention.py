@@ -2,14 +2,16 @@
 and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
 full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
-BarqTrain runs three times, its forward named per call through the op's `forward_kernel`
-argument: `barqtrain-general` (the mma.sync kernel of sm_80 and up), `barqtrain-hopper` (the
-sm_90a wgmma/TMA kernel, which `attention` picks on sm_90 for these cases), and
-`barqtrain-auto+rope` (the call the patched models make: the kernel `attention` picks, with RoPE
-over all of head_dim; the general kernels rotate q and k as they load them, the Hopper ones take
-them rotated ahead by a separate pass, and SDPA's rows here have no RoPE at all). Each uses the
-backward `attention` picks: on sm_90 the deterministic wgmma/TMA backward, elsewhere the
-mma.sync one.
+BarqTrain runs three times, its kernels named per call through the op's `forward_kernel`
+argument, which the autograd backward follows: `barqtrain-general` (the mma.sync kernels of sm_80
+and up, forward and backward: issue 5's first milestone), `barqtrain-hopper` (the sm_90a
+wgmma/TMA kernels, which `attention` picks on sm_90 for these cases), and `barqtrain-auto+rope`
+(the call the patched models make: the kernels `attention` picks, with RoPE over all of head_dim;
+the general kernels rotate q and k as they load them, the Hopper ones take them rotated ahead by
+a separate pass, and SDPA's rows here have no RoPE at all). Every BarqTrain backward is
+deterministic; FlashAttention-2's (SDPA-flash) adds dQ with fp32 atomics, and `sdpa-flash-det`
+runs it under `torch.use_deterministic_algorithms`, which PyTorch serves with FlashAttention-2's
+deterministic backward: the like-for-like comparison.
 
 TFLOP/s use the standard count: the forward is 4·B·Hq·S_q·S_k·D (two matmuls), halved
 under a causal mask; forward + backward is 3.5 times the forward (the backward's five
@@ -20,6 +22,7 @@ them through transposed views, as Hugging Face's attention modules pass them).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,14 +99,25 @@ def _barqtrain(kernel: str, rope: bool = False) -> Attention | Unavailable:
     return run
 
 
-def _sdpa(backend: torch.nn.attention.SDPBackend) -> Attention:
+def _sdpa(backend: torch.nn.attention.SDPBackend, deterministic: bool = False) -> Attention:
     def run(q, k, v, causal):
         with torch.nn.attention.sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
 
+    run.deterministic = deterministic  # read at the backward, which runs outside `run`
     return run
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(enabled: bool):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def implementations() -> dict[str, Attention | Unavailable]:
@@ -114,6 +128,7 @@ def implementations() -> dict[str, Attention | Unavailable]:
         "barqtrain-hopper": _barqtrain("hopper"),
         "barqtrain-auto+rope": _barqtrain("auto", rope=True),
         "sdpa-flash": _sdpa(backends.FLASH_ATTENTION),
+        "sdpa-flash-det": _sdpa(backends.FLASH_ATTENTION, deterministic=True),
         "sdpa-cudnn": _sdpa(backends.CUDNN_ATTENTION),
     }
 
@@ -134,7 +149,8 @@ def run_forward(fn: Attention, case: AttentionCase, inputs) -> None:
 
 def run_forward_backward(fn: Attention, case: AttentionCase, inputs) -> None:
     q, k, v, d_o = inputs
-    torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), d_o)
+    with _deterministic_algorithms(getattr(fn, "deterministic", False)):
+        torch.autograd.grad(fn(q, k, v, case.causal), (q, k, v), d_o)
 
 
 def run_attention_benchmark(out_dir: Path, command_line: str) -> None:

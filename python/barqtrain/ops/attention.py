@@ -191,7 +191,11 @@ def _attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 @torch.library.impl("barqtrain::attention_backward", "CPU")
 def _attention_backward_cpu(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            softmax_scale, softcap, causal, window_left, window_right, rope_cos, rope_sin, positions):
+                            softmax_scale, softcap, causal, window_left, window_right, rope_cos, rope_sin, positions,
+                            backward_kernel="auto"):
+    if backward_kernel != "auto":
+        raise ValueError(f"barqtrain: attention backward_kernel {backward_kernel!r} names a CUDA kernel; on the CPU "
+                         "the op runs its reference (backward_kernel='auto')")
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out, _ = _reference_from_op_args(*leaves, cu_seqlens_q, cu_seqlens_k, softmax_scale, softcap, causal,
@@ -203,7 +207,7 @@ def _attention_backward_cpu(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, ma
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, scale, softcap, causal, window_left, window_right, cos, sin,
-     positions, _kernel) = inputs
+     positions, kernel) = inputs
     o, lse = output
     if any(table is not None and table.requires_grad for table in (cos, sin)):
         # Caught at the forward, where the caller can still detach them, not in the backward.
@@ -211,6 +215,7 @@ def _setup_context(ctx, inputs, output):
                          "(they have no gradient here)")
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, cos, sin, positions)
     ctx.options = (max_q, max_k, scale, softcap, causal, window_left, window_right)
+    ctx.kernel = kernel  # the forward's kernel choice holds for the backward too
     ctx.mark_non_differentiable(lse)
 
 
@@ -219,7 +224,7 @@ def _backward(ctx, d_o, _d_lse):
     max_q, max_k, scale, softcap, causal, window_left, window_right = ctx.options
     dq, dk, dv = torch.ops.barqtrain.attention_backward(
         d_o, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, scale, softcap, causal, window_left, window_right, cos, sin,
-        positions,
+        positions, backward_kernel=ctx.kernel,
     )
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 

@@ -82,7 +82,8 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 @torch.library.register_fake("barqtrain::attention_backward")
 def attention_backward(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                       softcap, causal, window_left, window_right, rope_cos, rope_sin, positions):
+                       softcap, causal, window_left, window_right, rope_cos, rope_sin, positions,
+                       backward_kernel="auto"):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 

@@ -222,6 +222,10 @@ def test_cpu_op_refuses_a_named_cuda_kernel():
     with pytest.raises(ValueError, match="forward_kernel 'hopper' names a CUDA kernel"):
         torch.ops.barqtrain.attention_forward(q, k, v, None, None, 3, 3, 0.3, 0.0, True, -1, -1, None, None, None,
                                               forward_kernel="hopper")
+    o, lse = torch.ops.barqtrain.attention_forward(q, k, v, None, None, 3, 3, 0.3, 0.0, True, -1, -1, None, None, None)
+    with pytest.raises(ValueError, match="backward_kernel 'general' names a CUDA kernel"):
+        torch.ops.barqtrain.attention_backward(torch.ones_like(o), q, k, v, o, lse, None, None, 3, 3, 0.3, 0.0, True,
+                                               -1, -1, None, None, None, backward_kernel="general")
 
 
 def test_lse_is_not_differentiable():
@@ -413,6 +417,34 @@ def test_cuda_forward_kernel_choice():
     assert_no_worse_than_torch("o hopper", hopper, theirs, exact)
     auto, _ = torch.ops.barqtrain.attention_forward(*args)
     assert torch.equal(auto, hopper)
+
+
+@pytest.mark.gpu
+def test_cuda_backward_runs_the_forward_kernel_choice():
+    """The autograd backward of attention_forward(forward_kernel=...) runs that kernel's backward (bench
+    attn's barqtrain-general row is the sm_80 path end to end): gradients no worse than SDPA's in the
+    same dtype either way, and on sm_90 the general and Hopper backwards are different kernels (their
+    dQ differs in its rounding). An unknown backward_kernel name is an error naming it."""
+    q, k, v = qkv(2, 1000, 8, 2, 128, torch.bfloat16, "cuda")
+    d_o = torch.randn_like(q)
+    scale = 128 ** -0.5
+    args = (None, None, 1000, 1000, scale, 0.0, True, -1, -1, None, None, None)
+    exact = _float64_reference(q, k, v, d_o, softmax_scale=scale)
+    theirs_out = sdpa(q, k, v, scale=scale)
+    theirs = (theirs_out, *torch.autograd.grad(theirs_out, (q, k, v), d_o))
+    kernels = ["general", "hopper"] if torch.cuda.get_device_capability() == (9, 0) else ["general"]
+    gradients = {}
+    for kernel in kernels:
+        out, _ = torch.ops.barqtrain.attention_forward(q, k, v, *args, forward_kernel=kernel)
+        gradients[kernel] = torch.autograd.grad(out, (q, k, v), d_o)
+        for name, mine, torch_same_dtype, reference in zip(("dq", "dk", "dv"), gradients[kernel], theirs[1:],
+                                                           exact[1:]):
+            assert_no_worse_than_torch(f"{name} {kernel}", mine, torch_same_dtype, reference)
+    if "hopper" in gradients:
+        assert not torch.equal(gradients["general"][0], gradients["hopper"][0])
+    out, lse = torch.ops.barqtrain.attention_forward(q, k, v, *args)
+    with pytest.raises(RuntimeError, match="backward_kernel must be 'auto', 'general' or 'hopper', got 'sm80'"):
+        torch.ops.barqtrain.attention_backward(d_o, q, k, v, out, lse, *args, backward_kernel="sm80")
 
 
 @pytest.mark.gpu
