@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
   T* v_s = k_s + Config::KVTile::kElems;
 
   // The longest-running (last, under a causal mask) query blocks start first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y, b = blockIdx.z;
+  const int m_block = gridDim.y - 1 - blockIdx.y;
+  const int head = blockIdx.x, b = blockIdx.z;
   const Sequence seq = Sequence::of(p, b);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;
