@@ -23,8 +23,8 @@ namespace barqtrain::kernels::attention {
 // left: the SMs idled 4% of the Hopper forward's and dQ kernel's cycles, against under 1% now
 // (ncu, B4 S4096 H32/8 D128 causal, session 13). A grid runs tile blockIdx.x; a persistent
 // kernel runs tile i on CTA i first, then takes the next unstarted one from a counter. (The
-// sm_80 forward keeps a head's blocks together: this mapping made ptxas spill 84 bytes there,
-// 6% slower on an H100, session 14.)
+// sm_80 forward gets a like order from its grid instead, forward.cu: this mapping made ptxas
+// spill 84 bytes there, 6% slower on an H100, session 14.)
 struct QueryTiles {
   int m_blocks = 0;  // query blocks of the longest sequence
   int heads = 0;     // q heads
