@@ -40,9 +40,7 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
     check_cuda(cudaGetLastError(), "attention dk/dv launch");
   }
   if (p.seqlen_q > 0) {
-    // One CTA per tile, in QueryTiles' order (ncu: 2% fewer cycles than a head's blocks together).
-    const attention::QueryTiles tiles = attention::query_tiles(p, Dq::kRowsM);
-    dq<<<tiles.count, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
+    dq<<<attention::query_block_grid(p, Dq::kRowsM, "attention dq"), Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
     check_cuda(cudaGetLastError(), "attention dq launch");
   }
 }

@@ -6,7 +6,7 @@
 //      loops over the q heads of the GQA group and over the query blocks that see its keys,
 //      computing S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //      dK += dS^T Q.
-//   3. attention_dq_kernel: a CTA owns a block of queries of one head (QueryTiles); it loops
+//   3. attention_dq_kernel: a CTA owns a block of queries of one head (query_block_grid); it loops
 //      over the key blocks it sees, computing S, P, dP = dO V^T, dS and dQ += dS K.
 // The scores are recomputed in both (7 matrix products instead of FlashAttention-2's 5):
 // the price of no fp32 atomics. With RoPE, Q and K are rotated as loaded and dQ, dK are
@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dq_kernel(const At
   T* k_buf = do_s + Config::QTile::kElems;         // [2][KVTile]
   T* v_buf = k_buf + 2 * Config::KVTile::kElems;   // [2][KVTile]
 
-  const QueryTiles tiles = QueryTiles::covering(p, kBlockM);
-  const int m_block = tiles.m_block(blockIdx.x), head = tiles.head(blockIdx.x), b = tiles.batch(blockIdx.x);
+  const QueryBlock tile = query_block_of_cta();
+  const int m_block = tile.block, head = tile.head, b = tile.batch;
   const Sequence seq = Sequence::of(p, b);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;

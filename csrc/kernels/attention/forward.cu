@@ -18,14 +18,8 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = attention::attention_forward_kernel<T, Config>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
              "attention forward shared memory");
-  // (q heads, query blocks, batch): a sequence's query blocks from the last (the longest under a
-  // causal mask), every head's at each, so that the tiles that start last are short ones and
-  // the CTAs running together read one sequence's K and V (a GQA group's heads adjacent).
-  const int m_blocks = (p.seqlen_q + Config::kRowsM - 1) / Config::kRowsM;
-  require(m_blocks <= 65535, "attention forward: a sequence of " + std::to_string(p.seqlen_q) +
-                                 " queries is longer than the " + std::to_string(65535 * Config::kRowsM) +
-                                 " this kernel's grid holds at head_dim " + std::to_string(p.head_dim));
-  kernel<<<dim3(p.q_heads, m_blocks, p.batch), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  kernel<<<attention::query_block_grid(p, Config::kRowsM, "attention forward"), Config::kThreads, Config::kSmemBytes,
+           stream>>>(p);
   check_cuda(cudaGetLastError(), "attention forward launch");
 }
 

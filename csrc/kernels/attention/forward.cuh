@@ -1,5 +1,6 @@
-// Forward kernel: one CTA per (query block, head, sequence); each warp owns kM row tiles of
-// 16 queries, so that every K and V fragment read from shared memory feeds kM mmas.
+// Forward kernel: one CTA per (query block, head, sequence), in query_block_grid's order; each
+// warp owns kM row tiles of 16 queries, so that every K and V fragment read from shared memory
+// feeds kM mmas.
 //
 // Per key block: S = Q K^T on the tensor cores, the online softmax in registers (running
 // row max and sum in the log2 domain, O rescaled when the max grows), P rounded to 16 bits
@@ -15,6 +16,7 @@
 
 #include "kernels/attention/masking.cuh"
 #include "kernels/attention/tile_io.cuh"
+#include "kernels/attention/tile_order.cuh"
 
 namespace barqtrain::kernels::attention {
 
@@ -46,9 +48,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_forward_kernel(con
   T* k_s = q_s + Config::QTile::kElems;
   T* v_s = k_s + Config::KVTile::kElems;
 
-  // The longest-running (last, under a causal mask) query blocks start first.
-  const int m_block = gridDim.y - 1 - blockIdx.y;
-  const int head = blockIdx.x, b = blockIdx.z;
+  const QueryBlock tile = query_block_of_cta();  // the longest (last, under a causal mask) first
+  const int m_block = tile.block, head = tile.head, b = tile.batch;
   const Sequence seq = Sequence::of(p, b);
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.seqlen_q) return;

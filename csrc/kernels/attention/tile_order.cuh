@@ -3,52 +3,71 @@
 // and the hardware starts CTAs in linear order as SMs free up: an order that starts a long tile
 // last leaves the other SMs idle at the end. Both the sm_80 kernels and the Hopper ones map
 // their CTA (or persistent tile) index through these functions, the launchers decide with
-// them, and tests/csrc/kernels/attention_tile_order_test.cu checks them on the host.
+// them, and tests/csrc/kernels/attention_tile_order_test.cu checks the host-side ones.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/attention/params.h"
 #include "kernels/device_utils.cuh"
 
 namespace barqtrain::kernels::attention {
 
-// The tiles of a launch that owns query blocks (the Hopper forward, both dQ kernels): (query
-// block, q head, batch), numbered a GQA group after another: within a group, query blocks from
-// the last (the longest under a causal mask), the group's q heads in turn at each, so that CTAs
-// running together share the group's K and V in L2 and the last tiles to start are short
-// ones. Taken a head after another, the last head's longest tile started when little else was
-// left: the SMs idled 4% of the Hopper forward's and dQ kernel's cycles, against under 1% now
-// (ncu, B4 S4096 H32/8 D128 causal, session 13). A grid runs tile blockIdx.x; a persistent
-// kernel runs tile i on CTA i first, then takes the next unstarted one from a counter. (The
-// sm_80 forward gets a like order from its grid instead, forward.cu: this mapping made ptxas
-// spill 84 bytes there, 6% slower on an H100, session 14.)
+// The tiles of the persistent Hopper kernels that own query blocks (the forward, the dQ role):
+// (query block, q head, batch), numbered a GQA group after another: within a group, query
+// blocks from the last (the longest under a causal mask), the group's q heads in turn at each,
+// so that CTAs running together share the group's K and V in L2 and the last tiles to start
+// are short ones. Taken a head after another, the last head's longest tile started when little
+// else was left: the SMs idled 4% of the Hopper forward's and dQ kernel's cycles, against under
+// 1% now (ncu, B4 S4096 H32/8 D128 causal, session 13). A persistent kernel runs tile i on CTA
+// i first, then takes the next unstarted one from a counter.
 struct QueryTiles {
   int m_blocks = 0;  // query blocks of the longest sequence
   int heads = 0;     // q heads
   int group = 1;     // q heads per kv head
   int count = 0;
 
-  // The tiles of blocks of block_m queries; query_tiles() checks that their count fits.
-  __host__ __device__ static QueryTiles covering(const AttentionParams& p, int block_m) {
-    QueryTiles tiles;
-    tiles.m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-    tiles.heads = p.q_heads;
-    tiles.group = p.q_heads / p.kv_heads;
-    tiles.count = tiles.m_blocks * tiles.heads * p.batch;
-    return tiles;
-  }
   __host__ __device__ int m_block(int index) const { return m_blocks - 1 - index / group % m_blocks; }
   __host__ __device__ int head(int index) const { return index / (m_blocks * group) * group % heads + index % group; }
   __host__ __device__ int batch(int index) const { return index / (m_blocks * heads); }
 };
 
+// The query tiles of blocks of block_m queries.
 inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
-  const int64_t count = int64_t{(p.seqlen_q + block_m - 1) / block_m} * p.q_heads * p.batch;
-  require(count < INT32_MAX / 2, "attention: more than 2^30 query tiles");
-  return QueryTiles::covering(p, block_m);
+  QueryTiles tiles;
+  tiles.m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  tiles.heads = p.q_heads;
+  tiles.group = p.q_heads / p.kv_heads;
+  const int64_t count = int64_t{tiles.m_blocks} * tiles.heads * p.batch;
+  require(count < INT32_MAX / 2, "hopper attention: more than 2^30 query tiles");
+  tiles.count = static_cast<int>(count);
+  return tiles;
+}
+
+// The grid of the sm_80 kernels that own query blocks (the forward, the dQ kernel), one CTA per
+// block of block_m queries: (q heads, query blocks, batch), so that the hardware starts a
+// sequence's query blocks from the last (query_block_of_cta), every head's at each: the tiles
+// that start last are short ones, and the CTAs running together read one sequence's K and V, a
+// GQA group's heads adjacent. The mapping is blockIdx itself: QueryTiles' divisions made ptxas
+// spill 84 bytes in the sm_80 forward (6% slower on an H100, session 14). H100, session 14: the
+// forward's SMs busy 94% -> 99% (ncu) and +4-5% under a causal mask against a head's blocks
+// together.
+inline dim3 query_block_grid(const AttentionParams& p, int block_m, const char* what) {
+  const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+  require(m_blocks <= 65535, std::string(what) + ": a sequence of " + std::to_string(p.seqlen_q) +
+                                 " queries is longer than the " + std::to_string(65535 * block_m) +
+                                 " this kernel's grid holds at head_dim " + std::to_string(p.head_dim));
+  return dim3(p.q_heads, m_blocks, p.batch);
+}
+
+struct QueryBlock {
+  int block, head, batch;
+};
+__device__ __forceinline__ QueryBlock query_block_of_cta() {
+  return {static_cast<int>(gridDim.y - 1 - blockIdx.y), static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.z)};
 }
 
 // The dK/dV tile of CTA `cta` in a grid of (key blocks, kv heads, batch): a head's key blocks
@@ -72,10 +91,12 @@ __host__ __device__ inline KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool lon
 // CTAs have finished: a long tail where a tile walks several q heads (GQA) and the resident
 // CTAs hold the key blocks of two heads or more. There the longest tiles go first, at the
 // price of the L2 sharing of a head's queries. Hopper, H100, session 13 (NOTES.md): B4 S4096
-// H32/8 causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3%.
-// Head after head measured better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s
+// H32/8 causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3%;
+// the sm_80 kernel (two CTAs per SM), session 14: 91% -> 99%, backward -4-7%. Head after head
+// measured better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s
 // forward+backward), B1 S16384 (128 key blocks on 132 SMs: one head's fill them; by 0.5-1%)
-// and full masks (tiles alike; by 3.5%). It stays for windows too, whose tiles are alike.
+// and full masks (tiles alike; by 3.5%). It stays for windows too, whose tiles are alike (not
+// measured).
 inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, int resident_ctas) {
   return p.causal && p.window_left < 0 && p.q_heads > p.kv_heads && 2 * key_blocks <= resident_ctas;
 }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -103,6 +104,31 @@ INSTANTIATE_TEST_SUITE_P(Cases, KeyTileOrder,
                            return std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" + std::to_string(grid.z) +
                                   (std::get<1>(info.param) ? "_longest_first" : "_head_after_head");
                          });
+
+// The sm_80 forward's and dQ kernel's grid: heads fastest, so that the hardware's linear order
+// takes every head's query block in turn (query_block_of_cta counts the blocks from the last);
+// a sequence longer than the grid's y extent holds is an error naming the length.
+TEST(QueryBlockGrid, HeadsFastestAndTheLimitNamed) {
+  kernels::AttentionParams p;
+  p.seqlen_q = 4096 * 2 + 1;
+  p.q_heads = 32;
+  p.batch = 3;
+  p.head_dim = 128;
+  const dim3 grid = attention::query_block_grid(p, 128, "attention forward");
+  EXPECT_EQ(grid.x, 32u);
+  EXPECT_EQ(grid.y, 65u);
+  EXPECT_EQ(grid.z, 3u);
+  p.seqlen_q = 65535 * 64;
+  EXPECT_EQ(attention::query_block_grid(p, 64, "attention dq").y, 65535u);
+  p.seqlen_q += 1;
+  try {
+    attention::query_block_grid(p, 64, "attention dq");
+    ADD_FAILURE() << "a sequence past the grid's limit was taken";
+  } catch (const std::exception& error) {
+    EXPECT_NE(std::string(error.what()).find("attention dq: a sequence of 4194241 queries"), std::string::npos)
+        << error.what();
+  }
+}
 
 // The dK/dV grid takes key blocks first only where head after head leaves a tail: causal
 // without a window (tiles of different lengths), GQA (long tiles), and at most half as many key
