@@ -30,10 +30,8 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
     check_cuda(cudaGetDevice(&device), "attention dk/dv launch");
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, dkdv, DkDv::kThreads, DkDv::kSmemBytes),
                "attention dk/dv occupancy");
-    // key_tile_of_cta's order (tile_order.cuh), with the CTAs that run at once. On an H100
-    // (session 14, two CTAs per SM) the key block first took the SMs from 91% to 99% busy in this
-    // kernel at B4 S4096 H32/8 D128 causal (ncu) and the backward from 6.67-6.76 to 6.37-6.40 ms
-    // (D64: 3.75-3.79 -> 3.53-3.55).
+    // key_tile_of_cta's order with the CTAs that run at once (key_tiles_longest_first says when
+    // and what it measured).
     const bool longest_first =
         attention::key_tiles_longest_first(p, key_blocks, ctas_per_sm * device_multiprocessors(device));
     dkdv<<<dim3(key_blocks, p.kv_heads, p.batch), DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p, longest_first);

@@ -52,8 +52,8 @@ inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
 // sequence's query blocks from the last (query_block_of_cta), every head's at each: the tiles
 // that start last are short ones, and the CTAs running together read one sequence's K and V, a
 // GQA group's heads adjacent. The mapping is blockIdx itself: QueryTiles' divisions made ptxas
-// spill 84 bytes in the sm_80 forward (6% slower on an H100, session 14). H100, session 14: the
-// forward's SMs busy 94% -> 99% (ncu) and +4-5% under a causal mask against a head's blocks
+// spill 84 bytes in the sm_80 forward (5-7% slower on an H100, session 14). H100, session 14:
+// the forward's SMs busy 94% -> 99% (ncu) and +3-7% under a causal mask against a head's blocks
 // together.
 inline dim3 query_block_grid(const AttentionParams& p, int block_m, const char* what) {
   const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
@@ -92,11 +92,11 @@ __host__ __device__ inline KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool lon
 // CTAs hold the key blocks of two heads or more. There the longest tiles go first, at the
 // price of the L2 sharing of a head's queries. Hopper, H100, session 13 (NOTES.md): B4 S4096
 // H32/8 causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3%;
-// the sm_80 kernel (two CTAs per SM), session 14: 91% -> 99%, backward -4-7%. Head after head
-// measured better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s
+// the sm_80 kernel (two CTAs per SM), session 14: 91% -> 99%, backward 6.67-6.76 -> 6.37-6.40 ms
+// (D64: 3.75-3.79 -> 3.53-3.55). Head after head measured better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s
 // forward+backward), B1 S16384 (128 key blocks on 132 SMs: one head's fill them; by 0.5-1%)
-// and full masks (tiles alike; by 3.5%). It stays for windows too, whose tiles are alike (not
-// measured).
+// and full masks (tiles alike; by 3.5%). Head after head stays for windows too, whose tiles are
+// alike (not measured).
 inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, int resident_ctas) {
   return p.causal && p.window_left < 0 && p.q_heads > p.kv_heads && 2 * key_blocks <= resident_ctas;
 }
