@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
     p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(c.d));
     p.causal = c.causal;
     if (general) p.forward_kernel = p.backward_kernel = k::AttentionKernel::kGeneral;
+    void* backward_workspace = nullptr;
+    if (c.d <= 128) {
+      CHECK(cudaMalloc(&backward_workspace, std::max<size_t>(k::attention_backward_workspace_bytes(p), 1)));
+    }
+    p.backward_workspace = backward_workspace;
     if (profile) {
       for (int i = 0; i < 5; ++i) k::attention_forward(p, nullptr);
       CHECK(cudaDeviceSynchronize());
@@ -160,7 +165,7 @@ int main(int argc, char** argv) {
     std::printf(" | hash forward %016llx all %016llx\n", static_cast<unsigned long long>(forward_hash),
                 static_cast<unsigned long long>(hash));
     for (void* ptr : {(void*)q, (void*)kk, (void*)v, (void*)o, (void*)d_o, (void*)dq, (void*)dk, (void*)dv,
-                      (void*)lse, (void*)dot}) {
+                      (void*)lse, (void*)dot, backward_workspace}) {
       cudaFree(ptr);
     }
   }

@@ -750,6 +750,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   p.dv_strides = attention_strides(dv);
   p.backward_kernel = parse_attention_kernel(backward_kernel, "backward_kernel");
   const at::Tensor rope_workspace = attention_rope_workspace(p, q, /*backward=*/true);
+  // dQ's fixed-point sums on the general kernels (after the RoPE workspace, which decides where
+  // the backward runs).
+  const size_t backward_bytes = k::attention_backward_workspace_bytes(p);
+  at::Tensor backward_workspace;
+  if (backward_bytes > 0) {
+    backward_workspace = at::empty({static_cast<int64_t>(backward_bytes)}, q.options().dtype(at::kByte));
+    p.backward_workspace = backward_workspace.data_ptr();
+  }
   k::attention_backward(p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   return {dq, dk, dv};
 }

@@ -1,10 +1,11 @@
 // FlashAttention-style attention (SPEC K4), framework-free launchers. Tiled on the
 // tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80 and later); the N x N scores
 // never reach memory. The forward saves only O and the fp32 log-sum-exp; the backward
-// recomputes the scores and accumulates dQ, dK and dV without atomics (a CTA owns each
-// output block), so it is bit-identical across runs. On sm_90 the common cases' backward runs
-// on wgmma/TMA kernels instead, and their forward too where opted in (hopper/;
-// AttentionParams::forward_kernel and backward_kernel).
+// recomputes the scores, a CTA owns each block of dK and dV, and dQ is either summed in fixed
+// point (integer additions commute; code for sm_90 and later) or owned by a CTA too, so it is
+// bit-identical across runs. On sm_90 the common cases' backward runs on wgmma/TMA kernels
+// instead, and their forward too where opted in (hopper/; AttentionParams::forward_kernel and
+// backward_kernel).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -28,6 +29,12 @@ std::string attention_unsupported_reason(const AttentionParams& params, bool bac
 // RoPE is on and the call runs on the Hopper kernels, which take q and k rotated ahead; 0 when
 // no workspace is needed. Throws as the launcher would for bad parameters.
 size_t attention_rope_workspace_bytes(const AttentionParams& params, bool backward);
+
+// Bytes of AttentionParams::backward_workspace that this backward needs: dQ's fixed-point sums
+// (4 bytes per element of dq, 4 per query row and head, 8 per sequence and kv head; see
+// backward_fixed_point.cuh) where the general kernels run on sm_90 code, else 0. Ask with rope_workspace already set: it decides where a RoPE
+// backward runs. Throws as the launcher would for bad parameters.
+size_t attention_backward_workspace_bytes(const AttentionParams& params);
 
 // Writes o and lse, on the kernel params.forward_kernel picks. Throws std::invalid_argument
 // naming the problem for bad parameters, or for a kernel asked for that cannot run them.

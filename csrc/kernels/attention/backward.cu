@@ -1,10 +1,13 @@
-// Backward launcher: rowsum(dO * O), then the dK/dV and dQ kernels (independent of each
-// other). dtype and padded head dim are compile-time; the rest are runtime flags. On sm_90,
-// with the Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels
-// cover go there instead (AttentionKernel's rules; its dQ kernel computes the rowsum itself),
-// with RoPE rotated ahead and dQ, dK rotated back (rotation.h).
+// Backward launcher. The general path: rowsum(dO * O), then either the fixed-point kernels
+// (five products, backward_fixed_point.cuh) where this build's code for the device is sm_90 or
+// later, or the dK/dV and dQ kernels (seven products, backward.cuh), independent of each other.
+// dtype and padded head dim are compile-time; the rest are runtime flags. On sm_90, with the
+// Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels cover go
+// there instead (AttentionKernel's rules; its dQ kernel computes the rowsum itself), with RoPE
+// rotated ahead and dQ, dK rotated back (rotation.h).
 #include "kernels/attention/attention.h"
 #include "kernels/attention/backward.cuh"
+#include "kernels/attention/backward_fixed_point.cuh"
 #include "kernels/attention/checks.h"
 #include "kernels/attention/rotation.h"
 #if BARQTRAIN_HOPPER_KERNELS
@@ -15,25 +18,41 @@
 namespace barqtrain::kernels {
 namespace {
 
+// rowsum(dO * O) per query row and head; with kDqUnits also the fixed-point units.
+template <typename T, bool kDqUnits>
+void launch_dot(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  if (p.seqlen_q == 0) return;
+  const int64_t dot_blocks = (int64_t{p.seqlen_q} * p.q_heads + kRowsPerBlock - 1) / kRowsPerBlock;
+  require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
+  attention_dot_kernel<T, kDqUnits><<<dim3(static_cast<unsigned>(dot_blocks), p.batch), kRowThreads, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "attention backward rowsum launch");
+}
+
+// The dK/dV kernel's order of key tiles: key_tile_of_cta's, with the CTAs that run at once
+// (key_tiles_longest_first says when and what it measured).
+template <typename Kernel>
+bool key_tiles_longest_first_for(const AttentionParams& p, Kernel kernel, int threads, int smem_bytes, int key_blocks) {
+  int device = 0, ctas_per_sm = 0;
+  check_cuda(cudaGetDevice(&device), "attention dk/dv launch");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, threads, smem_bytes),
+             "attention dk/dv occupancy");
+  return attention::key_tiles_longest_first(p, key_blocks, ctas_per_sm * device_multiprocessors(device));
+}
+
 template <typename T, typename DkDv, typename Dq>
-void launch_backward(const AttentionParams& p, cudaStream_t stream) {
+void launch_seven_products(const AttentionParams& p, cudaStream_t stream) {
   auto dkdv = attention::attention_dkdv_kernel<T, DkDv>;
   auto dq = attention::attention_dq_kernel<T, Dq>;
   check_cuda(cudaFuncSetAttribute(dkdv, cudaFuncAttributeMaxDynamicSharedMemorySize, DkDv::kSmemBytes),
              "attention dk/dv shared memory");
   check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, Dq::kSmemBytes),
              "attention dq shared memory");
+  launch_dot<T, false>(p, stream);
   // Keys that no query sees get zero dK, dV; queries that see no key get zero dQ.
   if (p.seqlen_k > 0) {
     const int key_blocks = (p.seqlen_k + DkDv::kRowsN - 1) / DkDv::kRowsN;
-    int device = 0, ctas_per_sm = 0;
-    check_cuda(cudaGetDevice(&device), "attention dk/dv launch");
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, dkdv, DkDv::kThreads, DkDv::kSmemBytes),
-               "attention dk/dv occupancy");
-    // key_tile_of_cta's order with the CTAs that run at once (key_tiles_longest_first says when
-    // and what it measured).
-    const bool longest_first =
-        attention::key_tiles_longest_first(p, key_blocks, ctas_per_sm * device_multiprocessors(device));
+    const bool longest_first = key_tiles_longest_first_for(p, dkdv, DkDv::kThreads, DkDv::kSmemBytes, key_blocks);
     dkdv<<<dim3(key_blocks, p.kv_heads, p.batch), DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p, longest_first);
     check_cuda(cudaGetLastError(), "attention dk/dv launch");
   }
@@ -43,15 +62,72 @@ void launch_backward(const AttentionParams& p, cudaStream_t stream) {
   }
 }
 
+template <typename T, typename Config>
+void launch_fixed_point(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  const DqWorkspace workspace = DqWorkspace::of(p);
+  // Keys that no query sees get zero dK, dV; queries that see no key get zero dQ (their
+  // bound, and every contribution, is 0).
+  check_cuda(cudaMemsetAsync(workspace.kv_norms, 0, DqWorkspace::norms_bytes(p), stream), "attention backward norms");
+  if (p.seqlen_k > 0) {
+    const dim3 grid((p.seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, p.kv_heads, p.batch);
+    attention_kv_norms_kernel<T><<<grid, kRowThreads, 0, stream>>>(p);
+    check_cuda(cudaGetLastError(), "attention backward norms launch");
+  }
+  launch_dot<T, true>(p, stream);
+  if (p.seqlen_k > 0) {
+    auto gradients = attention_gradients_kernel<T, Config>;
+    check_cuda(cudaFuncSetAttribute(gradients, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
+               "attention gradients shared memory");
+    const int key_blocks = (p.seqlen_k + Config::kRowsN - 1) / Config::kRowsN;
+    const bool longest_first =
+        key_tiles_longest_first_for(p, gradients, Config::kThreads, Config::kSmemBytes, key_blocks);
+    gradients<<<dim3(key_blocks, p.kv_heads, p.batch), Config::kThreads, Config::kSmemBytes, stream>>>(
+        p, longest_first);
+    check_cuda(cudaGetLastError(), "attention gradients launch");
+  }
+  if (p.seqlen_q > 0) {
+    constexpr int kD = Config::kHeadDimTile, kBlockM = 64;
+    auto dq = attention_dq_from_sums_kernel<T, kD, kBlockM>;
+    constexpr int kStagingBytes = SmemAccTile<kBlockM, kD>::kBytes;
+    check_cuda(cudaFuncSetAttribute(dq, cudaFuncAttributeMaxDynamicSharedMemorySize, kStagingBytes),
+               "attention dq shared memory");
+    dq<<<query_block_grid(p, kBlockM, "attention dq"), 256, kStagingBytes, stream>>>(p);
+    check_cuda(cudaGetLastError(), "attention dq launch");
+  }
+}
+
+// The fixed-point configurations: 128 keys per CTA, 8 warps (GradientsConfig). 64 queries per
+// step at head_dim 96 and 128 (registers), 128 at 64: H100, session 16, B4 S4096 H32/8, 3.16-3.18
+// ms against 4.08-4.11 with 64-query steps (NOTES.md).
+using FixedPoint64 = attention::GradientsConfig<64, 128, 128, 2, 4, 4>;
+using FixedPoint96 = attention::GradientsConfig<96, 128, 64, 2, 4, 4>;
+using FixedPoint128 = attention::GradientsConfig<128, 128, 64, 2, 4, 2>;
+
+// True where the general backward sums dQ in fixed point: the fixed-point kernel's code for the
+// current device is sm_90 or later (a build for sm_80 alone, run on an H100 through the PTX,
+// takes the seven products).
+bool fixed_point_backward() {
+  cudaFuncAttributes attributes;
+  check_cuda(cudaFuncGetAttributes(&attributes, attention::attention_gradients_kernel<__nv_bfloat16, FixedPoint128>),
+             "attention backward kernel attributes");
+  return attributes.ptxVersion >= 90;
+}
+
 template <typename T>
-void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
+void dispatch_head_dim(const AttentionParams& p, bool fixed_point, cudaStream_t stream) {
   using attention::DkDvConfig;
   using attention::DqConfig;
+  if (fixed_point) {
+    if (p.head_dim <= 64) return launch_fixed_point<T, FixedPoint64>(p, stream);
+    if (p.head_dim <= 96) return launch_fixed_point<T, FixedPoint96>(p, stream);
+    return launch_fixed_point<T, FixedPoint128>(p, stream);
+  }
   // dK/dV in 64-query steps: on an H100 faster than 32 by 8% (head_dim 64), 16% (96) and 11% (128),
   // from fewer barriers per mma (NOTES.md).
-  if (p.head_dim <= 64) return launch_backward<T, DkDvConfig<64, 64, 64>, DqConfig<64, 64, 64>>(p, stream);
-  if (p.head_dim <= 96) return launch_backward<T, DkDvConfig<96, 64, 64>, DqConfig<96, 64, 64>>(p, stream);
-  return launch_backward<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
+  if (p.head_dim <= 64) return launch_seven_products<T, DkDvConfig<64, 64, 64>, DqConfig<64, 64, 64>>(p, stream);
+  if (p.head_dim <= 96) return launch_seven_products<T, DkDvConfig<96, 64, 64>, DqConfig<96, 64, 64>>(p, stream);
+  return launch_seven_products<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
 }
 
 }  // namespace
@@ -83,8 +159,11 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
   attention::check_params(params, /*backward=*/true);
   const AttentionParams p = attention::normalized(params);
   const AttentionParams hopper_view = attention::as_rotated_ahead(p);
-  [[maybe_unused]] const bool hopper = attention::backward_runs_on_hopper(hopper_view);
+  const bool hopper = attention::backward_runs_on_hopper(hopper_view);
   if (p.batch == 0) return;
+  const bool fixed_point = !hopper && fixed_point_backward();
+  require(!fixed_point || p.backward_workspace != nullptr,
+          "attention backward: the general kernels need backward_workspace (attention_backward_workspace_bytes)");
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
 #if BARQTRAIN_HOPPER_KERNELS
@@ -95,17 +174,18 @@ void attention_backward(const AttentionParams& params, cudaStream_t stream) {
       return;
     }
 #endif
-    // The general path's rowsum(dO * O); the Hopper dQ kernel computes its own.
-    const int64_t items = p.q_rows * p.q_heads;
-    const int64_t dot_blocks = (items + attention::kDotRowsPerBlock - 1) / attention::kDotRowsPerBlock;
-    require(dot_blocks <= INT32_MAX, "attention backward: too many query rows");
-    if (items > 0) {
-      attention::attention_dot_kernel<T><<<static_cast<unsigned>(dot_blocks), attention::kDotThreads, 0, stream>>>(p);
-      check_cuda(cudaGetLastError(), "attention backward rowsum launch");
-    }
-    dispatch_head_dim<T>(p, stream);
+    dispatch_head_dim<T>(p, fixed_point, stream);
   };
   dispatch_16bit_dtype(p.dtype, run);
+}
+
+size_t attention_backward_workspace_bytes(const AttentionParams& params) {
+  attention::check_params(params, /*backward=*/true);
+  const AttentionParams p = attention::normalized(params);
+  if (p.batch == 0 || attention::backward_runs_on_hopper(attention::as_rotated_ahead(p)) || !fixed_point_backward()) {
+    return 0;
+  }
+  return attention::DqWorkspace::bytes(p);
 }
 
 }  // namespace barqtrain::kernels

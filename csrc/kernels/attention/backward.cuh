@@ -1,7 +1,9 @@
-// Backward kernels, deterministic without atomics: every output element is accumulated by
-// one CTA in a fixed order.
+// The general backward in seven matrix products, for code compiled before sm_90 (from sm_90
+// on, backward_fixed_point.cuh's five), deterministic without atomics: every output element
+// is accumulated by one CTA in a fixed order.
 //
-//   1. attention_dot_kernel: D = rowsum(dO * O) per query row and head (fp32).
+//   1. attention_dot_kernel<T, false> (backward_rows.cuh): D = rowsum(dO * O) per query row
+//      and head (fp32).
 //   2. attention_dkdv_kernel: a CTA owns a block of keys of one kv head (key_tile_of_cta); it
 //      loops over the q heads of the GQA group and over the query blocks that see its keys,
 //      computing S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
@@ -15,61 +17,10 @@
 
 #include <type_traits>
 
-#include "kernels/attention/masking.cuh"
-#include "kernels/attention/tile_io.cuh"
+#include "kernels/attention/backward_rows.cuh"
 #include "kernels/attention/tile_order.cuh"
 
 namespace barqtrain::kernels::attention {
-
-// Half a warp per (query row, head): D = sum over head_dim of dO * O, in fp32. 16 lanes of
-// 16 bytes cover head_dim 128 in one pass (a whole warp per row left half its lanes idle).
-constexpr int kDotLanesPerRow = 16;
-constexpr int kDotThreads = 128;
-constexpr int kDotRowsPerBlock = kDotThreads / kDotLanesPerRow;
-
-template <typename T>
-__global__ void __launch_bounds__(kDotThreads) attention_dot_kernel(const AttentionParams p) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kDotRowsPerBlock + threadIdx.x / kDotLanesPerRow;
-  const int lane = threadIdx.x % kDotLanesPerRow;
-  // No early return: the whole warp takes part in the shuffles below.
-  const bool valid = item < p.q_rows * p.q_heads;
-  const int64_t row = valid ? item / p.q_heads : 0;
-  const int head = valid ? static_cast<int>(item % p.q_heads) : 0;
-  // A row of a plain batch is b * seqlen_q + i; packed rows are already token indices.
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int64_t b = packed ? 0 : row / p.seqlen_q, i = packed ? row : row % p.seqlen_q;
-  const T* o = static_cast<const T*>(p.o) + b * p.o_strides.batch + i * p.o_strides.row + head * p.o_strides.head;
-  const T* d_o =
-      static_cast<const T*>(p.d_o) + b * p.d_o_strides.batch + i * p.d_o_strides.row + head * p.d_o_strides.head;
-  float sum = 0.0f;
-  for (int c = lane * 8; valid && c < p.head_dim; c += kDotLanesPerRow * 8) {
-    float x[8], y[8];
-    load_as_float<T, 8>(o + c, x);
-    load_as_float<T, 8>(d_o + c, y);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) sum += x[e] * y[e];
-  }
-#pragma unroll
-  for (int offset = kDotLanesPerRow / 2; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (valid && lane == 0) p.d_o_dot_o[head * p.q_rows + row] = sum;
-}
-
-// Per-row statistics of query rows [i0, i0 + count) into shared memory, asynchronously (a
-// plain load here would stall its warps a global-memory latency on every step): the natural-
-// log lse and D, both 0 past the sequence. Those rows lie in masked blocks only (P = 0 there).
-__device__ __forceinline__ void load_row_stats_async(float* lse_s, float* dot_s, const AttentionParams& p,
-                                                     const Sequence& seq, int head, int i0, int count) {
-  for (int t = threadIdx.x; t < 2 * count; t += blockDim.x) {
-    const int r = t % count, i = i0 + r;
-    const bool valid = i < seq.seqlen_q;
-    const int64_t idx = head * p.q_rows + seq.q_first_row + (valid ? i : 0);
-    if (t < count) {
-      cp_async_4(lse_s + r, p.lse + idx, valid);
-    } else {
-      cp_async_4(dot_s + r, p.d_o_dot_o + idx, valid);
-    }
-  }
-}
 
 template <int kD, int kBlockN, int kBlockM>
 struct DkDvConfig {
@@ -143,7 +94,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
     }
     load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
                                               seq.seqlen_q, p.head_dim);
-    load_row_stats_async(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, p, seq, head, m0, kBlockM);
+    load_row_stats_async(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, nullptr, p, nullptr, seq, head, m0,
+                         kBlockM);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();

@@ -48,6 +48,9 @@ struct AttentionParams {
   void* dk = nullptr;
   void* dv = nullptr;
   float* d_o_dot_o = nullptr;  // workspace [q_heads, q_rows]: rowsum(dO * O)
+  // The fixed-point backward's workspace (attention_backward_workspace_bytes): dQ's sums and
+  // what bounds them. Unused where the Hopper or the seven-product kernels run.
+  void* backward_workspace = nullptr;
   AttentionStrides d_o_strides, dq_strides, dk_strides, dv_strides;
 
   // Packed variable-length batch: int32 [batch + 1] prefix sums, both null for a plain batch.

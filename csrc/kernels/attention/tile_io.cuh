@@ -107,18 +107,31 @@ struct SmemAccTile {
   static constexpr int kBytes = kRows * kStride * 4;
 };
 
+// A warp's kM x kNTiles accumulator tiles (rows row0 + 16 t .., columns col0 + 8 j ..) into
+// the fp32 staging tile of kRows x kD.
+template <int kRows, int kD, int kM, int kNTiles>
+__device__ __forceinline__ void stage_accumulators(float* smem, const float (&acc)[kM][kNTiles][4], int row0, int col0,
+                                                   int lane, float scale) {
+  constexpr int kStride = SmemAccTile<kRows, kD>::kStride;
+#pragma unroll
+  for (int t = 0; t < kM; ++t) {
+    const int row = row0 + 16 * t + lane / 4;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+      const int col = col0 + j * 8 + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(smem + row * kStride + col) = make_float2(acc[t][j][0] * scale, acc[t][j][1] * scale);
+      *reinterpret_cast<float2*>(smem + (row + 8) * kStride + col) =
+          make_float2(acc[t][j][2] * scale, acc[t][j][3] * scale);
+    }
+  }
+}
+
 // A warp's 16 x kD accumulators (rows warp_row0 ..) into the fp32 staging tile.
 template <int kRows, int kD>
 __device__ __forceinline__ void stage_accumulators(float* smem, const float (&acc)[kD / 8][4], int warp_row0,
                                                    int lane, float scale) {
-  constexpr int kStride = SmemAccTile<kRows, kD>::kStride;
-  const int row = warp_row0 + lane / 4, col = 2 * (lane % 4);
-#pragma unroll
-  for (int j = 0; j < kD / 8; ++j) {
-    *reinterpret_cast<float2*>(smem + row * kStride + j * 8 + col) = make_float2(acc[j][0] * scale, acc[j][1] * scale);
-    *reinterpret_cast<float2*>(smem + (row + 8) * kStride + j * 8 + col) =
-        make_float2(acc[j][2] * scale, acc[j][3] * scale);
-  }
+  stage_accumulators<kRows, kD, 1, kD / 8>(smem, reinterpret_cast<const float(&)[1][kD / 8][4]>(acc), warp_row0, 0,
+                                           lane, scale);
 }
 
 // The staged tile to global rows [row0, min(row0 + kRows, valid_rows)), dims < head_dim,

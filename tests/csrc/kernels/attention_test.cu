@@ -260,6 +260,8 @@ class AttentionKernel : public ::testing::TestWithParam<AttentionCase> {
     p.d_o_dot_o = static_cast<float*>(d_dot.get());
     const DeviceBuffer d_rope_backward(k::attention_rope_workspace_bytes(p, /*backward=*/true));
     p.rope_workspace = d_rope_backward.get();
+    const DeviceBuffer d_backward_workspace(k::attention_backward_workspace_bytes(p));
+    p.backward_workspace = d_backward_workspace.get();
     k::attention_backward(p, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<T> dq_first = d_dq.to_host<T>(q.size()), dk_first = d_dk.to_host<T>(kk.size()),
@@ -917,6 +919,8 @@ TEST(AttentionDispatch, AutoRunsTheHopperKernelOnSm90) {
     run.forward_kernel = k::AttentionKernel::kGeneral;
     run.backward_kernel = kernel;
     if (expanded_kv) expand_kv(run);
+    const DeviceBuffer d_backward_workspace(k::attention_backward_workspace_bytes(run));
+    run.backward_workspace = d_backward_workspace.get();
     k::attention_forward(run, nullptr);
     d_dq.poison();
     d_dk.poison();
@@ -1054,10 +1058,25 @@ TEST(AttentionArguments, HopperBackwardRequestNamesWhatKeepsItFromRunning) {
 #endif
 }
 
-TEST(AttentionArguments, BackwardNeedsItsWorkspace) {
+TEST(AttentionArguments, BackwardNeedsItsRowsumWorkspace) {
   k::AttentionParams p = valid_params();
   p.d_o = p.dq = p.dk = p.dv = p.o;
   expect_error(p, true, "d_o_dot_o");
+}
+
+// The fixed-point backward (sm_90 code) refuses to run without its workspace; the seven-product
+// one needs none.
+TEST(AttentionArguments, FixedPointBackwardNeedsItsWorkspace) {
+  BARQTRAIN_REQUIRE_GPU();
+  k::AttentionParams p = valid_params();
+  static float dot[4];
+  p.d_o = p.dq = p.dk = p.dv = p.o;
+  p.d_o_dot_o = dot;
+  p.batch = 1;
+  p.q_rows = p.k_rows = 1;
+  p.backward_kernel = k::AttentionKernel::kGeneral;
+  if (k::attention_backward_workspace_bytes(p) == 0) GTEST_SKIP() << "this device runs the seven-product backward";
+  expect_error(p, true, "backward_workspace (attention_backward_workspace_bytes)");
 }
 
 }  // namespace
