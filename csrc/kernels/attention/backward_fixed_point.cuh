@@ -16,9 +16,11 @@
 // bit-identical across runs. The bound is
 //   |sum over any keys j of dS_ij K_j| <= (|dO_i| max_j |V_j| + |D_i|) max_j |K_j|
 // since dS_ij = P_ij (dP_ij - D_i), |dP_ij| <= |dO_i| |V_j| and the P_ij of a row sum to at
-// most 1; the unit maps it to 2^29 (2^31 holds the sum with 4x room for the roundings the bound
-// leaves out). Each contribution is rounded to the unit, an absolute error of 2^-30 of the
-// bound per key block, below the rounding that O's 16-bit storage already puts in D_i.
+// most 1; the unit maps it to 2^21, so that every contribution, with room for the roundings the
+// bound leaves out, lies within +-2^22, where one fma rounds it to an integer
+// (to_fixed_point); int32 holds the sum 1024 times over. Each contribution is rounded to the
+// unit, an absolute error of 2^-22 of the bound per key block, far below the rounding (2^-9 of
+// that scale) that O's 16-bit storage already puts in D_i.
 // The sums leave shared memory through cp.reduce.async.bulk (sm_90), while the warps go on:
 // added with atomics instead, session 15 measured them slower than the seven products (NOTES.md).
 // With RoPE, Q and K are rotated as loaded and dQ, dK are rotated back as stored.
@@ -127,6 +129,13 @@ __device__ __forceinline__ void ldmatrix_a(uint32_t (&a)[kM][4], const T* tile, 
   for (int t = 0; t < kM; ++t) {
     ldmatrix_x4(a[t], tile + (row0 + 16 * t + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + col0 + (lane >> 4) * 8);
   }
+}
+
+// x * unit rounded to the nearest integer (ties to even) where |x * unit| < 2^22: adding
+// 1.5 * 2^23 leaves that integer in the low mantissa bits. An fma and an integer add, where a
+// float-to-int conversion issues at 16 per clock per SM, as exp2 (the softmax's) does.
+__device__ __forceinline__ int32_t to_fixed_point(float x, float unit) {
+  return __float_as_int(fmaf(x, unit, 12582912.0f)) - 0x4B400000;
 }
 
 template <typename T, typename Config>
@@ -316,7 +325,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           *reinterpret_cast<int2*>(sums_s + (row + 8 * h) * kSumsStride + col) =
-              make_int2(__float2int_rn(dq[t][j][2 * h] * unit[h]), __float2int_rn(dq[t][j][2 * h + 1] * unit[h]));
+              make_int2(to_fixed_point(dq[t][j][2 * h], unit[h]), to_fixed_point(dq[t][j][2 * h + 1], unit[h]));
         }
       }
     }

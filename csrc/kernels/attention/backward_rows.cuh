@@ -45,14 +45,14 @@ struct DqWorkspace {
 };
 
 // The unit of a row's dQ sums from its bound: the power of two that maps the bound to at most
-// 2^29. NaN where the bound is not finite (inf or NaN in the inputs), which makes the row's dQ
+// 2^21 (backward_fixed_point.cuh says why). NaN where the bound is not finite (inf or NaN in the inputs), which makes the row's dQ
 // NaN; 1 where it is 0 (every contribution is then 0).
 __device__ __forceinline__ float dq_unit(float bound) {
   if (!(bound <= FLT_MAX)) return NAN;
   if (bound == 0.0f) return 1.0f;
   int exponent;
   frexpf(bound, &exponent);  // bound < 2^exponent
-  return ldexpf(1.0f, min(29 - exponent, 126));
+  return ldexpf(1.0f, min(21 - exponent, 126));
 }
 
 // Half a warp per row: 16 lanes of 16 bytes cover head_dim 128 in one pass (a whole warp per
