@@ -20,6 +20,8 @@ CASES = [  # batch, seq, q heads, kv heads, head_dim, causal
     (4, 4096, 32, 8, 64, False),
     (2, 4096, 16, 8, 256, True),
     (2, 4096, 16, 8, 256, False),
+    (4, 4096, 32, 8, 96, True),
+    (4, 4096, 32, 8, 96, False),
 ]
 BACKENDS = (  # name, backend, deterministic
     ("sdpa-flash", SDPBackend.FLASH_ATTENTION, False),
