@@ -99,10 +99,11 @@ void launch_fixed_point(const AttentionParams& p, cudaStream_t stream) {
 
 // The fixed-point configurations: 128 keys per CTA, 8 warps (GradientsConfig). 64 queries per
 // step at head_dim 96 and 128 (registers), 128 at 64: H100, session 16, B4 S4096 H32/8, 3.16-3.18
-// ms against 4.08-4.11 with 64-query steps (NOTES.md).
-using FixedPoint64 = attention::GradientsConfig<64, 128, 128, 2, 4, 4>;
-using FixedPoint96 = attention::GradientsConfig<96, 128, 64, 2, 4, 4>;
-using FixedPoint128 = attention::GradientsConfig<128, 128, 64, 2, 4, 2>;
+// ms against 4.08-4.11 with 64-query steps. Split barriers at head_dim 64 only: 3-4% less
+// backward time there, 0.4-0.7% more at 128, none at 96 (NOTES.md).
+using FixedPoint64 = attention::GradientsConfig<64, 128, 128, 2, 4, 4, true>;
+using FixedPoint96 = attention::GradientsConfig<96, 128, 64, 2, 4, 4, false>;
+using FixedPoint128 = attention::GradientsConfig<128, 128, 64, 2, 4, 2, false>;
 
 // True where the general backward sums dQ in fixed point: the fixed-point kernel's code for the
 // current device is sm_90 or later (a build for sm_80 alone, run on an H100 through the PTX,

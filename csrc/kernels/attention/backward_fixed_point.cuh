@@ -43,8 +43,11 @@ namespace barqtrain::kernels::attention {
 //   dK, dV (kBlockN x kD):     kKVWarpsN warps down the keys, the rest across head_dim
 //   dQ's share (kBlockM x kD): kDqWarpsM warps down the queries, the rest across head_dim
 // P and dS go through shared memory (each warp reads the rows of other warps' tiles).
-template <int kD, int kBlockN, int kBlockM, int kSWarpsM, int kKVWarpsN, int kDqWarpsM>
+//   kSplitBarriers: the P and dS barriers of a step split into arrive and wait (SplitBarrier), so
+//   that warps done early run dV while the others finish dS; else one __syncthreads after both.
+template <int kD, int kBlockN, int kBlockM, int kSWarpsM, int kKVWarpsN, int kDqWarpsM, bool kSplitBarriers_>
 struct GradientsConfig {
+  static constexpr bool kSplitBarriers = kSplitBarriers_;
   static constexpr int kHeadDimTile = kD;
   static constexpr int kRowsN = kBlockN;  // keys per CTA
   static constexpr int kRowsM = kBlockM;  // queries per step
@@ -73,9 +76,10 @@ struct GradientsConfig {
   using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS: queries x keys
   static constexpr int kSumsStride = kD + 8;  // int32 staging of the step's dQ sums: a half-warp's
                                               // 8-byte stores (4 rows) hit distinct banks
-  // K, V; Q and dO double-buffered; P, dS; the dQ sums; lse, D and unit double-buffered.
+  // K, V; Q and dO double-buffered; P, dS; the dQ sums; lse, D and unit double-buffered; the
+  // split barriers.
   static constexpr int kSmemBytes = (2 * KVTile::kElems + 4 * QTile::kElems + 2 * PTile::kElems) * 2 +
-                                    kBlockM * kSumsStride * 4 + 6 * kBlockM * 4;
+                                    kBlockM * kSumsStride * 4 + 6 * kBlockM * 4 + (kSplitBarriers ? 2 * 8 : 0);
   // The epilogue stages dK and dV over K, V and the Q, dO buffers while the last sums go out.
   static_assert(SmemAccTile<kBlockN, kD>::kBytes <= (2 * KVTile::kElems + 4 * QTile::kElems) * 2,
                 "the dK/dV staging tile must not reach the dQ sums");
@@ -131,6 +135,30 @@ __device__ __forceinline__ void ldmatrix_a(uint32_t (&a)[kM][4], const T* tile, 
   }
 }
 
+// A shared-memory barrier whose arrival and wait are separate (mbarrier): a warp that has stored
+// its share of a tile arrives and goes on; a warp about to read the whole tile waits for the
+// phase, `parity`, in which all kThreads arrived. Release and acquire order the stores.
+struct SplitBarrier {
+  uint64_t* bar;
+  __device__ void init(int count) const {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+  }
+  __device__ void arrive() const {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_address(bar))
+                 : "memory");
+  }
+  __device__ void wait(int parity) const {
+    uint32_t done;
+    do {
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(smem_address(bar)), "r"(parity)
+          : "memory");
+    } while (!done);
+  }
+};
+
 // x * unit rounded to the nearest integer (ties to even) where |x * unit| < 2^22: adding
 // 1.5 * 2^23 leaves that integer in the low mantissa bits. An fma and an integer add, where a
 // float-to-int conversion issues at 16 per clock per SM, as exp2 (the softmax's) does.
@@ -160,6 +188,13 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
   float* lse_buf = reinterpret_cast<float*>(sums_s + kBlockM * kSumsStride);  // [2][kBlockM]
   float* dot_buf = lse_buf + 2 * kBlockM;                                      // [2][kBlockM]
   float* unit_buf = dot_buf + 2 * kBlockM;                                     // [2][kBlockM]
+  // Every warp's P stored, every warp's dS stored (and the staging tile free): one phase a step.
+  const SplitBarrier p_stored{reinterpret_cast<uint64_t*>(unit_buf + 2 * kBlockM)};
+  const SplitBarrier ds_stored{p_stored.bar + 1};
+  if (Config::kSplitBarriers && threadIdx.x == 0) {
+    p_stored.init(kThreads);
+    ds_stored.init(kThreads);
+  }  // the first step's barrier orders the inits before any arrival
 
   const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, longest_first);
   const int n_block = tile.block, kv_head = tile.head, b = tile.batch;
@@ -262,6 +297,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
         *reinterpret_cast<uint32_t*>(p_s + (row + 8) * kPStride + col) = pack2<T>(prob[t][j][2], prob[t][j][3]);
       }
     }
+    if constexpr (Config::kSplitBarriers) p_stored.arrive();
     if (transform.softcap) {  // dS carries the cap's derivative; P itself is stored
 #pragma unroll
       for (int t = 0; t < kSRowTiles; ++t) {
@@ -291,15 +327,22 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
       }
     }
     bulk_reductions_wait</*kRead=*/true>();  // the previous step's sums left the staging tile
-    __syncthreads();                          // P and dS complete
+    if constexpr (Config::kSplitBarriers) {
+      ds_stored.arrive();
+      p_stored.wait(step & 1);
+    } else {
+      __syncthreads();  // P and dS complete
+    }
 
-    // dV += P^T dO and dK += dS^T Q on this warp's keys x head dims.
+    // dV += P^T dO and dK += dS^T Q on this warp's keys x head dims (with split barriers, dV
+    // needs only P: warps done early run it while the others still compute dS).
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
       uint32_t a[kKVRowTiles][4];
       ldmatrix_a_transposed<kKVRowTiles, kPStride>(a, p_s, kv_tile.row0, kk * 16, lane);
       mma_fragments_by_rows_step<T, kKVRowTiles, kKVNTiles, kQStride>(dv, a, do_s + kv_tile.col0, kk * 16, lane);
     }
+    if constexpr (Config::kSplitBarriers) ds_stored.wait(step & 1);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
       uint32_t a[kKVRowTiles][4];
