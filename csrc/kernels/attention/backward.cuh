@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
     }
     load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
                                               seq.seqlen_q, p.head_dim);
-    load_row_stats_async(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, nullptr, p, nullptr, seq, head, m0,
-                         kBlockM);
+    load_row_stats_async</*kUnits=*/false>(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, nullptr, p, nullptr,
+                                           seq, head, m0, kBlockM);
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();

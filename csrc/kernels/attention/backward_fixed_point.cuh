@@ -242,8 +242,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
     }
     load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
                                               seq.seqlen_q, p.head_dim);
-    load_row_stats_async(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, unit_buf + buf * kBlockM, p,
-                         workspace.units, seq, head, m0, kBlockM);
+    load_row_stats_async</*kUnits=*/true>(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, unit_buf + buf * kBlockM,
+                                          p, workspace.units, seq, head, m0, kBlockM);
   };
   // The sums staged by step `step` into the workspace; called after the barrier that follows
   // their staging, so the reductions overlap the next step's products.
@@ -425,7 +425,8 @@ __global__ void __launch_bounds__(256) attention_dq_from_sums_kernel(const Atten
     if (r >= rows || c >= p.head_dim) continue;
     const int4 v = *reinterpret_cast<const int4*>(sums + r * p.head_dim + c);
     const float scale = p.softmax_scale / units[r];
-    *reinterpret_cast<float4*>(staged + r * kStride + c) = make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
+    *reinterpret_cast<float4*>(staged + r * kStride + c) =
+        make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);
   }
   __syncthreads();
   RowRotation q_rotation;

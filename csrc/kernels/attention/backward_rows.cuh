@@ -45,8 +45,8 @@ struct DqWorkspace {
 };
 
 // The unit of a row's dQ sums from its bound: the power of two that maps the bound to at most
-// 2^21 (backward_fixed_point.cuh says why). NaN where the bound is not finite (inf or NaN in the inputs), which makes the row's dQ
-// NaN; 1 where it is 0 (every contribution is then 0).
+// 2^21 (backward_fixed_point.cuh says why). NaN where the bound is not finite (inf or NaN in the
+// inputs), which makes the row's dQ NaN; 1 where it is 0 (every contribution is then 0).
 __device__ __forceinline__ float dq_unit(float bound) {
   if (!(bound <= FLT_MAX)) return NAN;
   if (bound == 0.0f) return 1.0f;
@@ -146,19 +146,23 @@ __global__ void __launch_bounds__(kRowThreads) attention_dot_kernel(const Attent
 
 // Per-row statistics of query rows [i0, i0 + count) into shared memory, asynchronously (a
 // plain load here would stall its warps a global-memory latency on every step): the natural-
-// log lse, D and, where unit_s is given, the rows' dQ units; all 0 past the sequence. Those
-// rows lie in masked blocks only (P = 0 there).
+// log lse, D and, with kUnits, the rows' dQ units; all 0 past the sequence. Those rows lie in
+// masked blocks only (P = 0 there).
+template <bool kUnits>
 __device__ __forceinline__ void load_row_stats_async(float* lse_s, float* dot_s, float* unit_s,
                                                      const AttentionParams& p, const float* units,
                                                      const Sequence& seq, int head, int i0, int count) {
-  const int stats = unit_s != nullptr ? 3 : 2;
-  for (int t = threadIdx.x; t < stats * count; t += blockDim.x) {
-    const int r = t % count, i = i0 + r, which = t / count;
+  for (int t = threadIdx.x; t < (kUnits ? 3 : 2) * count; t += blockDim.x) {
+    const int r = t % count, i = i0 + r;
     const bool valid = i < seq.seqlen_q;
     const int64_t idx = head * p.q_rows + seq.q_first_row + (valid ? i : 0);
-    float* to = which == 0 ? lse_s : which == 1 ? dot_s : unit_s;
-    const float* from = which == 0 ? p.lse : which == 1 ? p.d_o_dot_o : units;
-    cp_async_4(to + r, from + idx, valid);
+    if (t < count) {
+      cp_async_4(lse_s + r, p.lse + idx, valid);
+    } else if (!kUnits || t < 2 * count) {
+      cp_async_4(dot_s + r, p.d_o_dot_o + idx, valid);
+    } else {
+      cp_async_4(unit_s + r, units + idx, valid);
+    }
   }
 }
 
