@@ -5,6 +5,8 @@
 // Hopper kernels built in (hopper/backward_sm90.h), the cases its wgmma/TMA kernels cover go
 // there instead (AttentionKernel's rules; its dQ kernel computes the rowsum itself), with RoPE
 // rotated ahead and dQ, dK rotated back (rotation.h).
+#include <atomic>
+
 #include "kernels/attention/attention.h"
 #include "kernels/attention/backward.cuh"
 #include "kernels/attention/backward_fixed_point.cuh"
@@ -29,14 +31,15 @@ void launch_dot(const AttentionParams& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "attention backward rowsum launch");
 }
 
-// The dK/dV kernel's order of key tiles: key_tile_of_cta's, with the CTAs that run at once
-// (key_tiles_longest_first says when and what it measured).
+// The order of key tiles of a kernel that owns key blocks (the dK/dV or the gradients kernel):
+// key_tile_of_cta's, with the CTAs that run at once (key_tiles_longest_first says when and what
+// it measured).
 template <typename Kernel>
 bool key_tiles_longest_first_for(const AttentionParams& p, Kernel kernel, int threads, int smem_bytes, int key_blocks) {
   int device = 0, ctas_per_sm = 0;
-  check_cuda(cudaGetDevice(&device), "attention dk/dv launch");
+  check_cuda(cudaGetDevice(&device), "attention backward device");
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, threads, smem_bytes),
-             "attention dk/dv occupancy");
+             "attention backward occupancy");
   return attention::key_tiles_longest_first(p, key_blocks, ctas_per_sm * device_multiprocessors(device));
 }
 
@@ -107,12 +110,23 @@ using FixedPoint128 = attention::GradientsConfig<128, 128, 64, 2, 4, 2, false>;
 
 // True where the general backward sums dQ in fixed point: the fixed-point kernel's code for the
 // current device is sm_90 or later (a build for sm_80 alone, run on an H100 through the PTX,
-// takes the seven products).
+// takes the seven products). Fixed for a device for the life of the process, so asked once per
+// device rather than on every backward call and workspace query.
 bool fixed_point_backward() {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int8_t> known[kCachedDevices];  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "attention backward device");
+  if (device < kCachedDevices) {
+    const int8_t answer = known[device].load(std::memory_order_relaxed);
+    if (answer != 0) return answer == 2;
+  }
   cudaFuncAttributes attributes;
   check_cuda(cudaFuncGetAttributes(&attributes, attention::attention_gradients_kernel<__nv_bfloat16, FixedPoint128>),
              "attention backward kernel attributes");
-  return attributes.ptxVersion >= 90;
+  const bool fixed_point = attributes.ptxVersion >= 90;
+  if (device < kCachedDevices) known[device].store(fixed_point ? 2 : 1, std::memory_order_relaxed);
+  return fixed_point;
 }
 
 template <typename T>
