@@ -19,8 +19,9 @@
 // most 1; the unit maps it to 2^21, so that every contribution, with room for the roundings the
 // bound leaves out, lies within +-2^22, where one fma rounds it to an integer
 // (to_fixed_point); int32 holds the sum 1024 times over. Each contribution is rounded to the
-// unit, an absolute error of 2^-22 of the bound per key block, far below the rounding (2^-9 of
-// that scale) that O's 16-bit storage already puts in D_i.
+// unit, an absolute error of 2^-22 of the bound per key block, far below the rounding (about
+// 2^-9 of that scale, an estimate) that O's 16-bit storage already puts in D_i; the float64
+// kernel tests are the measurement.
 // The sums leave shared memory through cp.reduce.async.bulk (sm_90), while the warps go on:
 // added with atomics instead, session 15 measured them slower than the seven products (NOTES.md).
 // With RoPE, Q and K are rotated as loaded and dQ, dK are rotated back as stored.

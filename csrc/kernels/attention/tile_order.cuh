@@ -92,11 +92,13 @@ __host__ __device__ inline KeyTile key_tile_of_cta(dim3 cta, dim3 grid, bool lon
 // CTAs hold the key blocks of two heads or more. There the longest tiles go first, at the
 // price of the L2 sharing of a head's queries. Hopper, H100, session 13 (NOTES.md): B4 S4096
 // H32/8 causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3%;
-// the sm_80 kernel (two CTAs per SM), session 14: 91% -> 99%, backward 6.67-6.76 -> 6.37-6.40 ms
-// (D64: 3.75-3.79 -> 3.53-3.55). Head after head measured better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s
-// forward+backward), B1 S16384 (128 key blocks on 132 SMs: one head's fill them; by 0.5-1%)
-// and full masks (tiles alike; by 3.5%). Head after head stays for windows too, whose tiles are
-// alike (not measured).
+// the seven-product sm_80 dK/dV kernel (two CTAs per SM on an H100), session 14: 91% -> 99%,
+// backward 6.67-6.76 -> 6.37-6.40 ms (D64: 3.75-3.79 -> 3.53-3.55). Head after head measured
+// better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s forward+backward), B1
+// S16384 (128 key blocks on 132 SMs: one head's fill them; by 0.5-1%) and full masks (tiles
+// alike; by 3.5%). Head after head stays for windows too, whose tiles are alike (not
+// measured). The fixed-point gradients kernel (one CTA per SM) takes the same rule; its orders
+// were not compared.
 inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, int resident_ctas) {
   return p.causal && p.window_left < 0 && p.q_heads > p.kv_heads && 2 * key_blocks <= resident_ctas;
 }
