@@ -73,7 +73,7 @@ void launch_fixed_point(const AttentionParams& p, cudaStream_t stream) {
   // bound, and every contribution, is 0).
   check_cuda(cudaMemsetAsync(workspace.kv_norms, 0, DqWorkspace::norms_bytes(p), stream), "attention backward norms");
   if (p.seqlen_k > 0) {
-    const dim3 grid((p.seqlen_k + kRowsPerBlock - 1) / kRowsPerBlock, p.kv_heads, p.batch);
+    const dim3 grid((p.seqlen_k + kNormRowsPerBlock - 1) / kNormRowsPerBlock, p.kv_heads, p.batch);
     attention_kv_norms_kernel<T><<<grid, kRowThreads, 0, stream>>>(p);
     check_cuda(cudaGetLastError(), "attention backward norms launch");
   }

@@ -68,30 +68,38 @@ __device__ __forceinline__ float row_lanes_sum(float v) {
   return v;
 }
 
-// Grid (key rows / kRowsPerBlock, kv heads, batch). Squared norms are non-negative floats,
-// whose bit patterns order as the values do (a NaN, of either sign, above all), so atomicMax
-// on them is exact.
+// Grid (key rows / kNormRowsPerBlock, kv heads, batch). Squared norms are non-negative floats,
+// whose bit patterns order as the values do (a NaN, of either sign, above all), so atomicMax on
+// them is exact. A block takes 64 rows in eight passes, and each warp adds one atomic per norm
+// for its 16: with one per 2 rows the atomics on a sequence's two addresses queued up (H100,
+// B4 S4096 H8 D128: 109 us for 67 MB of K and V).
+constexpr int kNormRowsPerBlock = 64;
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) attention_kv_norms_kernel(const AttentionParams p) {
-  const int b = blockIdx.z, kv_head = blockIdx.y;
+  const int b = blockIdx.z, kv_head = blockIdx.y, lane = threadIdx.x % kRowLanes;
   const Sequence seq = Sequence::of(p, b);
-  const int j = blockIdx.x * kRowsPerBlock + threadIdx.x / kRowLanes, lane = threadIdx.x % kRowLanes;
-  const bool valid = j < seq.seqlen_k;  // no early return: the shuffles take the whole warp
-  const T* k = static_cast<const T*>(p.k) + seq.k_offset(p.k_strides, b, kv_head) + j * p.k_strides.row;
-  const T* v = static_cast<const T*>(p.v) + seq.k_offset(p.v_strides, b, kv_head) + j * p.v_strides.row;
-  float k_norm = 0.0f, v_norm = 0.0f;
-  for (int c = lane * 8; valid && c < p.head_dim; c += kRowLanes * 8) {
-    float x[8], y[8];
-    load_as_float<T, 8>(k + c, x);
-    load_as_float<T, 8>(v + c, y);
+  const T* k = static_cast<const T*>(p.k) + seq.k_offset(p.k_strides, b, kv_head);
+  const T* v = static_cast<const T*>(p.v) + seq.k_offset(p.v_strides, b, kv_head);
+  unsigned k_bits = 0, v_bits = 0;  // the largest squared norms' bit patterns
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      k_norm += x[e] * x[e];
-      v_norm += y[e] * y[e];
+  for (int pass = 0; pass < kNormRowsPerBlock / kRowsPerBlock; ++pass) {
+    const int j = blockIdx.x * kNormRowsPerBlock + pass * kRowsPerBlock + threadIdx.x / kRowLanes;
+    const bool valid = j < seq.seqlen_k;  // no early exit: the shuffles take the whole warp
+    float k_norm = 0.0f, v_norm = 0.0f;
+    for (int c = lane * 8; valid && c < p.head_dim; c += kRowLanes * 8) {
+      float x[8], y[8];
+      load_as_float<T, 8>(k + j * p.k_strides.row + c, x);
+      load_as_float<T, 8>(v + j * p.v_strides.row + c, y);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        k_norm += x[e] * x[e];
+        v_norm += y[e] * y[e];
+      }
     }
+    // Compared as bit patterns: fmaxf would drop a NaN; the bound must not.
+    k_bits = max(k_bits, __float_as_uint(row_lanes_sum(k_norm)));
+    v_bits = max(v_bits, __float_as_uint(row_lanes_sum(v_norm)));
   }
-  // The warp's largest, compared as bit patterns (fmaxf would drop a NaN; the bound must not).
-  unsigned k_bits = __float_as_uint(row_lanes_sum(k_norm)), v_bits = __float_as_uint(row_lanes_sum(v_norm));
   k_bits = max(k_bits, __shfl_xor_sync(0xffffffffu, k_bits, 16));
   v_bits = max(v_bits, __shfl_xor_sync(0xffffffffu, v_bits, 16));
   if (threadIdx.x % 32 == 0) {
