@@ -133,10 +133,12 @@ template <typename T>
 void dispatch_head_dim(const AttentionParams& p, bool fixed_point, cudaStream_t stream) {
   using attention::DkDvConfig;
   using attention::DqConfig;
-  if (fixed_point) {
-    if (p.head_dim <= 64) return launch_fixed_point<T, FixedPoint64>(p, stream);
-    if (p.head_dim <= 96) return launch_fixed_point<T, FixedPoint96>(p, stream);
-    return launch_fixed_point<T, FixedPoint128>(p, stream);
+  if (fixed_point) {  // the head_dim tile sets the dQ sums' row stride (dq_sums_row_stride)
+    switch (attention::dq_sums_row_stride(p.head_dim)) {
+      case FixedPoint64::kSumsStride: return launch_fixed_point<T, FixedPoint64>(p, stream);
+      case FixedPoint96::kSumsStride: return launch_fixed_point<T, FixedPoint96>(p, stream);
+      default: return launch_fixed_point<T, FixedPoint128>(p, stream);
+    }
   }
   // dK/dV in 64-query steps: on an H100 faster than 32 by 8% (head_dim 64), 16% (96) and 11% (128),
   // from fewer barriers per mma (NOTES.md).

@@ -75,8 +75,9 @@ struct GradientsConfig {
   using KVTile = SmemTile<kBlockN, kD>;
   using QTile = SmemTile<kBlockM, kD>;
   using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS: queries x keys
-  static constexpr int kSumsStride = kD + 8;  // int32 staging of the step's dQ sums: a half-warp's
-                                              // 8-byte stores (4 rows) hit distinct banks
+  static constexpr int kSumsStride = dq_sums_row_stride(kD);  // int32 staging of the dQ sums, rows as
+                                                              // in the workspace
+  static_assert(kSumsStride == kD + 8, "kD is one of dq_sums_row_stride's head_dim tiles");
   // K, V; Q and dO double-buffered; P, dS; the dQ sums; lse, D and unit double-buffered; the
   // split barriers.
   static constexpr int kSmemBytes = (2 * KVTile::kElems + 4 * QTile::kElems + 2 * PTile::kElems) * 2 +
@@ -86,17 +87,21 @@ struct GradientsConfig {
                 "the dK/dV staging tile must not reach the dQ sums");
 };
 
-// Adds a step's staged dQ sums (rows [0, valid_rows) of `staged`, stride kStride) into the
-// workspace's rows from `sums` on, through the bulk-copy unit, a row per thread of the first
-// kBlockM and asynchronously: the warps go on to the next products while the unit reads the
-// staging tile (the caller waits, bulk_reductions_wait, before it stages again).
+// Adds a step's staged dQ sums (rows [0, valid_rows) of `staged`, laid out as the workspace's
+// rows, stride kStride) into the workspace's rows from `sums` on, through the bulk-copy unit,
+// asynchronously: the warps go on to the next products while the unit reads the staging tile
+// (the caller waits, bulk_reductions_wait, before it stages again). A whole tile goes in one
+// reduction issued by thread 0 (a reduction per row took a loop over the lanes of two warps, which
+// the others waited for at the next barrier); a sequence's last, partial tile a row per thread.
+// (A single reduction of valid_rows rows made ptxas spill 100 bytes at head_dim 128.)
 template <int kBlockM, int kStride>
-__device__ __forceinline__ void add_staged_sums(const int32_t* staged, int32_t* sums, int head_dim, int valid_rows) {
+__device__ __forceinline__ void add_staged_sums(const int32_t* staged, int32_t* sums, int valid_rows) {
   const int r = threadIdx.x;
-  if (r < kBlockM && r < valid_rows) {
+  const bool whole = valid_rows >= kBlockM;
+  if (whole ? r == 0 : r < valid_rows) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n" ::"l"(
-                     sums + static_cast<int64_t>(r) * head_dim),
-                 "r"(smem_address(staged + r * kStride)), "r"(head_dim * 4)
+                     sums + static_cast<int64_t>(r) * kStride),
+                 "r"(smem_address(staged + r * kStride)), "r"((whole ? kBlockM : 1) * kStride * 4)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
   }
@@ -250,8 +255,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
   // their staging, so the reductions overlap the next step's products.
   auto add_sums_of_step = [&](int step) {
     const int m0 = step_m0(step);
-    add_staged_sums<kBlockM, kSumsStride>(
-        sums_s, workspace.row_sums(p, step_head(step), seq.q_first_row + m0), p.head_dim, seq.seqlen_q - m0);
+    add_staged_sums<kBlockM, kSumsStride>(sums_s, workspace.row_sums(p, step_head(step), seq.q_first_row + m0),
+                                          min(kBlockM, seq.seqlen_q - m0));
   };
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
@@ -424,7 +429,7 @@ __global__ void __launch_bounds__(256) attention_dq_from_sums_kernel(const Atten
   for (int idx = threadIdx.x; idx < kBlockM * kQuads; idx += kThreads) {
     const int r = idx / kQuads, c = idx % kQuads * 4;
     if (r >= rows || c >= p.head_dim) continue;
-    const int4 v = *reinterpret_cast<const int4*>(sums + r * p.head_dim + c);
+    const int4 v = *reinterpret_cast<const int4*>(sums + r * dq_sums_row_stride(kD) + c);
     const float scale = p.softmax_scale / units[r];
     *reinterpret_cast<float4*>(staged + r * kStride + c) =
         make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale);

@@ -10,17 +10,26 @@
 
 namespace barqtrain::kernels::attention {
 
+// The row stride of the dQ sums: the head_dim tile of the fixed-point kernels (backward.cu's
+// configurations) and 8 more, so that the gradients kernel's staging tile, rows as in the
+// workspace, takes a warp's fragment stores (8 rows, 8 columns) in as few bank cycles as they
+// can, and a step's tile leaves in one bulk reduction (rows packed to the head_dim in the
+// workspace needed one per row, each issued in a loop over the lanes).
+__host__ __device__ constexpr int dq_sums_row_stride(int head_dim) {
+  return (head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : 128) + 8;
+}
+
 // The fixed-point backward's workspace (AttentionParams::backward_workspace): dQ's sums,
-// int32 [q_heads, q_rows, head_dim]; each row's unit, fp32 [q_heads, q_rows] (sums count
-// units: dQ = softmax_scale * sum / unit); and the largest squared key and value norms, fp32
-// [batch, kv_heads, 2].
+// int32 [q_heads, q_rows, dq_sums_row_stride(head_dim)] (columns past head_dim unused);
+// each row's unit, fp32 [q_heads, q_rows] (sums count units: dQ = softmax_scale * sum / unit);
+// and the largest squared key and value norms, fp32 [batch, kv_heads, 2].
 struct DqWorkspace {
   int32_t* sums = nullptr;
   float* units = nullptr;
   float* kv_norms = nullptr;
 
   __host__ __device__ static size_t sums_bytes(const AttentionParams& p) {
-    return static_cast<size_t>(p.q_heads) * p.q_rows * p.head_dim * sizeof(int32_t);
+    return static_cast<size_t>(p.q_heads) * p.q_rows * dq_sums_row_stride(p.head_dim) * sizeof(int32_t);
   }
   __host__ __device__ static size_t units_bytes(const AttentionParams& p) {
     return (static_cast<size_t>(p.q_heads) * p.q_rows * sizeof(float) + 15) / 16 * 16;
@@ -40,7 +49,7 @@ struct DqWorkspace {
     return w;
   }
   __device__ int32_t* row_sums(const AttentionParams& p, int head, int64_t row) const {
-    return sums + (head * p.q_rows + row) * p.head_dim;
+    return sums + (head * p.q_rows + row) * dq_sums_row_stride(p.head_dim);
   }
 };
 
@@ -133,8 +142,10 @@ __global__ void __launch_bounds__(kRowThreads) attention_dot_kernel(const Attent
       dot += x[e] * y[e];
       if constexpr (kDqUnits) d_o_norm += y[e] * y[e];
     }
-    if constexpr (kDqUnits) {
-      int32_t* sums = DqWorkspace::of(p).sums + row * p.head_dim;
+  }
+  if constexpr (kDqUnits) {  // the columns past head_dim are added to but never read
+    int32_t* sums = DqWorkspace::of(p).sums + row * dq_sums_row_stride(p.head_dim);
+    for (int c = lane * 8; valid && c < p.head_dim; c += kRowLanes * 8) {
       *reinterpret_cast<int4*>(sums + c) = make_int4(0, 0, 0, 0);
       *reinterpret_cast<int4*>(sums + c + 4) = make_int4(0, 0, 0, 0);
     }
