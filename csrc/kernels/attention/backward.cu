@@ -31,16 +31,14 @@ void launch_dot(const AttentionParams& p, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "attention backward rowsum launch");
 }
 
-// The order of key tiles of a kernel that owns key blocks (the dK/dV or the gradients kernel):
-// key_tile_of_cta's, with the CTAs that run at once (key_tiles_longest_first says when and what
-// it measured).
+// The CTAs of a kernel that owns key blocks (the dK/dV or the gradients kernel) that run at once.
 template <typename Kernel>
-bool key_tiles_longest_first_for(const AttentionParams& p, Kernel kernel, int threads, int smem_bytes, int key_blocks) {
+int resident_ctas(Kernel kernel, int threads, int smem_bytes) {
   int device = 0, ctas_per_sm = 0;
   check_cuda(cudaGetDevice(&device), "attention backward device");
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, threads, smem_bytes),
              "attention backward occupancy");
-  return attention::key_tiles_longest_first(p, key_blocks, ctas_per_sm * device_multiprocessors(device));
+  return ctas_per_sm * device_multiprocessors(device);
 }
 
 template <typename T, typename DkDv, typename Dq>
@@ -55,8 +53,10 @@ void launch_seven_products(const AttentionParams& p, cudaStream_t stream) {
   // Keys that no query sees get zero dK, dV; queries that see no key get zero dQ.
   if (p.seqlen_k > 0) {
     const int key_blocks = (p.seqlen_k + DkDv::kRowsN - 1) / DkDv::kRowsN;
-    const bool longest_first = key_tiles_longest_first_for(p, dkdv, DkDv::kThreads, DkDv::kSmemBytes, key_blocks);
-    dkdv<<<dim3(key_blocks, p.kv_heads, p.batch), DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p, longest_first);
+    const bool longest_first =
+        attention::key_tiles_longest_first(p, key_blocks, resident_ctas(dkdv, DkDv::kThreads, DkDv::kSmemBytes));
+    dkdv<<<dim3(key_blocks, p.kv_heads, p.batch), DkDv::kThreads, DkDv::kSmemBytes, stream>>>(
+        p, longest_first ? p.kv_heads * p.batch : 1);
     check_cuda(cudaGetLastError(), "attention dk/dv launch");
   }
   if (p.seqlen_q > 0) {
@@ -83,10 +83,10 @@ void launch_fixed_point(const AttentionParams& p, cudaStream_t stream) {
     check_cuda(cudaFuncSetAttribute(gradients, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes),
                "attention gradients shared memory");
     const int key_blocks = (p.seqlen_k + Config::kRowsN - 1) / Config::kRowsN;
-    const bool longest_first =
-        key_tiles_longest_first_for(p, gradients, Config::kThreads, Config::kSmemBytes, key_blocks);
+    const int heads_together =
+        key_tile_heads_together(p, key_blocks, resident_ctas(gradients, Config::kThreads, Config::kSmemBytes));
     gradients<<<dim3(key_blocks, p.kv_heads, p.batch), Config::kThreads, Config::kSmemBytes, stream>>>(
-        p, longest_first);
+        p, heads_together);
     check_cuda(cudaGetLastError(), "attention gradients launch");
   }
   if (p.seqlen_q > 0) {

@@ -37,7 +37,7 @@ struct DkDvConfig {
 };
 
 template <typename T, typename Config>
-__global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const AttentionParams p, bool longest_first) {
+__global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const AttentionParams p, int heads_together) {
   constexpr int kD = Config::kHeadDimTile, kBlockN = Config::kRowsN, kBlockM = Config::kRowsM;
   constexpr int kThreads = Config::kThreads;
   constexpr int kMTiles = kBlockM / 8;
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_dkdv_kernel(const 
   float* lse_buf = reinterpret_cast<float*>(do_buf + 2 * Config::QTile::kElems);  // [2][kBlockM]
   float* dot_buf = lse_buf + 2 * kBlockM;                                          // [2][kBlockM]
 
-  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, longest_first);
+  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, heads_together);
   const int n_block = tile.block, kv_head = tile.head, b = tile.batch;
   const Sequence seq = Sequence::of(p, b);
   const int n0 = n_block * kBlockN;

@@ -174,7 +174,7 @@ __device__ __forceinline__ int32_t to_fixed_point(float x, float unit) {
 
 template <typename T, typename Config>
 __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(const AttentionParams p,
-                                                                               bool longest_first) {
+                                                                               int heads_together) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the bulk reductions
   constexpr int kD = Config::kHeadDimTile, kBlockN = Config::kRowsN, kBlockM = Config::kRowsM;
   constexpr int kThreads = Config::kThreads;
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
     ds_stored.init(kThreads);
   }  // the first step's barrier orders the inits before any arrival
 
-  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, longest_first);
+  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, heads_together);
   const int n_block = tile.block, kv_head = tile.head, b = tile.batch;
   const Sequence seq = Sequence::of(p, b);
   const int n0 = n_block * kBlockN;

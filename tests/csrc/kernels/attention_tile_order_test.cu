@@ -65,30 +65,37 @@ INSTANTIATE_TEST_SUITE_P(Cases, QueryTilesOrder,
                                   std::to_string(c.kv_heads) + "_b" + std::to_string(c.batch);
                          });
 
-class KeyTileOrder : public ::testing::TestWithParam<std::tuple<dim3, bool>> {};
+// heads_together 0 stands for the grid's pair count (every (kv head, batch) pair together).
+class KeyTileOrder : public ::testing::TestWithParam<std::tuple<dim3, int>> {};
 
-// Every (key block, kv head, batch) once over the grid; in launch (linear) order, head after
-// head keeps a head's key blocks together, longest first takes the key blocks in ascending order
-// (the longest under a causal mask first) across every head and batch.
+// Every (key block, kv head, batch) once over the grid; in launch (linear) order, one pair at a
+// time keeps a head's key blocks together; runs of pairs hold their pairs whole and take the key
+// blocks in ascending order (the longest under a causal mask first) across the run's pairs.
 TEST_P(KeyTileOrder, EachTileOnceInLaunchOrder) {
-  const auto [grid, longest_first] = GetParam();
+  const auto [grid, param] = GetParam();
+  const int pairs = static_cast<int>(grid.y * grid.z), together = param == 0 ? pairs : param;
   std::vector<int> seen(grid.x * grid.y * grid.z, 0);
-  int previous_block = -1;
+  int previous_block = -1, previous_run = -1;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {  // the hardware's linear order
-        const attention::KeyTile tile = attention::key_tile_of_cta(dim3(x, y, z), grid, longest_first);
+        const attention::KeyTile tile = attention::key_tile_of_cta(dim3(x, y, z), grid, together);
         ASSERT_TRUE(tile.block >= 0 && tile.block < static_cast<int>(grid.x) && tile.head >= 0 &&
                     tile.head < static_cast<int>(grid.y) && tile.batch >= 0 && tile.batch < static_cast<int>(grid.z));
         ++seen[(tile.batch * grid.y + tile.head) * grid.x + tile.block];
-        if (longest_first) {
-          ASSERT_GE(tile.block, previous_block) << "CTA (" << x << ", " << y << ", " << z << ")";
-          previous_block = tile.block;
-        } else {
+        if (together == 1) {
           ASSERT_EQ(tile.block, static_cast<int>(x));
           ASSERT_EQ(tile.head, static_cast<int>(y));
           ASSERT_EQ(tile.batch, static_cast<int>(z));
+          continue;
         }
+        const int linear = static_cast<int>(x + grid.x * (y + grid.y * z)), run = linear / (together * grid.x);
+        ASSERT_EQ((tile.batch * static_cast<int>(grid.y) + tile.head) / together, run)
+            << "CTA (" << x << ", " << y << ", " << z << ") left its run of pairs";
+        if (run != previous_run) previous_block = -1;
+        ASSERT_GE(tile.block, previous_block) << "CTA (" << x << ", " << y << ", " << z << ")";
+        previous_block = tile.block;
+        previous_run = run;
       }
     }
   }
@@ -98,11 +105,14 @@ TEST_P(KeyTileOrder, EachTileOnceInLaunchOrder) {
 INSTANTIATE_TEST_SUITE_P(Cases, KeyTileOrder,
                          ::testing::Combine(::testing::Values(dim3(32, 8, 4), dim3(1, 1, 1), dim3(5, 3, 2),
                                                               dim3(64, 1, 7)),
-                                            ::testing::Bool()),
+                                            ::testing::Values(1, 4, 0)),
                          [](const auto& info) {
                            const dim3 grid = std::get<0>(info.param);
+                           const int together = std::get<1>(info.param);
                            return std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" + std::to_string(grid.z) +
-                                  (std::get<1>(info.param) ? "_longest_first" : "_head_after_head");
+                                  (together == 1   ? "_head_after_head"
+                                   : together == 0 ? "_all_pairs_together"
+                                                   : "_runs_of_" + std::to_string(together));
                          });
 
 // The sm_80 forward's and dQ kernel's grid: heads fastest, so that the hardware's linear order
@@ -150,6 +160,20 @@ TEST(KeyTileOrder, LongestFirstOnlyWhereTheTilesDifferAndAHeadLeavesRoom) {
   p.window_left = -1;
   p.causal = false;
   EXPECT_FALSE(attention::key_tiles_longest_first(p, 64, 264));  // full mask
+}
+
+// The gradients kernel takes as many pairs together as the resident CTAs hold whole, where key
+// blocks go first at all; else one at a time.
+TEST(KeyTileOrder, GradientsKernelRunsFillTheResidentCtas) {
+  kernels::AttentionParams p;
+  p.causal = true;
+  p.q_heads = 32;
+  p.kv_heads = 8;
+  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 4);  // H100, S4096, 128-key blocks
+  EXPECT_EQ(attention::key_tile_heads_together(p, 66, 132), 2);
+  EXPECT_EQ(attention::key_tile_heads_together(p, 67, 132), 1);
+  p.causal = false;
+  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 1);
 }
 
 }  // namespace

@@ -229,7 +229,7 @@ __device__ __forceinline__ OwnedTile query_tile(const AttentionParams& p, const 
 template <typename T, typename Traits>
 __device__ __forceinline__ OwnedTile grid_tile(const BackwardKernelParams<T, Traits>& params) {
   static_assert(Traits::kOwnsKeys, "the dQ role is persistent");
-  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, params.longest_first);
+  const KeyTile tile = key_tile_of_cta(blockIdx, gridDim, params.longest_first ? gridDim.y * gridDim.z : 1);
   return owned_tile<Traits>(params.p, tile.block, tile.head, tile.batch);
 }
 
