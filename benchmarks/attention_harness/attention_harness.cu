@@ -67,9 +67,10 @@ int main(int argc, char** argv) {
     bool causal;
   };
   // sdpa_ref.py's CASES, in the same order.
-  const Case cases[] = {{4, 4096, 32, 8, 128, true},  {4, 4096, 32, 8, 128, false}, {4, 4096, 32, 8, 64, true},
-                        {1, 16384, 32, 8, 128, true}, {4, 4096, 32, 8, 64, false},  {2, 4096, 16, 8, 256, true},
-                        {2, 4096, 16, 8, 256, false}, {4, 4096, 32, 8, 96, true},   {4, 4096, 32, 8, 96, false}};
+  const Case cases[] = {{4, 4096, 32, 32, 128, true}, {4, 4096, 32, 8, 128, true}, {4, 4096, 32, 8, 128, false},
+                        {4, 4096, 32, 8, 64, true},   {1, 16384, 32, 8, 128, true}, {4, 4096, 32, 8, 64, false},
+                        {2, 4096, 16, 8, 256, true},  {2, 4096, 16, 8, 256, false}, {4, 4096, 32, 8, 96, true},
+                        {4, 4096, 32, 8, 96, false}};
   for (const Case& c : cases) {
     const size_t nq = static_cast<size_t>(c.batch) * c.seq * c.heads * c.d, nk = static_cast<size_t>(c.batch) * c.seq * c.kv_heads * c.d;
     const size_t rows = static_cast<size_t>(c.batch) * c.seq;

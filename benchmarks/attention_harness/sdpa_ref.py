@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 CASES = [  # batch, seq, q heads, kv heads, head_dim, causal
+    (4, 4096, 32, 32, 128, True),
     (4, 4096, 32, 8, 128, True),
     (4, 4096, 32, 8, 128, False),
     (4, 4096, 32, 8, 64, True),
