@@ -107,14 +107,17 @@ inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, in
   return p.causal && p.window_left < 0 && p.q_heads > p.kv_heads && 2 * key_blocks <= resident_ctas;
 }
 
-// The fixed-point gradients kernel's heads_together (key_tile_of_cta): where
-// key_tiles_longest_first says so, as many pairs as the resident CTAs hold whole, so that the CTAs
-// running at once read the queries of a few heads, and a run's longest tiles still start first.
-// H100, session 17, B4 S4096 H32/8 causal (4 pairs a run), against every pair together: backward
-// 2.5% faster at head_dim 128, 1-2.5% at 96, 1% at 64; the kernel's DRAM reads 2.3 GB against
-// 3.9 (ncu), where Q, dO and the dQ sums take about 0.7 GB.
+// The fixed-point gradients kernel's heads_together (key_tile_of_cta): under a causal mask
+// without a window (tiles of different lengths), where a head's key blocks fill at most half the
+// resident CTAs, as many pairs as the resident CTAs hold whole, so that the CTAs running at once
+// read the queries of a few heads and a run's longest tiles still start first; else 1. Unlike
+// key_tiles_longest_first, without GQA too. H100, session 17, B4 S4096 causal, 4 pairs a run:
+// at H32/8, against every pair together, backward 2.5% faster at head_dim 128, 1-2.5% at 96, 1%
+// at 64, the kernel's DRAM reads 2.3 GB against 3.9 (ncu), where Q, dO and the dQ sums take
+// about 0.7 GB; at H32/32 D128, against head after head, 4.90-4.92 ms against 4.98-5.02.
 inline int key_tile_heads_together(const AttentionParams& p, int key_blocks, int resident_ctas) {
-  return key_tiles_longest_first(p, key_blocks, resident_ctas) ? resident_ctas / key_blocks : 1;
+  const bool tiles_differ = p.causal && p.window_left < 0;
+  return tiles_differ && 2 * key_blocks <= resident_ctas ? resident_ctas / key_blocks : 1;
 }
 
 }  // namespace barqtrain::kernels::attention

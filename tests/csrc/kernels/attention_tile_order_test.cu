@@ -162,8 +162,9 @@ TEST(KeyTileOrder, LongestFirstOnlyWhereTheTilesDifferAndAHeadLeavesRoom) {
   EXPECT_FALSE(attention::key_tiles_longest_first(p, 64, 264));  // full mask
 }
 
-// The gradients kernel takes as many pairs together as the resident CTAs hold whole, where key
-// blocks go first at all; else one at a time.
+// The gradients kernel takes as many pairs together as the resident CTAs hold whole, under a
+// causal mask without a window, GQA or not, where a head's key blocks leave room; else one at a
+// time.
 TEST(KeyTileOrder, GradientsKernelRunsFillTheResidentCtas) {
   kernels::AttentionParams p;
   p.causal = true;
@@ -172,8 +173,13 @@ TEST(KeyTileOrder, GradientsKernelRunsFillTheResidentCtas) {
   EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 4);  // H100, S4096, 128-key blocks
   EXPECT_EQ(attention::key_tile_heads_together(p, 66, 132), 2);
   EXPECT_EQ(attention::key_tile_heads_together(p, 67, 132), 1);
+  p.kv_heads = 32;
+  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 4);  // no GQA
+  p.window_left = 4095;
+  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 1);  // sliding window
+  p.window_left = -1;
   p.causal = false;
-  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 1);
+  EXPECT_EQ(attention::key_tile_heads_together(p, 32, 132), 1);  // full mask
 }
 
 }  // namespace
