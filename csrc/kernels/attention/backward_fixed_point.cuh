@@ -92,8 +92,8 @@ struct GradientsConfig {
 // asynchronously: the warps go on to the next products while the unit reads the staging tile
 // (the caller waits, bulk_reductions_wait, before it stages again). A whole tile goes in one
 // reduction issued by thread 0 (a reduction per row took a loop over the lanes of two warps, which
-// the others waited for at the next barrier); a sequence's last, partial tile a row per thread.
-// (A single reduction of valid_rows rows made ptxas spill 100 bytes at head_dim 128.)
+// the others waited for at the next barrier); a sequence's last, partial tile a row per thread
+// (a single reduction of valid_rows rows made ptxas spill 100 bytes at head_dim 128).
 template <int kBlockM, int kStride>
 __device__ __forceinline__ void add_staged_sums(const int32_t* staged, int32_t* sums, int valid_rows) {
   const int r = threadIdx.x;
@@ -265,7 +265,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
                                           p, workspace.units, seq, head, m0, kBlockM);
   };
   // The sums staged by the step of `rows` into the workspace; called after the barrier that
-  // follows their staging, so the reductions overlap the next step's products.
+  // follows their staging, so the reductions overlap the next step's products. (The min() is
+  // not needed for the rows' count, but without it ptxas spilled 100 bytes at head_dim 128.)
   auto add_sums_of_step = [&](StepRows rows) {
     add_staged_sums<kBlockM, kSumsStride>(sums_s, workspace.row_sums(p, rows.head, seq.q_first_row + rows.m0),
                                           min(kBlockM, seq.seqlen_q - rows.m0));
