@@ -227,7 +227,6 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
   } else {
     load_tile_async<T, kBlockN, kD, kThreads>(k_s, k, p.k_strides.row, n0, seq.seqlen_k, p.head_dim);
   }
-  load_tile_async<T, kBlockN, kD, kThreads>(v_s, v, p.v_strides.row, n0, seq.seqlen_k, p.head_dim);
 
   const int2 queries = mask.query_range(n0, n0 + kBlockN);
   const int first_block = queries.x / kBlockM;
@@ -249,20 +248,25 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
     return rows;
   };
 
-  auto load_step = [&](StepRows rows, int buf) {
+  // A step's Q and row statistics (with_q) and its dO (with_d_o) into buffer `buf`.
+  auto load_step = [&](StepRows rows, int buf, bool with_q, bool with_d_o) {
     const int head = rows.head, m0 = rows.m0;
-    const T* q = static_cast<const T*>(p.q) + seq.q_offset(p.q_strides, b, head);
-    const T* d_o = static_cast<const T*>(p.d_o) + seq.q_offset(p.d_o_strides, b, head);
-    T* q_s = q_buf + buf * Config::QTile::kElems;
-    if (rope) {
-      load_tile_rotated<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim, q_rotation);
-    } else {
-      load_tile_async<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim);
+    if (with_q) {
+      const T* q = static_cast<const T*>(p.q) + seq.q_offset(p.q_strides, b, head);
+      T* q_s = q_buf + buf * Config::QTile::kElems;
+      if (rope) {
+        load_tile_rotated<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim, q_rotation);
+      } else {
+        load_tile_async<T, kBlockM, kD, kThreads>(q_s, q, p.q_strides.row, m0, seq.seqlen_q, p.head_dim);
+      }
+      load_row_stats_async</*kUnits=*/true>(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM,
+                                            unit_buf + buf * kBlockM, p, workspace.units, seq, head, m0, kBlockM);
     }
-    load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
-                                              seq.seqlen_q, p.head_dim);
-    load_row_stats_async</*kUnits=*/true>(lse_buf + buf * kBlockM, dot_buf + buf * kBlockM, unit_buf + buf * kBlockM,
-                                          p, workspace.units, seq, head, m0, kBlockM);
+    if (with_d_o) {
+      const T* d_o = static_cast<const T*>(p.d_o) + seq.q_offset(p.d_o_strides, b, head);
+      load_tile_async<T, kBlockM, kD, kThreads>(do_buf + buf * Config::QTile::kElems, d_o, p.d_o_strides.row, m0,
+                                                seq.seqlen_q, p.head_dim);
+    }
   };
   // The sums staged by the step of `rows` into the workspace; called after the barrier that
   // follows their staging, so the reductions overlap the next step's products. (The min() is
@@ -272,7 +276,12 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
                                           min(kBlockM, seq.seqlen_q - rows.m0));
   };
   StepRows previous{}, current{kv_head * group, first_m0};
-  if (steps > 0) load_step(current, 0);
+  // The first step's operands in two groups: K, Q and the row statistics, which its S needs,
+  // then V and dO, which land while S is computed.
+  if (steps > 0) load_step(current, 0, true, false);
+  cp_async_commit();
+  load_tile_async<T, kBlockN, kD, kThreads>(v_s, v, p.v_strides.row, n0, seq.seqlen_k, p.head_dim);
+  if (steps > 0) load_step(current, 0, false, true);
   cp_async_commit();
 
   float dk[kKVRowTiles][kKVNTiles][4] = {}, dv[kKVRowTiles][kKVNTiles][4] = {};
@@ -281,10 +290,14 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
     const int m0 = current.m0;
     constexpr bool kMasked = decltype(masked_tag)::value;
     const int buf = step & 1;
-    cp_async_wait<0>();
+    if (step == 0) {
+      cp_async_wait<1>();  // K, Q and the row statistics; V and dO may still be on their way
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();  // this step's tiles landed; every warp is done with the other buffer, P, dS
                       // and the sums it staged
-    if (step + 1 < steps) load_step(next, buf ^ 1);
+    if (step + 1 < steps) load_step(next, buf ^ 1, true, true);
     cp_async_commit();
     if (step > 0) add_sums_of_step(previous);
     const T* q_s = q_buf + buf * Config::QTile::kElems;
@@ -332,6 +345,10 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
 
     // dP = dO V^T, then dS = P (dP - D) to shared memory.
     float dp[kSRowTiles][kSNTiles][4] = {};
+    if (step == 0) {  // the first V and dO
+      cp_async_wait<1>();
+      __syncthreads();
+    }
     mma_rows_by_rows<T, kD, kSRowTiles, kSNTiles, kQStride, kKVStride>(dp, do_s, s_tile.row0, v_s, s_tile.col0, lane);
 #pragma unroll
     for (int t = 0; t < kSRowTiles; ++t) {
