@@ -133,18 +133,19 @@ template <typename T>
 void dispatch_head_dim(const AttentionParams& p, bool fixed_point, cudaStream_t stream) {
   using attention::DkDvConfig;
   using attention::DqConfig;
-  if (fixed_point) {  // the head_dim tile sets the dQ sums' row stride (dq_sums_row_stride)
-    switch (attention::dq_sums_row_stride(p.head_dim)) {
-      case FixedPoint64::kSumsStride: return launch_fixed_point<T, FixedPoint64>(p, stream);
-      case FixedPoint96::kSumsStride: return launch_fixed_point<T, FixedPoint96>(p, stream);
-      default: return launch_fixed_point<T, FixedPoint128>(p, stream);
-    }
+  // Seven products: dK/dV in 64-query steps, on an H100 faster than 32 by 8% (head_dim 64), 16%
+  // (96) and 11% (128), from fewer barriers per mma (NOTES.md).
+  switch (attention::backward_head_dim_tile(p.head_dim)) {
+    case 64:
+      if (fixed_point) return launch_fixed_point<T, FixedPoint64>(p, stream);
+      return launch_seven_products<T, DkDvConfig<64, 64, 64>, DqConfig<64, 64, 64>>(p, stream);
+    case 96:
+      if (fixed_point) return launch_fixed_point<T, FixedPoint96>(p, stream);
+      return launch_seven_products<T, DkDvConfig<96, 64, 64>, DqConfig<96, 64, 64>>(p, stream);
+    default:
+      if (fixed_point) return launch_fixed_point<T, FixedPoint128>(p, stream);
+      return launch_seven_products<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
   }
-  // dK/dV in 64-query steps: on an H100 faster than 32 by 8% (head_dim 64), 16% (96) and 11% (128),
-  // from fewer barriers per mma (NOTES.md).
-  if (p.head_dim <= 64) return launch_seven_products<T, DkDvConfig<64, 64, 64>, DqConfig<64, 64, 64>>(p, stream);
-  if (p.head_dim <= 96) return launch_seven_products<T, DkDvConfig<96, 64, 64>, DqConfig<96, 64, 64>>(p, stream);
-  return launch_seven_products<T, DkDvConfig<128, 64, 64>, DqConfig<128, 64, 64>>(p, stream);
 }
 
 }  // namespace

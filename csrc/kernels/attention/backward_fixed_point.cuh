@@ -77,7 +77,7 @@ struct GradientsConfig {
   using PTile = SmemTile<kBlockM, kBlockN>;  // P and dS: queries x keys
   static constexpr int kSumsStride = dq_sums_row_stride(kD);  // int32 staging of the dQ sums, rows as
                                                               // in the workspace
-  static_assert(kSumsStride == kD + 8, "kD is one of dq_sums_row_stride's head_dim tiles");
+  static_assert(backward_head_dim_tile(kD) == kD, "kD is a head_dim tile of the general backward");
   // K, V; Q and dO double-buffered; P, dS; the dQ sums; lse, D and unit double-buffered; the
   // split barriers.
   static constexpr int kSmemBytes = (2 * KVTile::kElems + 4 * QTile::kElems + 2 * PTile::kElems) * 2 +

@@ -10,14 +10,17 @@
 
 namespace barqtrain::kernels::attention {
 
-// The row stride of the dQ sums: the head_dim tile of the fixed-point kernels (backward.cu's
-// configurations) and 8 more, so that the gradients kernel's staging tile, rows as in the
-// workspace, takes a warp's fragment stores (8 rows, 8 columns) in as few bank cycles as they
-// can, and a step's tile leaves in one bulk reduction (rows packed to the head_dim in the
-// workspace needed one per row, each issued in a loop over the lanes).
-__host__ __device__ constexpr int dq_sums_row_stride(int head_dim) {
-  return (head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : 128) + 8;
+// The head_dim tile of the general backward's kernels, in both designs (backward.cu's
+// configurations).
+__host__ __device__ constexpr int backward_head_dim_tile(int head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : 128;
 }
+
+// The row stride of the dQ sums: the head_dim tile and 8 more, so that the gradients kernel's
+// staging tile, rows as in the workspace, takes a warp's fragment stores (8 rows, 8 columns) in
+// as few bank cycles as they can, and a step's tile leaves in one bulk reduction (rows packed to
+// the head_dim in the workspace needed one per row, each issued in a loop over the lanes).
+__host__ __device__ constexpr int dq_sums_row_stride(int head_dim) { return backward_head_dim_tile(head_dim) + 8; }
 
 // The fixed-point backward's workspace (AttentionParams::backward_workspace): dQ's sums,
 // int32 [q_heads, q_rows, dq_sums_row_stride(head_dim)] (columns past head_dim unused);
