@@ -30,10 +30,11 @@ std::string attention_unsupported_reason(const AttentionParams& params, bool bac
 // no workspace is needed. Throws as the launcher would for bad parameters.
 size_t attention_rope_workspace_bytes(const AttentionParams& params, bool backward);
 
-// Bytes of AttentionParams::backward_workspace that this backward needs: dQ's fixed-point sums
-// (4 bytes per element of dq, 4 per query row and head, 8 per sequence and kv head; see
-// backward_fixed_point.cuh) where the general kernels run on sm_90 code, else 0. Ask with rope_workspace already set: it decides where a RoPE
-// backward runs. Throws as the launcher would for bad parameters.
+// Bytes of AttentionParams::backward_workspace that this backward needs where the general
+// kernels run on sm_90 code, else 0: dQ's fixed-point sums (4 bytes per element of a dQ row
+// padded to dq_sums_row_stride), 4 per query row and head, 8 per sequence and kv head
+// (backward_rows.cuh's DqWorkspace). Ask with rope_workspace already set: it decides where a
+// RoPE backward runs. Throws as the launcher would for bad parameters.
 size_t attention_backward_workspace_bytes(const AttentionParams& params);
 
 // Writes o and lse, on the kernel params.forward_kernel picks. Throws std::invalid_argument

@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
   const int blocks_per_head = queries.x < queries.y ? (queries.y + kBlockM - 1) / kBlockM - first_block : 0;
   const int steps = blocks_per_head * group;
   // A step's q head and first query, stepped forward: divided out of the step index, as they
-  // were for three uses a step, they cost the backward 4-5% at head_dim 64 and 96 (H100,
+  // were for three uses a step, they cost the backward 4-6% at head_dim 64 and 96 (H100,
   // session 17).
   struct StepRows {
     int head, m0;

@@ -114,7 +114,7 @@ inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, in
 // key_tiles_longest_first, without GQA too. H100, session 17, B4 S4096 causal, 4 pairs a run:
 // at H32/8, against every pair together, backward 2.5% faster at head_dim 128, 1-2.5% at 96, 1%
 // at 64, the kernel's DRAM reads 2.3 GB against 3.9 (ncu), where Q, dO and the dQ sums take
-// about 0.7 GB; at H32/32 D128, against head after head, 4.90-4.92 ms against 4.98-5.02.
+// about 0.54 GB; at H32/32 D128, against head after head, 4.90-4.92 ms against 4.98-5.02.
 inline int key_tile_heads_together(const AttentionParams& p, int key_blocks, int resident_ctas) {
   const bool tiles_differ = p.causal && p.window_left < 0;
   return tiles_differ && 2 * key_blocks <= resident_ctas ? resident_ctas / key_blocks : 1;
