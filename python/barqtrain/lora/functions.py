@@ -13,12 +13,15 @@ once, and the A matrices of the LoRA projections are stacked, so that x is read 
 every x Aᵀ and every (s · dy B) A is one GEMM into dx. The gated MLP is one function too,
 which stores x, gate and up and recomputes act(gate) · up in the backward.
 
-Precision is PEFT's: the LoRA term is computed in the adapter's dtype. When that is the
-activations' dtype (bf16 adapters on a bf16 model, or fp32 throughout) it is the path above.
-With fp32 adapters on a 16-bit model (PEFT's autocast_adapter_dtype default), x Aᵀ, dA and dB
-come from fp32 GEMMs of the upcast x and dy, base + s · (x Aᵀ) Bᵀ is summed in fp32 and
-rounded once, and the LoRA part of dx is rounded before it is added, all as PEFT computes
-them; that costs fp32 passes over [tokens × out] which the same-dtype path does not make.
+Precision: each adapter names the dtype its products are computed in (LoraAdapter.compute_dtype).
+Mixed precision, as torch.autocast defines it, computes them in the activations' dtype: fp32
+master adapters are cast to bf16/fp16 for the tensor-core GEMMs, and dA and dB leave those
+GEMMs as fp32 (16-bit operands, fp32 accumulation, one rounding to fp32). PEFT's arithmetic
+computes them in the adapter's own dtype: with fp32 adapters on a 16-bit model (PEFT's
+autocast_adapter_dtype default), x Aᵀ, dA and dB come from fp32 GEMMs of the upcast x and dy,
+base + s · (x Aᵀ) Bᵀ is summed in fp32 and rounded once, and the LoRA part of dx is rounded
+before it is added, all as PEFT computes them; that costs fp32 passes over [tokens × out]
+which the mixed path does not make.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ class LoraAdapter:
     lora_B: torch.Tensor  # [out, r]
     scaling: float
     dropout: float = 0.0  # the probability of zeroing an input element; 0 outside training
+    # The dtype of x Aᵀ, (x Aᵀ) Bᵀ and the rest of the LoRA products; None: the adapter's own
+    # (PEFT's arithmetic). Gradients of A and B are always in the adapter's dtype.
+    compute_dtype: torch.dtype | None = None
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        return self.lora_A.dtype if self.compute_dtype is None else self.compute_dtype
 
     def __post_init__(self) -> None:
         if self.lora_A.dim() != 2 or self.lora_B.dim() != 2 or self.lora_A.shape[0] != self.lora_B.shape[1]:
@@ -50,6 +60,8 @@ class LoraAdapter:
             raise TypeError(f"barqtrain: lora_A is {self.lora_A.dtype} but lora_B is {self.lora_B.dtype}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"barqtrain: LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.compute_dtype is not None and self.compute_dtype not in _DTYPES:
+            raise TypeError(f"barqtrain: LoRA compute_dtype must be one of {', '.join(map(str, _DTYPES))}")
 
 
 @dataclass(frozen=True)
@@ -75,12 +87,14 @@ class Projection:
 
 
 # What an autograd function needs besides the tensors to rebuild the projections: per
-# projection, (scaling, dropout) of its adapter, or None without one.
-Layout = tuple[tuple[float, float] | None, ...]
+# projection, (scaling, dropout, compute_dtype) of its adapter, or None without one.
+Layout = tuple[tuple[float, float, torch.dtype | None] | None, ...]
 
 
 def _layout(projections: Sequence[Projection]) -> Layout:
-    return tuple(None if p.lora is None else (p.lora.scaling, p.lora.dropout) for p in projections)
+    return tuple(
+        None if p.lora is None else (p.lora.scaling, p.lora.dropout, p.lora.compute_dtype) for p in projections
+    )
 
 
 def _flat(projections: Sequence[Projection]) -> list[torch.Tensor | None]:
@@ -99,15 +113,20 @@ def _rebuild(layout: Layout, tensors: Sequence[torch.Tensor | None]) -> list[Pro
 @dataclass(frozen=True)
 class _Group:
     """LoRA projections whose x Aᵀ is one GEMM: those without dropout whose adapters share a
-    dtype; each projection with dropout (its own mask) is a group of its own."""
+    dtype and a product dtype; each projection with dropout (its own mask) is a group of its own."""
 
     indices: tuple[int, ...]
-    dtype: torch.dtype  # the adapters' dtype, in which their term is computed
+    dtype: torch.dtype  # the products' dtype
+    adapter_dtype: torch.dtype  # the adapters' (and their gradients') dtype
     dropout: float
 
     def stacked_A(self, projections: Sequence[Projection]) -> torch.Tensor:
+        """The A matrices one above the other, in the products' dtype."""
         matrices = [projections[i].lora.lora_A for i in self.indices]
-        return matrices[0] if len(matrices) == 1 else torch.cat(matrices)
+        return (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
+
+    def lora_B(self, projections: Sequence[Projection], index: int) -> torch.Tensor:
+        return projections[index].lora.lora_B.to(self.dtype)
 
     def ranks(self, projections: Sequence[Projection]) -> list[int]:
         return [projections[i].lora.lora_A.shape[0] for i in self.indices]
@@ -117,22 +136,33 @@ class _Group:
 
 
 def _groups(projections: Sequence[Projection]) -> list[_Group]:
-    undropped: dict[torch.dtype, list[int]] = {}
+    undropped: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     groups = []
     for index, projection in enumerate(projections):
         lora = projection.lora
         if lora is None:
             continue
         if lora.dropout:
-            groups.append(_Group((index,), lora.lora_A.dtype, lora.dropout))
+            groups.append(_Group((index,), lora.product_dtype, lora.lora_A.dtype, lora.dropout))
         else:
-            undropped.setdefault(lora.lora_A.dtype, []).append(index)
-    return [_Group(tuple(indices), dtype, 0.0) for dtype, indices in undropped.items()] + groups
+            undropped.setdefault((lora.product_dtype, lora.lora_A.dtype), []).append(index)
+    return [_Group(tuple(indices), *dtypes, 0.0) for dtypes, indices in undropped.items()] + groups
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale · (a @ b), rounded once."""
     return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
+
+
+def _gradient_mm(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """scale · (a @ b) in `dtype` (an adapter gradient), accumulated in fp32 from a and b as they are."""
+    if dtype == a.dtype:
+        return _scaled_mm(a, b, scale)
+    if a.is_cuda:  # cuBLAS: 16-bit operands on tensor cores, the fp32 accumulator written as is
+        product = torch.mm(a, b, out_dtype=dtype)
+    else:  # the same sums: 16-bit values are exact in fp32
+        product = a.to(dtype) @ b.to(dtype)
+    return product if scale == 1.0 else product.mul_(scale)
 
 
 def _dropped(x: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tensor:
@@ -154,11 +184,11 @@ def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[t
         xa = lora_input @ group.stacked_A(projections).T
         saved.append(xa)
         for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
-            lora = projections[index].lora
+            lora_B, scaling = group.lora_B(projections, index), projections[index].lora.scaling
             if group.dtype == x.dtype:
-                outputs[index].addmm_(xa_part, lora.lora_B.T, alpha=lora.scaling)
+                outputs[index].addmm_(xa_part, lora_B.T, alpha=scaling)
             else:
-                summed = outputs[index].to(group.dtype).addmm_(xa_part, lora.lora_B.T, alpha=lora.scaling)
+                summed = outputs[index].to(group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
                 outputs[index] = summed.to(x.dtype)
     return outputs, saved
 
@@ -193,18 +223,19 @@ def _project_backward(
         ranks = group.ranks(projections)
         dxa_parts = []
         for index, xa_part in zip(group.indices, xa.split(ranks, dim=1), strict=True):
-            lora = projections[index].lora
+            scaling = projections[index].lora.scaling
             dy = dys[index].to(group.dtype)
             if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
-                grads[index * _TENSORS_PER_PROJECTION + 3] = _scaled_mm(dy.T, xa_part, lora.scaling)
-            dxa_parts.append(_scaled_mm(dy, lora.lora_B, lora.scaling))
+                dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
+                grads[index * _TENSORS_PER_PROJECTION + 3] = dB
+            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
         dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
 
         if any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
             lora_input = x.to(group.dtype)
             if mask is not None:
                 lora_input = _dropped(lora_input, mask, group.dropout)
-            dA = dxa.T @ lora_input
+            dA = _gradient_mm(dxa.T, lora_input, 1.0, group.adapter_dtype)
             for index, dA_part in zip(group.indices, dA.split(ranks), strict=True):
                 if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
                     grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
@@ -357,11 +388,11 @@ def unsupported_dtypes(x: torch.Tensor, projection: Projection) -> str | None:
     if x.dtype not in _DTYPES:
         return f"input is {x.dtype}; LoRA is computed in {', '.join(map(str, _DTYPES))}"
     lora = projection.lora
-    if lora is None or lora.lora_A.dtype == x.dtype:
+    if lora is None or lora.product_dtype == x.dtype:
         return None
-    if lora.lora_A.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+    if lora.product_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
         return None
     return (
-        f"adapter is {lora.lora_A.dtype} with {x.dtype} input "
+        f"adapter is computed in {lora.product_dtype} with {x.dtype} input "
         "(supported: the input's dtype, or float32 with 16-bit input)"
     )

@@ -20,6 +20,7 @@ def get_peft_model(
     *,
     adapter_name: str = "default",
     autocast_adapter_dtype: bool = True,
+    lora_precision: str = "mixed",
     ops: Collection[str] | None = None,
     **lora_options: Any,
 ) -> PeftModel:
@@ -30,8 +31,10 @@ def get_peft_model(
     Give either a PEFT config, or LoraConfig's options as keywords (task_type defaults to
     "CAUSAL_LM"): get_peft_model(model, r=16, lora_alpha=32, target_modules="all-linear").
     autocast_adapter_dtype=True (PEFT's default) keeps the adapters of a 16-bit model in
-    float32, computed as PEFT computes them; False keeps them in the model's dtype, the
-    path without fp32 passes (see docs/lora.md). `ops` as for patch_model (default: all).
+    float32 (master weights, gradients, optimizer states); False keeps them in the model's
+    dtype. lora_precision="mixed" (the default) computes the LoRA products in the model's dtype
+    on tensor cores, as torch.autocast would; "peft" computes them in the adapters' dtype, PEFT's
+    own arithmetic (see docs/lora.md). `ops` as for patch_model (default: all).
     Adapters save and load in PEFT's format (save_pretrained, PeftModel.from_pretrained).
     """
     import peft
@@ -39,6 +42,9 @@ def get_peft_model(
     # Imported here: barqtrain.patch imports barqtrain.lora's functions, so barqtrain.lora
     # cannot import barqtrain.patch while it loads.
     from barqtrain.patch import OPS, patch_model
+    from barqtrain.patch.lora import checked_precision
+
+    checked_precision(lora_precision)  # before PEFT changes the model
 
     if peft_config is None:
         peft_config = peft.LoraConfig(**{"task_type": "CAUSAL_LM", **lora_options})
@@ -50,5 +56,6 @@ def get_peft_model(
     peft_model = peft.get_peft_model(
         model, peft_config, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype
     )
-    setattr(peft_model, REPORT_ATTRIBUTE, patch_model(peft_model, ops=OPS if ops is None else ops))
+    report = patch_model(peft_model, ops=OPS if ops is None else ops, lora_precision=lora_precision)
+    setattr(peft_model, REPORT_ATTRIBUTE, report)
     return peft_model

@@ -14,6 +14,7 @@ from types import MethodType
 
 from torch import nn
 
+from barqtrain.patch import lora
 from barqtrain.patch.families import (
     ALL_OPS,
     OP_DETECTORS,
@@ -83,16 +84,22 @@ def _entries(names_by_reason: dict[tuple[str, str, str], list[str]]) -> tuple[No
     )
 
 
-def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
+def patch_model(
+    model: nn.Module, *, ops: Collection[str] = OPS, lora_precision: str = lora.DEFAULT_LORA_PRECISION
+) -> PatchReport:
     """Route the modules of `model` that BarqTrain implements through its fused ops.
 
     `model` is a Hugging Face PreTrainedModel or a PEFT model wrapping one; it is changed in
     place and keeps its parameters, so optimizers and checkpoints made before still apply.
     `ops` picks the ops to patch in, by name (default: barqtrain.patch.OPS; ALL_OPS adds the
-    opt-in ones), e.g. `ops=("rms_norm", "glu")` or `ops=(*OPS, "attention")`. Calling it again does nothing new. Raises
-    UnsupportedModelError (a ValueError) for a model family with no BarqTrain patches.
+    opt-in ones), e.g. `ops=("rms_norm", "glu")` or `ops=(*OPS, "attention")`. Calling it again does nothing new,
+    except that `lora_precision` applies to every patched LoRA layer: "mixed" (the default) computes the LoRA
+    products in the base model's dtype on tensor cores with fp32 adapters, gradients and optimizer states;
+    "peft" computes them as PEFT does, in the adapters' dtype. Raises UnsupportedModelError (a ValueError) for
+    a model family with no BarqTrain patches.
     """
     requested = checked_ops(ops)
+    lora.checked_precision(lora_precision)
     hf_model = _hf_model(model)
     model_type = hf_model.config.model_type
     model_class = type(hf_model).__name__
@@ -124,6 +131,7 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
         else:
             not_patched[replacement.op, class_name, reason].append(name)
 
+    has_lora = lora.set_precision(model, lora_precision)
     return PatchReport(
         family=family.name,
         model_type=model_type,
@@ -135,6 +143,8 @@ def patch_model(model: nn.Module, *, ops: Collection[str] = OPS) -> PatchReport:
         },
         not_patched=_entries(not_patched),
         opt_in=_entries(opt_in),
+        lora_precision=lora_precision if has_lora else None,
+        lora_precision_meaning=lora.LORA_PRECISIONS[lora_precision] if has_lora else None,
     )
 
 
@@ -147,5 +157,6 @@ def unpatch_model(model: nn.Module) -> int:
     for module in model.modules():
         if _is_barqtrain_forward(vars(module).get("forward")):
             del module.forward
+            lora.clear_precision(module)
             restored += 1
     return restored

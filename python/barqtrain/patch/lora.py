@@ -10,6 +10,12 @@ A quantized base (QLoRA) is computed the same way: barqtrain's Linear4bit or Lin
 bitsandbytes' Linear4bit (under PEFT's lora.bnb.Linear4bit, patched too) read through its
 quant_state, as a barqtrain.quant.Weight4bit/Weight8bit whose GEMMs are the fused dequant-GEMMs.
 
+The LoRA products run in one of two precisions (LORA_PRECISIONS), which patch_model sets on
+each layer it patches: "mixed" (the default) computes them in the activations' dtype on tensor
+cores, with the adapters, their gradients and optimizer states in fp32 (mixed precision as
+torch.autocast defines it); "peft" computes them in the adapters' dtype, as PEFT does (fp32
+adapters on a 16-bit model: fp32 GEMMs).
+
 What these functions do not compute is left to PEFT's forward: at patch time, with its
 reason in the report (several active adapters, DoRA and the other variants, lora_bias,
 a base layer that is neither a plain nn.Linear nor a supported quantized linear, a bitsandbytes
@@ -47,6 +53,37 @@ LORA_LINEAR_CLASS = "peft.tuners.lora.layer.Linear"
 LORA_BNB_4BIT_CLASS = "peft.tuners.lora.bnb.Linear4bit"
 
 _DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+# How the LoRA products are computed, by name, with what each means in a patch report.
+LORA_PRECISIONS: dict[str, str] = {
+    "mixed": "mixed precision: the LoRA products in the base model's dtype on tensor cores; fp32 adapters, "
+    "gradients and optimizer states",
+    "peft": "PEFT's arithmetic: the LoRA products in the adapters' dtype (fp32 adapters: fp32 GEMMs)",
+}
+DEFAULT_LORA_PRECISION = "mixed"
+_MIXED_DTYPES = frozenset({torch.bfloat16, torch.float16})
+# The attribute of a patched LoRA layer that holds its precision (a key of LORA_PRECISIONS).
+_PRECISION_ATTRIBUTE = "barqtrain_lora_precision"
+
+
+def checked_precision(precision: str) -> str:
+    if precision not in LORA_PRECISIONS:
+        raise ValueError(
+            f"barqtrain: lora_precision must be one of {', '.join(map(repr, LORA_PRECISIONS))}, got {precision!r}"
+        )
+    return precision
+
+
+def set_precision(model: nn.Module, precision: str) -> bool:
+    """Give every patched LoRA layer of `model` this precision; whether there was one."""
+    layers = [module for module in model.modules() if _is_patched_forward(module)]
+    for layer in layers:
+        setattr(layer, _PRECISION_ATTRIBUTE, precision)
+    return bool(layers)
+
+
+def clear_precision(module: nn.Module) -> None:
+    vars(module).pop(_PRECISION_ATTRIBUTE, None)
 
 
 def looks_like_lora_layer(module: nn.Module) -> bool:
@@ -148,11 +185,14 @@ def projection_of(layer: nn.Module, x: torch.Tensor) -> Projection | PeftCompute
     if x.device.type not in _DEVICE_TYPES:
         return PeftComputes(f"input on a {x.device.type} device")
     dropout = layer.lora_dropout[adapter]
+    # Mixed precision lowers fp32 adapters to 16-bit activations' dtype; it never raises one.
+    mixed = getattr(layer, _PRECISION_ATTRIBUTE, DEFAULT_LORA_PRECISION) == "mixed" and x.dtype in _MIXED_DTYPES
     lora = LoraAdapter(
         layer.lora_A[adapter].weight,
         layer.lora_B[adapter].weight,
         float(layer.scaling[adapter]),
         dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0,
+        compute_dtype=x.dtype if mixed else None,
     )
     projection = Projection(weight, base.bias, lora)
     reason = unsupported_dtypes(x, projection)
@@ -174,9 +214,13 @@ def lora_linear_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     return lora_linear(x, projection)
 
 
-def _is_patched_lora_layer(module: nn.Module) -> bool:
+def _is_patched_forward(module: nn.Module) -> bool:
     forward = vars(module).get("forward")
-    return isinstance(forward, MethodType) and forward.__func__ is lora_linear_forward and not (
+    return isinstance(forward, MethodType) and forward.__func__ is lora_linear_forward
+
+
+def _is_patched_lora_layer(module: nn.Module) -> bool:
+    return _is_patched_forward(module) and not (
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
     )
 

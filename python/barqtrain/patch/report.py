@@ -69,6 +69,10 @@ class PatchReport:
     # Modules an opt-in op (barqtrain.patch.OPT_IN_OPS) would patch had it been asked for,
     # with the reason it is opt-in.
     opt_in: tuple[NotPatched, ...] = ()
+    # How the patched LoRA layers compute their products ("mixed" or "peft"), and what that
+    # means; None when the model has no patched LoRA layer.
+    lora_precision: str | None = None
+    lora_precision_meaning: str | None = None
 
     def patched_count(self, op: str) -> int:
         return self.patched[op].count if op in self.patched else 0
@@ -89,7 +93,10 @@ class PatchReport:
             if op not in self.patched and not entries:
                 rows.append((op, "-", "0", NO_MODULE_OF_THIS_KIND))
         title = f"BarqTrain patch report: {self.model_class} (family {self.family}, model_type {self.model_type})"
-        return _table(title, ("op", "module class", "modules", "result"), rows)
+        table = _table(title, ("op", "module class", "modules", "result"), rows)
+        if self.lora_precision is None:
+            return table
+        return f"{table}\nLoRA precision: {self.lora_precision} ({self.lora_precision_meaning})"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ reference both are measured by."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import peft
@@ -49,10 +51,22 @@ def peft_linear(
     return layer.train()
 
 
-def barqtrain_projection(layer: nn.Module, x: torch.Tensor) -> Projection:
+def barqtrain_projection(layer: nn.Module, x: torch.Tensor, precision: str = "peft") -> Projection:
+    """What the patched layer computes in `precision` ("peft": PEFT's arithmetic; "mixed": the
+    LoRA products in x's dtype, patching's default)."""
     projection = projection_of(layer, x)
     assert not isinstance(projection, PeftComputes), projection.reason
+    if precision == "peft" and projection.lora is not None:
+        projection = dataclasses.replace(projection, lora=dataclasses.replace(projection.lora, compute_dtype=None))
     return projection
+
+
+def peft_arithmetic(precision: str, device: str = "cpu"):
+    """The context in which PEFT computes what BarqTrain's `precision` reproduces: PEFT as it is
+    for "peft", PEFT under torch.autocast(bfloat16) for "mixed"."""
+    if precision == "mixed":
+        return torch.autocast(device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def float64_copy(layer: nn.Module) -> nn.Module:

@@ -12,15 +12,22 @@ from lora_testing import (
     assert_no_worse_than_peft,
     barqtrain_projection,
     float64_copy,
+    peft_arithmetic,
     peft_linear,
     relative_error,
     run,
 )
 from torch import nn
 
-# (model dtype, adapters kept in float32 as PEFT's autocast_adapter_dtype does)
-PRECISIONS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-PRECISION_IDS = ["fp32", "bf16", "bf16-model-fp32-adapters"]
+# (model dtype, adapters kept in float32 as PEFT's autocast_adapter_dtype does, BarqTrain's
+# LoRA precision). "mixed" differs from "peft" only with fp32 adapters on a 16-bit model.
+PRECISIONS = [
+    (torch.float32, False, "peft"),
+    (torch.bfloat16, False, "peft"),
+    (torch.bfloat16, True, "peft"),
+    (torch.bfloat16, True, "mixed"),
+]
+PRECISION_IDS = ["fp32", "bf16", "bf16-model-fp32-adapters-peft", "bf16-model-fp32-adapters-mixed"]
 
 
 def _inputs(in_features: int, out_features: int, dtype: torch.dtype, device: str = "cpu"):
@@ -30,42 +37,47 @@ def _inputs(in_features: int, out_features: int, dtype: torch.dtype, device: str
     return x, dy
 
 
-def _check_against_peft(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
-    theirs = run(layer, layer, x, dy)
-    ours = run(lambda x: lora_linear(x, barqtrain_projection(layer, x)), layer, x, dy)
+def _check_against_peft(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, precision: str = "peft") -> None:
+    """Ours in `precision` no further from float64 than PEFT's arithmetic of that precision."""
+    with peft_arithmetic(precision, x.device.type):
+        theirs = run(layer, layer, x, dy)
+    ours = run(lambda x: lora_linear(x, barqtrain_projection(layer, x, precision)), layer, x, dy)
     exact_layer = float64_copy(layer)
     exact = run(exact_layer, exact_layer, x.double(), dy.double())
     assert_no_worse_than_peft(ours, theirs, exact)
 
 
-@pytest.mark.parametrize(("dtype", "fp32_adapters"), PRECISIONS, ids=PRECISION_IDS)
+@pytest.mark.parametrize(("dtype", "fp32_adapters", "precision"), PRECISIONS, ids=PRECISION_IDS)
 @pytest.mark.parametrize(("r", "use_rslora"), [(8, False), (256, True)], ids=["r8", "r256-rslora"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_lora_linear_is_no_worse_than_peft(dtype, fp32_adapters, r, use_rslora, bias):
+def test_lora_linear_is_no_worse_than_peft(dtype, fp32_adapters, precision, r, use_rslora, bias):
     layer = peft_linear(
         320, 200, r=r, dtype=dtype, bias=bias, use_rslora=use_rslora, autocast_adapter_dtype=fp32_adapters
     )
     assert layer.lora_A["default"].weight.dtype == (torch.float32 if fp32_adapters else dtype)
     if use_rslora:
         assert layer.scaling["default"] == pytest.approx((2 * r + 3) / r**0.5)
-    _check_against_peft(layer, *_inputs(320, 200, dtype))
+    _check_against_peft(layer, *_inputs(320, 200, dtype), precision)
 
 
-@pytest.mark.parametrize(("dtype", "fp32_adapters"), PRECISIONS, ids=PRECISION_IDS)
-def test_dropout_draws_peft_masks_and_backpropagates_through_them(dtype, fp32_adapters):
+@pytest.mark.parametrize(("dtype", "fp32_adapters", "precision"), PRECISIONS, ids=PRECISION_IDS)
+def test_dropout_draws_peft_masks_and_backpropagates_through_them(dtype, fp32_adapters, precision):
     layer = peft_linear(96, 64, dtype=dtype, dropout=0.3, autocast_adapter_dtype=fp32_adapters)
     x, dy = _inputs(96, 64, dtype)
     x[0, :5] = 0.0  # zeros kept by the mask still pass a gradient to x
 
     torch.manual_seed(7)
-    theirs = run(layer, layer, x, dy)
+    with peft_arithmetic(precision):
+        theirs = run(layer, layer, x, dy)
     torch.manual_seed(7)
-    ours = run(lambda x: lora_linear(x, barqtrain_projection(layer, x)), layer, x, dy)
+    ours = run(lambda x: lora_linear(x, barqtrain_projection(layer, x, precision)), layer, x, dy)
 
-    # Same masks, so the same results up to rounding: bf16 adapters round in other places
-    # than PEFT (a few bf16 ulps, relative to the tensor), fp32 adapters as PEFT does.
-    tolerance = 1e-2 if layer.lora_A["default"].weight.dtype == torch.bfloat16 else 1e-6
+    # Same masks, so the same results up to rounding: products in bf16 round in other places
+    # than PEFT (a few bf16 ulps, relative to the tensor), fp32 ones as PEFT does, where a bf16
+    # result (y, dx) may still round a few elements the other way (summation order).
+    bf16_products = layer.lora_A["default"].weight.dtype == torch.bfloat16 or precision == "mixed"
     for name, mine, expected in [("y", ours.y, theirs.y), *((n, ours.grads[n], theirs.grads[n]) for n in theirs.grads)]:
+        tolerance = 1e-2 if bf16_products else 1e-6 if mine.dtype == torch.float32 else 1e-4
         assert relative_error(mine, expected.double()) <= tolerance, name
 
 
@@ -147,23 +159,24 @@ def _mlp_grads(mlp: nn.Module, forward, x: torch.Tensor, dy: torch.Tensor) -> li
     return [y.detach(), x.grad] + [p.grad for p in mlp.parameters() if p.requires_grad]
 
 
-def _barqtrain_mlp(mlp: _PeftGatedMLP, activation: str):
+def _barqtrain_mlp(mlp: _PeftGatedMLP, activation: str, precision: str = "peft"):
     def forward(x):
-        gate, up, down = (barqtrain_projection(layer, x) for layer in (mlp.gate, mlp.up, mlp.down))
+        gate, up, down = (barqtrain_projection(layer, x, precision) for layer in (mlp.gate, mlp.up, mlp.down))
         return lora_gated_mlp(x, [gate, up], down, activation)
 
     return forward
 
 
-@pytest.mark.parametrize(("dtype", "fp32_adapters"), PRECISIONS, ids=PRECISION_IDS)
+@pytest.mark.parametrize(("dtype", "fp32_adapters", "precision"), PRECISIONS, ids=PRECISION_IDS)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gated_mlp_is_no_worse_than_peft(dtype, fp32_adapters, activation):
+def test_gated_mlp_is_no_worse_than_peft(dtype, fp32_adapters, precision, activation):
     mlp = _PeftGatedMLP(*_gated_mlp_layers(dtype, fp32_adapters=fp32_adapters), activation)
     x, dy = _inputs(64, 64, dtype)
     exact_mlp = float64_copy(mlp)
     exact = _mlp_grads(exact_mlp, exact_mlp, x.double(), dy.double())
-    theirs = _mlp_grads(mlp, mlp, x, dy)
-    ours = _mlp_grads(mlp, _barqtrain_mlp(mlp, activation), x, dy)
+    with peft_arithmetic(precision):
+        theirs = _mlp_grads(mlp, mlp, x, dy)
+    ours = _mlp_grads(mlp, _barqtrain_mlp(mlp, activation, precision), x, dy)
     assert_each_no_worse_than_peft(dict(zip(MLP_OUTPUTS, zip(ours, theirs, exact, strict=True), strict=True)))
 
 
@@ -233,27 +246,34 @@ def test_wrong_shapes_and_dtypes_are_named():
     with pytest.raises(TypeError, match="input is torch.bfloat16 but the weight is torch.float32"):
         lora_linear(torch.randn(5, 64, dtype=torch.bfloat16), Projection(weight, None, lora))
     bf16_lora = LoraAdapter(lora.lora_A.bfloat16(), lora.lora_B.bfloat16(), 2.0)
-    with pytest.raises(TypeError, match="adapter is torch.bfloat16 with torch.float32 input"):
+    with pytest.raises(TypeError, match="adapter is computed in torch.bfloat16 with torch.float32 input"):
         lora_linear(torch.randn(5, 64), Projection(weight, None, bf16_lora))
     with pytest.raises(ValueError, match=r"LoRA dropout must be in \[0, 1\)"):
         LoraAdapter(lora.lora_A, lora.lora_B, 2.0, dropout=1.0)
 
 
+CUDA_PRECISIONS = [(False, "peft"), (True, "peft"), (True, "mixed")]
+CUDA_PRECISION_IDS = ["bf16-adapters", "fp32-adapters-peft", "fp32-adapters-mixed"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp32_adapters", [False, True], ids=["bf16-adapters", "fp32-adapters"])
+@pytest.mark.parametrize(("fp32_adapters", "precision"), CUDA_PRECISIONS, ids=CUDA_PRECISION_IDS)
 @pytest.mark.parametrize("r", [16, 256])
-def test_lora_linear_on_cuda_in_bf16_is_no_worse_than_peft(fp32_adapters, r):
+def test_lora_linear_on_cuda_in_bf16_is_no_worse_than_peft(fp32_adapters, precision, r):
     layer = peft_linear(4096, 1024, r=r, dtype=torch.bfloat16, autocast_adapter_dtype=fp32_adapters, device="cuda")
-    _check_against_peft(layer, *_inputs(4096, 1024, torch.bfloat16, device="cuda"))
+    _check_against_peft(layer, *_inputs(4096, 1024, torch.bfloat16, device="cuda"), precision)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("fp32_adapters", "precision"), CUDA_PRECISIONS, ids=CUDA_PRECISION_IDS)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gated_mlp_on_cuda_in_bf16_is_no_worse_than_peft(activation):
-    mlp = _PeftGatedMLP(*_gated_mlp_layers(torch.bfloat16, hidden=1024, intermediate=2816), activation).cuda()
+def test_gated_mlp_on_cuda_in_bf16_is_no_worse_than_peft(fp32_adapters, precision, activation):
+    layers = _gated_mlp_layers(torch.bfloat16, hidden=1024, intermediate=2816, fp32_adapters=fp32_adapters)
+    mlp = _PeftGatedMLP(*layers, activation).cuda()
     x, dy = _inputs(1024, 1024, torch.bfloat16, device="cuda")
     exact_mlp = float64_copy(mlp)
     exact = _mlp_grads(exact_mlp, exact_mlp, x.double(), dy.double())
-    theirs = _mlp_grads(mlp, mlp, x, dy)
-    ours = _mlp_grads(mlp, _barqtrain_mlp(mlp, activation), x, dy)
+    with peft_arithmetic(precision, "cuda"):
+        theirs = _mlp_grads(mlp, mlp, x, dy)
+    ours = _mlp_grads(mlp, _barqtrain_mlp(mlp, activation, precision), x, dy)
     assert_each_no_worse_than_peft(dict(zip(MLP_OUTPUTS, zip(ours, theirs, exact, strict=True), strict=True)))

@@ -94,8 +94,11 @@ def test_get_peft_model_takes_lora_options_or_a_config_not_both():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
-def test_patched_model_is_no_worse_than_peft_in_bfloat16_with_float32_adapters(family):
-    # PEFT's default autocast_adapter_dtype=True keeps the adapters of a bf16 model in float32.
+@pytest.mark.parametrize("precision", ["mixed", "peft"])
+def test_patched_model_is_no_worse_than_peft_in_bfloat16_with_float32_adapters(family, precision):
+    """PEFT's default autocast_adapter_dtype=True keeps the adapters of a bf16 model in float32.
+    "peft" is measured against PEFT as it is, "mixed" against PEFT under torch.autocast (the
+    arithmetic it reproduces: the LoRA products in bf16)."""
     reference = barqtrain.get_peft_model(tiny_model(family, torch.float32), lora_config(), ops=())
     exact_model = copy.deepcopy(reference).double()
     model = copy.deepcopy(reference).to(torch.bfloat16)
@@ -104,15 +107,31 @@ def test_patched_model_is_no_worse_than_peft_in_bfloat16_with_float32_adapters(f
             parameter.data = parameter.data.float()
     batch = plain_batch()
     exact_loss, exact_grads = loss_and_grads(exact_model, batch)
-    peft_loss, peft_grads = loss_and_grads(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
+        peft_loss, peft_grads = loss_and_grads(model, batch)
 
-    report = patch_model(model)
+    report = patch_model(model, lora_precision=precision)
     loss, grads = loss_and_grads(model, batch)
 
-    assert report.patched_count("lora") > 0
+    assert report.patched_count("lora") > 0 and report.lora_precision == precision
+    assert f"LoRA precision: {precision} (" in str(report)
     assert all(g.dtype == torch.float32 for g in grads.values())
     assert abs(loss.double() - exact_loss) <= 1.5 * abs(peft_loss.double() - exact_loss) + 1e-3 * exact_loss
     assert_grads_no_worse_than_hf(grads, peft_grads, exact_grads)
+
+
+def test_lora_precision_is_named_validated_and_cleared_by_unpatch():
+    with pytest.raises(ValueError, match="lora_precision must be one of 'mixed', 'peft', got 'fp8'"):
+        barqtrain.get_peft_model(tiny_model("llama"), lora_config(), lora_precision="fp8")
+    model = barqtrain.get_peft_model(tiny_model("llama"), lora_config(target_modules=["q_proj"]))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert getattr(model, REPORT_ATTRIBUTE).lora_precision == "mixed" and layer.barqtrain_lora_precision == "mixed"
+    # Patching again changes the precision of the layers already patched.
+    assert patch_model(model, lora_precision="peft").lora_precision == "peft"
+    assert layer.barqtrain_lora_precision == "peft"
+    unpatch_model(model)
+    assert not hasattr(layer, "barqtrain_lora_precision")
+    assert patch_model(tiny_model("llama")).lora_precision is None  # no LoRA layer: nothing to say
 
 
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")  # PEFT's: the base layer has no bias
@@ -201,7 +220,7 @@ def assert_same_training(dtype: torch.dtype, device: str, tolerance: float) -> N
     config = lora_config(lora_dropout=0.1)
     reference = barqtrain.get_peft_model(tiny_model("llama", dtype, device=device), config, ops=())
     model = copy.deepcopy(reference)
-    report = patch_model(model)
+    report = patch_model(model, lora_precision="peft")
     assert report.patched_count("lora") == 14
     # At a learning rate of 1e-2 the trajectory turns chaotic: PEFT's own float32 losses then
     # leave its float64 ones by 1e-3 (BarqTrain's by less), so no two float32 runs could match.
@@ -232,7 +251,7 @@ def test_bf16_model_on_cuda_is_no_worse_than_peft(family):
     batch = plain_batch("cuda")
     exact_loss, exact_grads = loss_and_grads(exact_model, batch)
     peft_loss, peft_grads = loss_and_grads(model, batch)
-    patch_model(model)
+    patch_model(model, lora_precision="peft")
     loss, grads = loss_and_grads(model, batch)
     assert abs(loss.double() - exact_loss) <= 1.5 * abs(peft_loss.double() - exact_loss) + 1e-3 * exact_loss
     assert_grads_no_worse_than_hf(grads, peft_grads, exact_grads)
