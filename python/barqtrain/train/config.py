@@ -82,6 +82,12 @@ class LoraConfig:
     alpha: float = _doc("LoRA alpha (the update is scaled by alpha / r)", 16.0)
     dropout: float = _doc("dropout on the LoRA input", 0.0)
     target_modules: str | list[str] = _doc("'all-linear' or a list of module names", "all-linear")
+    precision: Literal["mixed", "peft"] = _doc(
+        "mixed: the LoRA products in the base model's dtype on tensor cores, fp32 adapters, gradients and "
+        "optimizer states (torch.autocast's mixed precision); peft: PEFT's arithmetic, the products in the "
+        "adapters' fp32 (slower)",
+        "mixed",
+    )
 
 
 @dataclass

@@ -135,7 +135,7 @@ def build_model(
             task_type="CAUSAL_LM",
         )
         if config.model.patch:  # PEFT's adapter (and format), computed by BarqTrain's fused LoRA and ops
-            model = barqtrain.get_peft_model(model, lora_config)
+            model = barqtrain.get_peft_model(model, lora_config, lora_precision=lora.precision)
             log(model.barqtrain_patch_report)
         else:
             model = peft.get_peft_model(model, lora_config)
