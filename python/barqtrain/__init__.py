@@ -1,7 +1,8 @@
 """BarqTrain: fused CUDA C++ kernels and a lean trainer for fine-tuning Hugging Face models."""
 
-from barqtrain import lora, ops
+from barqtrain import lora, memory, ops
 from barqtrain.lora import get_peft_model
+from barqtrain.memory import enable_gradient_checkpointing
 from barqtrain.patch import (
     PatchReport,
     apply_to_gemma,
@@ -29,8 +30,10 @@ __all__ = [
     "apply_to_phi3",
     "apply_to_qwen2",
     "apply_to_qwen3",
+    "enable_gradient_checkpointing",
     "get_peft_model",
     "lora",
+    "memory",
     "ops",
     "patch_model",
     "revert_class_patches",

@@ -135,7 +135,11 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc(
         "auto: bf16 on a GPU that has it (qlora on a GPU without: fp16), else fp32", "auto"
     )
-    gradient_checkpointing: bool = _doc("recompute activations in the backward pass", False)
+    gradient_checkpointing: bool | Literal["offload"] = _doc(
+        "recompute each decoder layer in the backward pass, keeping only its input; offload: keep those inputs "
+        "in pinned CPU memory, copied off and back on a separate CUDA stream while the layers compute",
+        False,
+    )
     seed: int = _doc("seeds the model init, the data order and dropout", 0)
     steps: int | None = _doc("optimizer steps; null: run `epochs` over a dataset file", 60)
     epochs: int = _doc("passes over a dataset file when steps is null", 1)
@@ -166,7 +170,8 @@ def _type_name(tp: Any) -> str:
         return "a mapping"
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+        options = typing.get_args(tp)
+        return repr(options[0]) if len(options) == 1 else "one of " + ", ".join(repr(a) for a in options)
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
     if origin in (typing.Union, types.UnionType):

@@ -125,7 +125,7 @@ def build_model(
             quantize_base(model, config)
         log_quantized_base(model, config, log)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        barqtrain.enable_gradient_checkpointing(model, offload=config.gradient_checkpointing == "offload")
     if config.method in ADAPTER_METHODS:
         import peft
 

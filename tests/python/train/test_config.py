@@ -22,7 +22,7 @@ from barqtrain.train.config import (
         ({"optim": {"lrr": 1e-3}}, "optim.lrr: unknown key"),
         ({"bogus": 1}, "bogus: unknown key"),
         ({"batch_size": 2.5}, "batch_size: expected an integer, got 2.5"),
-        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing: expected true or false"),
+        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing: expected true or false or 'offload', got 'yes'"),
         ({"method": "dora"}, "method: expected one of 'lora', 'qlora', 'full'"),
         ({"qlora": {"quant_type": "int4"}}, "qlora.quant_type: expected one of 'nf4', 'fp4', 'int8', got 'int4'"),
         ({"qlora": {"quant_type": "int8", "double_quant": False}}, "qlora.double_quant: applies to nf4/fp4 only"),
@@ -119,3 +119,10 @@ def test_the_readme_quick_start_config_is_the_lora_template():
 
     same(shown, template("lora"))
     assert config.method == "lora"
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("false", False), ("offload", "offload")])
+def test_gradient_checkpointing_is_true_false_or_offload(tmp_path, text, value):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"gradient_checkpointing: {text}\n")
+    assert load_config(path).gradient_checkpointing == value
