@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh OUTDIR            # every phase
 #   PHASES="build cpp python" scripts/gpu_check.sh OUTDIR
 #   PYTEST_ARGS="-m gpu" scripts/gpu_check.sh OUTDIR   # only the GPU tests (CI runs the rest)
+#   PHASES="build bench-e2e" E2E_ARGS="--profile --models llama-1b" scripts/gpu_check.sh OUTDIR
 #
 # Wheels the machine lacks (e.g. liger-kernel, nvidia-cutlass for the CUTLASS headers) are
 # installed from .whl/ when present; GoogleTest is built from .deps/googletest when no
@@ -26,7 +27,7 @@ FAILED=0
 export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 cd "$REPO"
 # Pass the commit from the machine that made the call: the device machine's copy of the tree
-# may carry no .git or a stale one (session 8: it reported the session's first commit).
+# may carry no .git or a stale one.
 export BARQTRAIN_GIT_COMMIT=${BARQTRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
 phase() {  # phase NAME COMMAND...: run, log, record the outcome
@@ -166,7 +167,8 @@ phase bench-attn bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench attn --out '
 phase bench-lora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench lora --out '$OUTDIR/bench'"
 phase bench-qlora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench qlora --out '$OUTDIR/bench'"
 phase bench-data bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench data --out '$OUTDIR/bench'"
-phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e --out '$OUTDIR/bench'"
+# E2E_ARGS: extra `bench e2e` options (models, variants, --profile, --tokenizer for Unsloth).
+phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e ${E2E_ARGS:-} --out '$OUTDIR/bench'"
 
 echo "=== summary" | tee -a "$LOG"
 grep -h "BarqTrain: .*Hopper (sm_90a) kernels" "$LOG" | sort -u | tee -a "$LOG"

@@ -8,6 +8,7 @@ ceilings.py     copy bandwidth and matmul rate of the GPU
 timing.py       CUDA-event medians with inputs rotated past L2
 e2e.py          end-to-end suite: one worker process per (model, variant)
 e2e_worker.py   one variant: build, patch, LoRA, train, measure
+profile.py      a variant's kernel time per step by category (e2e --profile)
 models.py       the model shapes and workloads
 environment.py  device, versions, commit and command of a result; optional imports
 report.py       tables, JSON and charts

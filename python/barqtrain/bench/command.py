@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from barqtrain.bench import attention, data_wait, e2e, lora, ops, qlora, xent
-from barqtrain.bench.models import BENCHMARK_MODELS
+from barqtrain.bench.e2e_worker import BARQTRAIN_VARIANTS
+from barqtrain.bench.models import BENCHMARK_MODELS, SELECTABLE_MODELS
 from barqtrain.bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
@@ -17,7 +18,7 @@ ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELI
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="per-op and end-to-end benchmarks against HF and Liger: table, JSON and PNG",
+        help="per-op and end-to-end benchmarks against HF, Liger and Unsloth: table, JSON and PNG",
         description=(
             "Benchmark BarqTrain against the baselines on this GPU. 'ops' times each fused op "
             "against the GPU's copy and matmul ceilings; 'xent' times the fused linear + "
@@ -26,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "decoder layer's time and saved activations; 'qlora' times NF4 dequantization against the copy "
             "ceiling, the fused 4-bit GEMM against bf16 cuBLAS and the QLoRA linear against the bf16 LoRA linear, "
             "bitsandbytes beside them; 'e2e' fine-tunes real model shapes with LoRA, one "
-            "process per variant; 'data' times how long a LoRA training step waits for its batch with "
+            "process per variant, and with --profile splits each step's kernel time by category; 'data' times "
+            "how long a LoRA training step waits for its batch with "
             "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening. Without a suite, all run."
         ),
     )
@@ -35,10 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compare",
         type=names_from(ALL_BASELINES),
-        default=("hf", "liger"),
+        default=("hf", "liger", "unsloth"),
         metavar="NAMES",
-        help="baselines, comma-separated, 'none' for none: hf, liger, compile "
-        "(torch.compile of the HF module, ops only) (default: hf,liger)",
+        help="baselines, comma-separated, 'none' for none: hf, liger, unsloth (e2e only), compile "
+        "(torch.compile of the HF module, ops only) (default: hf,liger,unsloth)",
     )
     ops_options = parser.add_argument_group("per-op options")
     ops_options.add_argument(
@@ -51,10 +53,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e2e_options = parser.add_argument_group("end-to-end and data options")
     e2e_options.add_argument(
         "--models",
-        type=names_from(BENCHMARK_MODELS),
+        type=names_from(SELECTABLE_MODELS),
         default=BENCHMARK_MODELS,
         metavar="NAMES",
-        help=f"model shapes, comma-separated: {', '.join(BENCHMARK_MODELS)} (default: all)",
+        help=f"model shapes, comma-separated: {', '.join(SELECTABLE_MODELS)} (default: {','.join(BENCHMARK_MODELS)})",
+    )
+    e2e_options.add_argument(
+        "--variants",
+        type=names_from(tuple(BARQTRAIN_VARIANTS)),
+        default=tuple(BARQTRAIN_VARIANTS),
+        metavar="NAMES",
+        help=f"BarqTrain's e2e variants, comma-separated: {', '.join(BARQTRAIN_VARIANTS)} (default: all)",
+    )
+    e2e_options.add_argument(
+        "--profile",
+        action="store_true",
+        help="e2e: profile a few more steps of each variant and split their kernel time by category "
+        "(table, e2e.json and e2e_profile.png)",
+    )
+    e2e_options.add_argument(
+        "--tokenizer",
+        type=existing_directory,
+        metavar="DIR",
+        help="e2e: a Hugging Face tokenizer directory, saved beside the random model for Unsloth, which "
+        "loads only from a directory (without it the unsloth row is unavailable)",
     )
     e2e_options.add_argument(
         "--steps", type=int_at_least(1), default=e2e.DEFAULT_STEPS, help=f"timed steps (default: {e2e.DEFAULT_STEPS})"
@@ -70,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a tiny model instead of --models (e2e) or the 1B shape (data): tests the harness, on a CPU too"
     )
     parser.set_defaults(run=run)
+
+
+def existing_directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such directory: {text}")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +119,18 @@ def run(args: argparse.Namespace) -> int:
         qlora.run_qlora_benchmark(args.out, args.command_line)
     if args.suite in ("e2e", "all"):
         baselines = [name for name in args.compare if name in e2e.BASELINES]
-        e2e.run_e2e_benchmark(args.models, baselines, args.steps, args.warmup, args.tiny, args.out, args.command_line)
+        e2e.run_e2e_benchmark(
+            args.models,
+            baselines,
+            args.steps,
+            args.warmup,
+            args.tiny,
+            args.out,
+            args.command_line,
+            barqtrain_variants=args.variants,
+            profile=args.profile,
+            tokenizer=args.tokenizer,
+        )
     if args.suite in ("data", "all"):
         data_wait.run_data_benchmark(args.tiny, args.steps, args.warmup, args.out, args.command_line)
     return 0

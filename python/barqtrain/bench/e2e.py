@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,9 +16,20 @@ from typing import Any
 import torch
 
 import barqtrain
-from barqtrain.bench.e2e_worker import BARQTRAIN_VARIANTS, LEARNING_RATE, LORA_SETTINGS, VARIANTS, VariantSpec
+from barqtrain.bench.e2e_worker import (
+    BARQTRAIN_VARIANTS,
+    BASELINE_VARIANTS,
+    LEARNING_RATE,
+    LIGER_APPLY,
+    LORA_SETTINGS,
+    TOKENIZER_MISSING,
+    UNSLOTH_ENVIRONMENT,
+    VARIANTS,
+    VariantSpec,
+)
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
 from barqtrain.bench.models import TINY, WORKLOADS, Workload
+from barqtrain.bench.profile import CATEGORIES, PROFILED_STEPS, profile_table
 from barqtrain.bench.report import (
     BarPanel,
     format_table,
@@ -25,15 +37,29 @@ from barqtrain.bench.report import (
     grouped_values,
     problem_notes,
     save_bar_chart,
+    save_stacked_bar_chart,
     write_json,
 )
 
-BASELINES = ("hf", "liger")
+BASELINES = BASELINE_VARIANTS
 DEFAULT_STEPS = 15
-DEFAULT_WARMUP = 3
+DEFAULT_WARMUP = 3  # also keeps Unsloth's first step, which compiles its decoder layers, out of the timing
 SEED = 0
 # A variant that hangs must not stall the others; the 8B HF variant needs well under this.
 VARIANT_TIMEOUT_S = 900
+# The profile chart's colours: one per profile.CATEGORIES entry, then idle time in grey.
+PROFILE_COLORS = {
+    "attention": "tab:blue",
+    "gemm_fp32": "tab:red",
+    "gemm": "tab:orange",
+    "loss": "tab:pink",
+    "norm_act_rope": "tab:green",
+    "optimizer": "tab:purple",
+    "copy_cast": "tab:brown",
+    "elementwise_other": "tab:cyan",
+    "other": "tab:olive",
+    "gpu_idle": "lightgrey",
+}
 
 
 def run_e2e_benchmark(
@@ -44,6 +70,9 @@ def run_e2e_benchmark(
     tiny: bool,
     out_dir: Path,
     command_line: str,
+    barqtrain_variants: Sequence[str] = tuple(BARQTRAIN_VARIANTS),
+    profile: bool = False,
+    tokenizer: Path | None = None,
 ) -> None:
     if not tiny and not torch.cuda.is_available():
         print(
@@ -52,42 +81,66 @@ def run_e2e_benchmark(
         )
         return
     workloads = [TINY] if tiny else [WORKLOADS[name] for name in model_names]
-    variants = [variant for variant in VARIANTS if variant in BARQTRAIN_VARIANTS or variant in baselines]
-    liger_status = _liger_availability() if "liger" in variants else None
+    variants = [variant for variant in VARIANTS if variant in barqtrain_variants or variant in baselines]
+    tokenizer_dir = None if tokenizer is None else str(Path(tokenizer).resolve())
 
     rows = []
     for workload in workloads:
         print(f"{workload.name} ({workload.description}), batch {workload.batch_size} x {workload.seq_len}:")
         for variant in variants:
             print(f"  {variant} ...", end=" ", flush=True)
-            if variant == "liger" and isinstance(liger_status, Unavailable):
-                result = {"status": "unavailable", "reason": liger_status.reason}
+            unavailable = _baseline_unavailable(variant, workload, tokenizer_dir)
+            if unavailable is not None:
+                result = {"status": "unavailable", "reason": unavailable.reason}
             else:
-                result = run_variant_process(VariantSpec(workload.name, variant, steps, warmup, SEED))
+                spec = VariantSpec(
+                    workload.name, variant, steps, warmup, SEED, profile=profile, tokenizer=tokenizer_dir
+                )
+                result = run_variant_process(spec)
             rows.append({"model": workload.name, "variant": variant, **result})
             print(_summary(rows[-1]), flush=True)
     _add_ratios_to_hf(rows)
 
     print()
     print(_results_table(rows))
+    profiled = [row for row in rows if "profile" in row]
+    if profiled:
+        print(f"\nKernel time per step by category, ms (% of the step), over {PROFILED_STEPS} profiled steps:")
+        print(profile_table(profiled))
     notes = problem_notes(rows, ("model", "variant"))
     if notes:
         print("Not measured:\n" + notes)
     payload = {
         "benchmark": "e2e",
         "environment": collect_environment(command_line),
-        "settings": _settings(workloads, steps, warmup),
+        "settings": _settings(workloads, variants, steps, warmup, profile, tokenizer_dir),
         "results": rows,
     }
     written = [write_json(out_dir / "e2e.json", payload), _save_chart(out_dir / "e2e.png", rows)]
+    if profiled:
+        written.append(_save_profile_chart(out_dir / "e2e_profile.png", profiled))
     print("Wrote " + ", ".join(str(path) for path in written if path is not None))
 
 
-def _liger_availability() -> Unavailable | None:
-    if not torch.cuda.is_available():
-        return Unavailable("Liger's kernels are Triton GPU kernels and no CUDA device is visible")
-    apply = import_optional("liger_kernel.transformers", "apply_liger_kernel_to_llama")
-    return apply if isinstance(apply, Unavailable) else None
+def _baseline_unavailable(variant: str, workload: Workload, tokenizer_dir: str | None) -> Unavailable | None:
+    """Why a baseline cannot run here, found without starting its process; None when it may."""
+    if variant == "liger":
+        if not torch.cuda.is_available():
+            return Unavailable("Liger's kernels are Triton GPU kernels and no CUDA device is visible")
+        if workload.model_type not in LIGER_APPLY:
+            return Unavailable(f"Liger has no patch function for model type {workload.model_type!r} here")
+        apply = import_optional("liger_kernel.transformers", LIGER_APPLY[workload.model_type])
+        return apply if isinstance(apply, Unavailable) else None
+    if variant == "unsloth":
+        # Importing unsloth here would take half a minute and patch transformers in this process:
+        # the worker imports it, and reports an import that fails there.
+        if tokenizer_dir is None:
+            return Unavailable(TOKENIZER_MISSING)
+        if importlib.util.find_spec("unsloth") is None:
+            return Unavailable("unsloth is not installed")
+        if not torch.cuda.is_available():
+            return Unavailable("Unsloth's kernels are Triton GPU kernels and no CUDA device is visible")
+    return None
 
 
 def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
@@ -99,7 +152,7 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
         ]  # fmt: skip
         try:
             completed = subprocess.run(
-                command, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S, env=_worker_environment()
+                command, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S, env=_worker_environment(spec)
             )
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"the variant did not finish within {VARIANT_TIMEOUT_S} s"}
@@ -113,12 +166,14 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
         }
 
 
-def _worker_environment() -> dict[str, str]:
+def _worker_environment(spec: VariantSpec) -> dict[str, str]:
     # The worker must import this very copy of barqtrain, also when it was found through a
     # sys.path entry (a source checkout, a test runner) rather than an install.
     package_root = str(Path(barqtrain.__file__).resolve().parent.parent)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, environment.get("PYTHONPATH"))))
+    if spec.variant == "unsloth":  # set from the start: Hugging Face's libraries read them on import
+        environment.update(UNSLOTH_ENVIRONMENT)
     return environment
 
 
@@ -161,18 +216,34 @@ def _results_table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(columns, cells)
 
 
-def _settings(workloads: Sequence[Workload], steps: int, warmup: int) -> dict[str, Any]:
+def _settings(
+    workloads: Sequence[Workload],
+    variants: Sequence[str],
+    steps: int,
+    warmup: int,
+    profile: bool,
+    tokenizer_dir: str | None,
+) -> dict[str, Any]:
     return {
+        "variants": list(variants),
         "steps": steps,
         "warmup": warmup,
         "seed": SEED,
         "lora": LORA_SETTINGS,
         "optimizer": f"AdamW lr {LEARNING_RATE}, fused on CUDA",
         "dtype": "bfloat16",
-        "data": "random token ids from a fixed seed, labels = inputs",
+        "data": "random token ids from a fixed seed below each model's vocab_size, labels = inputs",
+        "tokenizer": tokenizer_dir,
+        "tokenizer_note": (
+            "saved beside the random model for Unsloth, which loads only from a directory; the token ids "
+            "are drawn from the model's own vocabulary range and fed directly, so a tokenizer of another "
+            "family changes nothing measured"
+        ),
+        "profile": {"steps": PROFILED_STEPS, "after": "the timed steps"} if profile else None,
         "workloads": {
             w.name: {
                 "description": w.description,
+                "model_type": w.model_type,
                 "batch_size": w.batch_size,
                 "seq_len": w.seq_len,
                 "gradient_checkpointing": w.gradient_checkpointing,
@@ -193,3 +264,18 @@ def _save_chart(path: Path, rows: Sequence[dict[str, Any]]) -> Path | None:
         groups, series = grouped_values(rows, "model", "variant", value_key)
         panels.append(BarPanel(title, ylabel, groups, series, value_format=value_format))
     return save_bar_chart(path, f"LoRA r16 all-linear fine-tuning on {device_name()}", panels)
+
+
+def _save_profile_chart(path: Path, rows: Sequence[dict[str, Any]]) -> Path | None:
+    """One stacked bar per profiled model / variant: its step's milliseconds by category, then idle."""
+    bars = [f"{row['model']} / {row['variant']}" for row in rows]
+    segments = {category: [row["profile"]["categories_ms"][category] for row in rows] for category in CATEGORIES}
+    segments["gpu_idle"] = [row["profile"]["gpu_idle_ms"] for row in rows]
+    return save_stacked_bar_chart(
+        path,
+        f"Where a LoRA training step's time goes on {device_name()}",
+        "ms per step (profiled)",
+        bars,
+        segments,
+        PROFILE_COLORS,
+    )

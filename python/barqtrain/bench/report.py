@@ -62,8 +62,8 @@ def grouped_values(
     return groups, series
 
 
-def save_bar_chart(path: Path, title: str, panels: Sequence[BarPanel]) -> Path | None:
-    """Write the panels side by side as a PNG; None (with a note) when matplotlib is missing."""
+def _pyplot() -> Any | None:
+    """matplotlib.pyplot drawing off-screen; None (with a note) when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -71,6 +71,14 @@ def save_bar_chart(path: Path, title: str, panels: Sequence[BarPanel]) -> Path |
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed, so no chart was drawn (pip install 'barqtrain[bench]').")
+        return None
+    return plt
+
+
+def save_bar_chart(path: Path, title: str, panels: Sequence[BarPanel]) -> Path | None:
+    """Write the panels side by side as a PNG; None (with a note) when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return None
 
     horizontal = all(panel.horizontal for panel in panels)
@@ -135,3 +143,43 @@ def _draw_panel(axis: Any, panel: BarPanel) -> None:
     else:
         axis.set_ylim(top=axis.get_ylim()[1] * 1.2)  # headroom for the legend above the bars
         axis.legend(fontsize=8, loc="upper center", ncols=len(handles))
+
+
+def save_stacked_bar_chart(
+    path: Path,
+    title: str,
+    value_label: str,
+    bars: Sequence[str],
+    segments: dict[str, Sequence[float]],
+    colors: dict[str, str] | None = None,
+) -> Path | None:
+    """One horizontal bar per entry of `bars`, made of one segment per entry of `segments` (its
+    values in the order of `bars`), each segment one colour across all bars, the first bar on top.
+    Write it as a PNG; None (with a note) when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    figure, axis = plt.subplots(figsize=(10.0, 1.6 + 0.4 * len(bars)))
+    positions = range(len(bars))
+    left = [0.0] * len(bars)
+    for name, values in segments.items():
+        axis.barh(positions, values, 0.7, left=left, label=name, color=(colors or {}).get(name))
+        left = [start + value for start, value in zip(left, values, strict=True)]
+    for position, total in zip(positions, left, strict=True):
+        axis.text(total, position, f" {total:.3g}", va="center", fontsize=8)
+    axis.set_xlim(0.0, (max(left, default=0.0) or 1.0) * 1.12)  # room for the totals
+    axis.set_xlabel(value_label)
+    axis.set_title(title)
+    if bars:
+        axis.set_yticks(list(positions), bars, fontsize=8)
+        axis.set_ylim(len(bars) - 0.5, -0.5)
+        handles, labels = axis.get_legend_handles_labels()
+        figure.tight_layout()
+        figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=5, fontsize=8)
+    else:
+        axis.set_yticks([])
+        axis.text(0.5, 0.5, "nothing measured", transform=axis.transAxes, ha="center", va="center")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # "tight": the legend below the axes stays in
+    plt.close(figure)
+    return path

@@ -25,11 +25,13 @@ def test_a_command_is_required(capsys):
     assert exit_info.value.code == 2
 
 
-def test_bench_defaults_run_both_suites_against_hf_and_liger():
+def test_bench_defaults_run_every_suite_against_hf_liger_and_unsloth():
     args = parse("bench")
     assert args.suite == "all"
-    assert args.compare == ("hf", "liger")
+    assert args.compare == ("hf", "liger", "unsloth")
     assert args.models == ("llama-1b", "llama-8b")
+    assert args.variants == ("barqtrain", "barqtrain-peft-precision", "barqtrain+attention")
+    assert not args.profile and args.tokenizer is None
     assert (args.steps, args.warmup) == (e2e.DEFAULT_STEPS, e2e.DEFAULT_WARMUP)
     assert str(args.out) == "bench_out"
     assert args.ops == tuple(OP_BENCHMARKS)
@@ -47,12 +49,25 @@ def test_bench_options_parse():
     assert parse("bench", "ops", "--ops", "rope, swiglu").ops == ("rope", "swiglu")
 
 
+def test_bench_e2e_options_parse(tmp_path):
+    args = parse(
+        "bench", "e2e", "--models", "qwen2.5-1.5b,gemma2-2b", "--variants", "barqtrain-peft-precision",
+        "--compare", "hf,unsloth", "--profile", "--tokenizer", str(tmp_path),
+    )  # fmt: skip
+    assert args.models == ("qwen2.5-1.5b", "gemma2-2b")
+    assert args.variants == ("barqtrain-peft-precision",) and args.compare == ("hf", "unsloth")
+    assert args.profile and args.tokenizer == tmp_path
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["bench", "--compare", "hf,deepspeed"], "unknown name(s) deepspeed"),
         (["bench", "--models", "llama-70b"], "unknown name(s) llama-70b"),
         (["bench", "ops", "--ops", "rms_norm,softmax"], "unknown name(s) softmax"),
+        (["bench", "e2e", "--variants", "barqtrain,barqtrain-fp8"], "unknown name(s) barqtrain-fp8"),
+        (["bench", "e2e", "--models", "tiny"], "unknown name(s) tiny"),
+        (["bench", "e2e", "--tokenizer", "/nonexistent/tokenizer"], "no such directory: /nonexistent/tokenizer"),
         (["bench", "--steps", "0"], "must be at least 1"),
         (["bench", "--warmup", "two"], "expected an integer"),
         (["bench", "benchmarks"], "invalid choice"),

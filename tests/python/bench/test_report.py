@@ -2,7 +2,13 @@
 
 from barqtrain.bench import ops
 from barqtrain.bench.ceilings import Ceilings
-from barqtrain.bench.report import format_table, format_value, grouped_values, problem_notes
+from barqtrain.bench.report import (
+    format_table,
+    format_value,
+    grouped_values,
+    problem_notes,
+    save_stacked_bar_chart,
+)
 
 ROWS = [
     {"model": "a", "variant": "hf", "status": "ok", "speed": 1.0},
@@ -49,3 +55,11 @@ def test_the_ops_chart_draws_every_op_and_implementation(tmp_path):
     ceilings = Ceilings(copy_bytes_moved=2, copy_ms=1.0, copy_tbps=3.0, matmul_size=8, matmul_ms=1.0, matmul_tflops=1.0)
     path = ops._save_chart(tmp_path / "ops.png", rows, ceilings)
     assert path is not None and path.stat().st_size > 0
+
+
+def test_the_stacked_chart_draws_every_bar_and_an_empty_one(tmp_path):
+    segments = {"gemm": [3.0, 2.0], "idle": [1.0, 0.5]}
+    path = save_stacked_bar_chart(tmp_path / "stacked.png", "t", "ms", ["a / hf", "a / barqtrain"], segments)
+    assert path is not None and path.stat().st_size > 0
+    empty = save_stacked_bar_chart(tmp_path / "empty.png", "t", "ms", [], {"gemm": []})
+    assert empty is not None and empty.stat().st_size > 0
