@@ -32,7 +32,7 @@ from barqtrain import _native
 
 # Kernel limits (csrc/kernels/attention/attention.h).
 _MAX_HEAD_DIM_FORWARD = 256
-_MAX_HEAD_DIM_BACKWARD = 128
+MAX_HEAD_DIM_BACKWARD = 128
 # Looked up once: torch.compile traces `attention` and must not see the dispatcher query.
 _HAS_CUDA_KERNELS = _native.has_cuda_kernels("attention_forward")
 _warned_reasons: set[str] = set()  # warning messages already given
@@ -280,7 +280,7 @@ def kernel_unsupported_reason(q: torch.Tensor, rotary_dim: int | None, needs_gra
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the kernels take float16 and bfloat16)"
     head_dim = q.shape[-1]
-    limit = _MAX_HEAD_DIM_BACKWARD if needs_grad else _MAX_HEAD_DIM_FORWARD
+    limit = MAX_HEAD_DIM_BACKWARD if needs_grad else _MAX_HEAD_DIM_FORWARD
     if head_dim % 8 or head_dim > limit:
         return (f"head_dim {head_dim} (the {'backward' if needs_grad else 'forward'} kernels take multiples of 8 "
                 f"up to {limit})")

@@ -31,7 +31,7 @@ from torch import nn
 
 from barqtrain import ops
 from barqtrain.lora import lora_projections
-from barqtrain.ops.attention import kernel_unsupported_reason, warn_fallback
+from barqtrain.ops.attention import MAX_HEAD_DIM_BACKWARD, kernel_unsupported_reason, warn_fallback
 from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, simple_name
 
@@ -47,7 +47,7 @@ FUSED_OP_OPT_IN = (
     "opt-in (ops=(*barqtrain.patch.OPS, 'attention')): a LoRA step with BarqTrain's attention kernels is "
     "still 2-3% slower than with the default path on an H100 (Llama-3.1-8B shape: 7,336 vs 7,487 tokens/s), "
     "and its sm_80 kernels are slower than SDPA's flash backend; ask for it for packed batches without "
-    "cross-sequence attention, Gemma 2's softcap, or a bit-identical backward"
+    "cross-sequence attention, a logit softcap at head_dim <= 128, or a bit-identical backward"
 )
 
 # What the fallback of FUSED_OP runs, as its warnings name it.
@@ -496,4 +496,16 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
         return self.o_proj(attn_output), None
 
     forward.__qualname__ = f"fused_attention({simple_name(module_class)}).forward"
-    return ModuleReplacement(FUSED_OP, module_class, forward)
+    return ModuleReplacement(FUSED_OP, module_class, forward, _untrainable_head_dim)
+
+
+def _untrainable_head_dim(attention: nn.Module) -> str | None:
+    """Why the attention op would not compute this module's training steps: a head_dim its
+    backward kernels do not take (Gemma 2's 256), where every step would fall back."""
+    head_dim = attention.head_dim
+    if head_dim <= MAX_HEAD_DIM_BACKWARD:
+        return None
+    return (
+        f"head_dim {head_dim}: the attention backward kernels take head_dim up to {MAX_HEAD_DIM_BACKWARD}, so "
+        f"training would run {_HUGGING_FACE_ATTENTION} in every step"
+    )

@@ -177,17 +177,30 @@ def rows_by_class(rows: Sequence[ModuleReplacement]) -> dict[str, tuple[ModuleRe
     return by_class
 
 
-def chosen_row(rows: Sequence[ModuleReplacement], requested: Collection[str]) -> ModuleReplacement:
-    """The row that patches a class: its first requested one, else its row of a default op
-    (which then reports that it was not requested, or already patched)."""
-    return next((row for row in rows if row.op in requested), None) or next(row for row in rows if row.op in OPS)
+def _refusal(row: ModuleReplacement, module: nn.Module | None) -> str | None:
+    return None if module is None or row.unsupported_reason is None else row.unsupported_reason(module)
 
 
-def reason_row_not_chosen(row: ModuleReplacement, chosen: ModuleReplacement, requested: Collection[str]) -> str:
+def chosen_row(
+    rows: Sequence[ModuleReplacement], requested: Collection[str], module: nn.Module | None = None
+) -> ModuleReplacement:
+    """The row that patches a class (or, given `module`, that instance): its first requested one
+    that takes the instance, else its first requested one, else its row of a default op (which
+    then reports that it was not requested, or already patched)."""
+    wanted = [row for row in rows if row.op in requested]
+    taking = next((row for row in wanted if _refusal(row, module) is None), None)
+    return taking or next(iter(wanted), None) or next(row for row in rows if row.op in OPS)
+
+
+def reason_row_not_chosen(
+    row: ModuleReplacement, chosen: ModuleReplacement, requested: Collection[str], module: nn.Module | None = None
+) -> str:
     """Why another row of the chosen row's class does not patch it (for an opt-in op that was
-    not requested: why it is opt-in)."""
+    not requested: why it is opt-in; for one that refuses the instance: why)."""
     if row.op in requested:
-        return f"computed by the {chosen.op} op, which patches this class"
+        refusal = _refusal(row, module)
+        computed_by = f"computed by the {chosen.op} op, which patches this class"
+        return computed_by if refusal is None else f"{refusal}; {computed_by}"
     return OPT_IN_OPS.get(row.op, NOT_REQUESTED)
 
 

@@ -119,11 +119,12 @@ def patch_model(
             if op is not None:
                 not_patched[op, class_name, UNRECOGNIZED_CLASS].append(name)
             continue
-        replacement = chosen_row(rows, requested)
+        replacement = chosen_row(rows, requested, module)
         for other in rows:
             if other is not replacement:
                 entries = opt_in if is_opt_in_not_requested(other, requested) else not_patched
-                entries[other.op, class_name, reason_row_not_chosen(other, replacement, requested)].append(name)
+                reason = reason_row_not_chosen(other, replacement, requested, module)
+                entries[other.op, class_name, reason].append(name)
         reason = _reason_not_to_patch(module, replacement, requested)
         if reason is None:
             module.forward = MethodType(replacement.forward, module)

@@ -289,6 +289,19 @@ def test_is_opt_in_and_the_report_says_why() -> None:
     assert [(entry.op, entry.reason) for entry in report.opt_in] == [("attention", OPT_IN_OPS["attention"])]
 
 
+def test_a_head_dim_the_backward_does_not_take_is_reported_and_left_to_rope() -> None:
+    # Gemma 2's head_dim 256: every training step would run Hugging Face's attention, so the
+    # attention op does not claim the module; the rope op patches it and the report says why.
+    model = tiny_model("gemma2", head_dim=256)
+    report = patch_model(model, ops=(*OPS, "attention"))
+    attention_modules = modules_of(model, "gemma2", "attention")
+    assert report.patched_count("attention") == 0
+    assert report.patched_count("rope") == len(attention_modules) == 2
+    [entry] = [entry for entry in report.not_patched if entry.op == "attention"]
+    assert entry.reason.startswith("head_dim 256: the attention backward kernels take head_dim up to 128")
+    assert entry.reason.endswith("computed by the rope op, which patches this class")
+
+
 def test_unpatch_restores_hugging_face_attention() -> None:
     model = tiny_model("qwen3")
     batch = without_cache(packed_batch())
