@@ -78,5 +78,6 @@ def collect_environment(command_line: str) -> dict[str, Any]:
         "transformers": package_version("transformers"),
         "peft": package_version("peft"),
         "liger_kernel": package_version("liger-kernel"),
+        "unsloth": package_version("unsloth"),
         "triton": package_version("triton"),
     }
