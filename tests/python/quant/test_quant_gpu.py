@@ -112,14 +112,19 @@ def bnb_quantized_tiny_llama(bnb):
 
 
 
-def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb):
+@pytest.mark.parametrize("precision", ["peft", "mixed"])
+def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb, precision):
+    """fp32 adapters over the 4-bit base: "peft" against bitsandbytes + PEFT as they are, "mixed"
+    against them under torch.autocast (the LoRA products in bf16)."""
     config = peft.LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear",
                              init_lora_weights=False)  # fmt: skip
     reference = barqtrain.get_peft_model(bnb_quantized_tiny_llama(bnb), config, ops=())
     model = copy.deepcopy(reference)
-    report = patch_model(model)
+    report = patch_model(model, lora_precision=precision)
     assert report.patched_count("lora") == 14, str(report)
-    expected, losses = (train_losses(m, memorized_batch("cuda"), 50, lr=3e-3) for m in (reference, model))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "mixed"):
+        expected = train_losses(reference, memorized_batch("cuda"), 50, lr=3e-3)
+    losses = train_losses(model, memorized_batch("cuda"), 50, lr=3e-3)
     assert expected[-1] < 0.9 * expected[0], "bitsandbytes + PEFT did not learn"
     for step, (loss, want) in enumerate(zip(losses, expected, strict=True)):
         assert abs(loss - want) <= 1e-2 * abs(want), f"step {step}: barqtrain {loss} vs bitsandbytes+PEFT {want}"
