@@ -1,8 +1,15 @@
-"""`barqtrain export RUN_DIR --merge [--out DIR]`: a run's adapter merged into its base
-model, written as a Hugging Face model directory (config.json + model.safetensors) that
-`AutoModelForCausalLM.from_pretrained` loads. A full fine-tuning run's model/ is copied.
-A QLoRA run's adapter is merged into the 16-bit base (the model directory, or base/ of a
-random init), as QLoRA adapters are deployed: never into the 4-bit weights it trained on."""
+"""`barqtrain export RUN_DIR [--out DIR] [--overwrite] [--base DIR]`: a run's model as a
+Hugging Face model directory (config.json + model.safetensors, the tokenizer files and
+generation_config.json of its base) that `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load. A LoRA run's adapter is merged into its base and saved
+in the base's dtype (a bf16 base gives a bf16 model). A QLoRA run's adapter is merged into
+the 16-bit base (the model directory, or base/ of a random init), as QLoRA adapters are
+deployed: never into the 4-bit weights it trained on. A full fine-tuning run's model/ is
+copied as trained. The export is written to a temporary sibling directory and renamed into
+place; an existing non-empty DIR is refused unless --overwrite, which replaces only an
+earlier `barqtrain export` (it holds barqtrain_export.json). The token the run's data ends
+each response with (EOS, or the chat template's end-of-turn token) is added to the exported
+generation config's eos_token_id when missing, so that generation stops after a response."""
 
 from __future__ import annotations
 
@@ -10,43 +17,94 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from barqtrain.train.export import (
+    GENERATION_CONFIG,
+    ExportError,
+    atomic_directory,
+    base_dtype,
+    check_out,
+    copy_tokenizer_and_generation_config,
+    ensure_eos,
+    tokenizer_dir_of,
+    trained_end_token,
+    write_marker,
+)
 
-class ExportError(Exception):
-    pass
+__all__ = ["ExportError", "export", "register"]
+
+DESCRIPTION = (
+    "Write a run's model as a Hugging Face model directory: a LoRA or QLoRA adapter merged into its base "
+    "(in the base's dtype), a full run's model as trained, with the base's tokenizer files and "
+    "generation_config.json. The directory is written whole or not at all; an existing non-empty one is "
+    "refused unless --overwrite, which replaces only an earlier export."
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "export",
-        help="write a run's model with its adapter merged in (safetensors, HF format)",
-        description=__doc__.splitlines()[0],
+        "export", help="write a run's model, its adapter merged in (safetensors, HF format)", description=DESCRIPTION,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a `barqtrain train` output directory")
-    parser.add_argument("--merge", action="store_true", required=True, help="merge the LoRA adapter into the base weights")
-    parser.add_argument("--out", help="directory to write (default: RUN_DIR/merged)")
+    parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or empty")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DIR when it holds an earlier `barqtrain export` (nothing else)"
+    )
+    parser.add_argument(
+        "--base", metavar="DIR",
+        help="the base model directory, when the one recorded in RUN_DIR/config.yaml (model.path) has moved",
+    )
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="accepted for compatibility: export always merges a LoRA or QLoRA run's adapter",
+    )
     parser.set_defaults(run=run)
 
 
-def _base_path(run_dir: Path) -> str:
+def _run_config(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ExportError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _base_dir(run_dir: Path, config: dict[str, Any] | None, base: str | None, required: bool) -> Path | None:
+    """The base model directory: --base, else the run's base/ (a random init), else the
+    model.path its config.yaml records. None (when not required) if there is none."""
     from barqtrain.train.trainer import BASE
 
-    if (run_dir / BASE / "config.json").exists():
-        return str(run_dir / BASE)
-    config_path = run_dir / "config.yaml"
-    if not config_path.exists():
-        raise ExportError(f"{run_dir}: no config.yaml, so the base model is unknown (is it a `barqtrain train` run directory?)")
-    model_path = (yaml.safe_load(config_path.read_text()).get("model") or {}).get("path")
+    if base is not None:
+        if not (Path(base) / "config.json").is_file():
+            raise ExportError(f"--base {base}: not a model directory (no config.json there)")
+        return Path(base)
+    if (run_dir / BASE / "config.json").is_file():
+        return run_dir / BASE
+    if config is None:
+        if not required:
+            return None
+        raise ExportError(f"{run_dir}: no config.yaml, so the base model is unknown (is it a `barqtrain train` run "
+                          "directory?); pass --base DIR with the base model's directory")
+    model_path = (config.get("model") or {}).get("path")
     if model_path is None:
-        raise ExportError(f"{run_dir}: a random-init run without {BASE}/ (trained before export existed); the base weights are lost")
-    return str(model_path)
-
-
-def _method(run_dir: Path) -> str | None:
-    config_path = run_dir / "config.yaml"
-    return yaml.safe_load(config_path.read_text()).get("method") if config_path.exists() else None
+        if not required:
+            return None
+        raise ExportError(f"{run_dir}: a random-init run without {BASE}/ (trained before export existed); the base "
+                          "weights are lost")
+    if not (Path(model_path) / "config.json").is_file():
+        if not required:
+            return None
+        raise ExportError(
+            f"model.path {model_path} (recorded in {run_dir / 'config.yaml'}): no model directory there now (moved or "
+            "deleted?); pass --base DIR with the base model's directory"
+        )
+    return Path(model_path)
 
 
 def _adapter_path(run_dir: Path) -> Path | None:
@@ -60,25 +118,68 @@ def _adapter_path(run_dir: Path) -> Path | None:
     return None
 
 
-def export(run_dir: str | Path, out: str | Path | None = None, log=print) -> Path:
-    """Writes the merged model of run_dir to out (default run_dir/merged); returns out."""
+def _finish(
+    directory: Path, run_dir: Path, config: dict[str, Any] | None, base_dir: Path | None, what: dict[str, Any], log
+) -> str:
+    """Copies the tokenizer and generation config into directory, checks the end-of-turn
+    token and writes the marker; returns what was added, for the summary line."""
+    data = (config or {}).get("data") or {}
+    tokenizer_dir = tokenizer_dir_of(data, base_dir)
+    copied, generation = copy_tokenizer_and_generation_config(tokenizer_dir, base_dir, directory)
+    if not copied and (data.get("path") or ((config or {}).get("model") or {}).get("path")):
+        where = f"in {tokenizer_dir}" if tokenizer_dir is not None else "found (pass --base DIR with the base model's directory)"
+        log(f"No tokenizer files {where}: the export has none, so AutoTokenizer cannot load it.")
+    try:
+        end = trained_end_token(data, tokenizer_dir)
+    except ExportError as error:
+        log(f"End-of-turn check skipped: {error}.")
+        end = None
+    if end is not None:
+        what["eos_token_id"] = ensure_eos(directory, end, log)
+    write_marker(directory, what)
+    added = [f"tokenizer files ({', '.join(copied)})"] if copied else []
+    if generation:
+        added.append(GENERATION_CONFIG)
+    return f", with {' and '.join(added)}" if added else ""
+
+
+def export(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    log=print,
+    *,
+    overwrite: bool = False,
+    base: str | Path | None = None,
+) -> Path:
+    """Writes the exported model of run_dir to out (default run_dir/merged); returns out."""
+    import barqtrain
+
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     out = Path(out) if out is not None else run_dir / "merged"
-    if out.resolve() == run_dir.resolve():
-        raise ExportError(f"--out {out}: must not be the run directory itself")
+    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
+        raise ExportError(f"--out {out}: must not be the run directory or one that holds it")
+    config = _run_config(run_dir)
+    base = None if base is None else str(base)
+    what: dict[str, Any] = {"barqtrain_version": barqtrain.__version__, "run": str(run_dir.resolve()),
+                            "method": (config or {}).get("method")}
 
     if (run_dir / "model" / "config.json").exists():  # full fine-tuning: nothing to merge
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(run_dir / "model", out)
-        log(f"Full fine-tuning run: copied {run_dir / 'model'} to {out}.")
+        check_out(out, overwrite)
+        base_dir = _base_dir(run_dir, config, base, required=False)
+        what.update(model=str((run_dir / "model").resolve()), base=None if base_dir is None else str(base_dir.resolve()))
+        with atomic_directory(out) as directory:
+            shutil.copytree(run_dir / "model", directory, dirs_exist_ok=True)
+            extras = _finish(directory, run_dir, config, base_dir, what, log)
+        log(f"Full fine-tuning run: copied {run_dir / 'model'} to {out}{extras}.")
         return out
 
     adapter = _adapter_path(run_dir)
     if adapter is None:
         raise ExportError(f"{run_dir}: no adapter/ and no checkpoint with an adapter, and no model/ (did the run save anything?)")
+    check_out(out, overwrite)
+    base_dir = _base_dir(run_dir, config, base, required=True)
     if adapter.parent != run_dir:
         log(f"No final adapter/ (run unfinished?): using the latest checkpoint's, {adapter}.")
 
@@ -86,14 +187,25 @@ def export(run_dir: str | Path, out: str | Path | None = None, log=print) -> Pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_path = _base_path(run_dir)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    merged.config.use_cache = True
-    out.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(str(out), safe_serialization=True)
-    log(f"Merged {adapter} into {base_path}: wrote {out}.")
-    if _method(run_dir) == "qlora":
+    from transformers.utils import logging as transformers_logging
+
+    dtype = base_dtype(base_dir)
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # its loading and shard-writing bars, for a one-line summary
+    try:
+        # Merged in fp32 (W + BA rounded once), then saved in the base's dtype.
+        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().to(getattr(torch, dtype))
+        merged.config.use_cache = True
+        what.update(adapter=str(adapter.resolve()), base=str(base_dir.resolve()), dtype=dtype)
+        with atomic_directory(out) as directory:
+            merged.save_pretrained(str(directory), safe_serialization=True)
+            extras = _finish(directory, run_dir, config, base_dir, what, log)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    log(f"Merged {adapter} into {base_dir} ({dtype}): wrote {out}{extras}.")
+    if (config or {}).get("method") == "qlora":
         log(
             "QLoRA run: the adapter trained over the quantization (4-bit or int8) of these weights and is merged into "
             "the 16-bit ones, so the merged model differs from the trained one by the quantization error."
@@ -103,7 +215,7 @@ def export(run_dir: str | Path, out: str | Path | None = None, log=print) -> Pat
 
 def run(args: argparse.Namespace) -> int:
     try:
-        export(args.run_dir, args.out)
+        export(args.run_dir, args.out, overwrite=args.overwrite, base=args.base)
     except ExportError as error:
         print(f"barqtrain export: {error}", file=sys.stderr)
         return 2
