@@ -3,21 +3,24 @@
 torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; with WORLD_SIZE above 1 the trainer joins a
 process group (nccl on CUDA, gloo on CPU), shards every decoder layer and the root with
 `fully_shard` (frozen base weights and trainable LoRA weights may share a unit: FSDP2 keeps
-per-parameter requires_grad), gives each rank its own share of the data, and averages the
-loss across ranks. Only rank 0 prints and writes; checkpoints hold full (gathered) model
-and optimizer state, which every rank reads back on resume.
+per-parameter requires_grad), gives each rank its own share of the data, and weights the
+loss by token across ranks (accumulate_gradients). Only rank 0 prints and writes;
+checkpoints hold full (gathered) model and optimizer state, which every rank reads back on
+resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from barqtrain.train.batches import scored_tokens
 from barqtrain.train.config import ConfigError, TrainConfig
 
 
@@ -102,10 +105,43 @@ def shard_model(model: torch.nn.Module) -> None:
     fully_shard(model)
 
 
-def mean_across_ranks(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return float(tensor.item()) / dist.get_world_size()
+def accumulate_gradients(
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    device: torch.device,
+    ranks: Ranks = SINGLE,
+    autocast: contextlib.AbstractContextManager | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """Forward and backward of one optimizer step: this rank's micro-batches, into the
+    parameters' .grad; returns the step's loss, the same on every rank.
+
+    The loss is token-weighted: the sum of the losses of every scored token of the step (a
+    label that is not ignored after the causal shift, in any micro-batch on any rank)
+    divided by the number of those tokens, N. The micro-batches are counted before the first
+    forward, N is summed across ranks, and each forward gets num_items_in_batch=N (Hugging
+    Face's loss, and barqtrain's fused one, then return their sum over N), so that B rows x
+    A micro-batches x R ranks give the loss and gradients of one batch of B*A*R rows however
+    unequally masking or packing spreads the scored tokens. FSDP averages the ranks'
+    gradients, so each rank's backward takes R times its share. A step without a scored
+    token has loss 0 and no gradient. scaler: fp16 loss scaling (its scale() before each
+    backward)."""
+    count = sum(scored_tokens(batch["labels"]) for batch in micro_batches)
+    num_items = torch.tensor(count, dtype=torch.int64, device=device)
+    if ranks.is_distributed:
+        dist.all_reduce(num_items)
+    num_items = num_items.clamp(min=1)
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in micro_batches:
+        batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+        with autocast or contextlib.nullcontext():
+            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+        backward = loss * ranks.world_size if ranks.is_distributed else loss
+        (backward if scaler is None else scaler.scale(backward)).backward()
+        step_loss += loss.detach().to(torch.float64)
+    if ranks.is_distributed:
+        dist.all_reduce(step_loss)
+    return float(step_loss.item())
 
 
 def sum_across_ranks(value: int, device: torch.device) -> int:
