@@ -28,7 +28,7 @@ from barqtrain.data.packing import PackedBatch, Packing, as_source
 from barqtrain.data.prefetch import Prefetch
 
 # The state's keys besides the position; each must match the loader it is restored into.
-_SETTINGS = ("seed", "rank", "world_size", "row_length", "batch_size", "drop_last", "sequences", "tokens")
+_SETTINGS = ("seed", "rank", "world_size", "row_length", "overflow", "batch_size", "drop_last", "sequences", "tokens")
 
 
 class PackedLoader:
@@ -109,6 +109,7 @@ class PackedLoader:
             "rank": int(self._options.get("rank", 0)),
             "world_size": int(self._options.get("world_size", 1)),
             "row_length": self.row_length,
+            "overflow": str(self._options.get("overflow", "split")),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "sequences": len(self.source),

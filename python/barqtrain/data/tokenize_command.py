@@ -248,7 +248,8 @@ def tokenize(args: argparse.Namespace, log=print) -> dict:
         packing = open_shards(args.out).pack(args.pack)
         s = packing.stats
         log(f"packed into rows of {args.pack}: {s['rows']} rows, fill {s['fill'] * 100:.2f}%, "
-            f"{s['split_sequences']} sequences longer than a row (split when training unless overflow says otherwise)")
+            f"{s['split_sequences']} sequences longer than a row (when training, data.overflow truncates, splits or "
+            "drops them: truncate by default)")
     return stats
 
 

@@ -5,6 +5,8 @@ sees the batches an uninterrupted one would have."""
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -113,30 +115,43 @@ class FileData:
             dataset = read_dataset(data.path, "pretokenized", tokenizer=_tokenizer_to_check(config))
             self.kind = f"pre-tokenized shards ({dataset.num_shards} files, {dataset.num_tokens:,} tokens)"
         else:
-            dataset = read_dataset(
-                data.path, format=data.format, tokenizer=data.tokenizer or config.model.path,
-                chat_template=data.chat_template,
-            )
+            with warnings.catch_warnings():  # the skipped records are in the Data line instead
+                warnings.filterwarnings("ignore", message=r".*: skipped \d+ malformed records")
+                dataset = read_dataset(
+                    data.path, format=data.format, tokenizer=data.tokenizer or config.model.path,
+                    chat_template=data.chat_template, on_error=data.on_error,
+                )
             self.kind = f"{dataset.num_tokens:,} tokens"
         if len(dataset) == 0:
-            raise ConfigError(f"data.path: {data.path} has no records")
+            raise ConfigError(f"data.path: {data.path} has no records" + _skipped_note(dataset, data.on_error))
+        self.overflow = count_overflow(dataset, data.seq_length)
+        self.overflow_mode = data.overflow
+        self.skipped = _skipped_sentence(dataset, data.on_error)
         # The shards stay memory-mapped, so keeping them costs nothing; a file's arrays are
         # dropped once the loaders hold their copy, and only their largest id is kept.
         self.shards = dataset if data.format == "pretokenized" else None
         self._max_token_id = None if self.shards is not None else dataset.max_token_id()
         train_set, eval_set = split_held_out(dataset, data.eval_split, config.seed, data.path)
         # Without packing, a shuffle window of one puts each sequence in a row of its own.
-        options = {} if data.packing else {"shuffle_window": 1}
+        # The packer applies data.overflow to a sequence longer than a row (C++, no copy).
+        options = {"overflow": data.overflow} if data.packing else {"overflow": data.overflow, "shuffle_window": 1}
         # Batches are collated ahead by C++ threads, into pinned memory for a GPU run.
         self.loader = train_set.loader(
             data.seq_length, config.batch_size, seed=config.seed, pin_memory=pin_memory, rank=rank,
             world_size=world_size, **options,
         )
+        if len(self.loader) == 0 and data.overflow == "drop":
+            raise ConfigError(
+                f"data.overflow: drop leaves no training rows: all {len(train_set):,} training records of {data.path} "
+                f"are longer than data.seq_length {data.seq_length}; raise data.seq_length, or use truncate or split"
+            )
         self.eval_loader = (
             eval_set.loader(data.seq_length, config.batch_size, seed=config.seed, shuffle=False, **options)
             if len(eval_set)
             else None
         )
+        if self.eval_loader is not None and self.eval_loader.packing.num_rows == 0:
+            self.eval_loader = None  # data.overflow: drop left none of the held-out records
         self.eval_batch_count = data.eval_batches
         self.sizes = (len(train_set), len(eval_set))
         self._iterator = None
@@ -176,17 +191,131 @@ class FileData:
     def describe(self) -> str:
         train, held = self.sizes
         text = f"{self.kind}; {train:,} training sequences in {len(self.loader):,} batches of {self.loader.batch_size} rows"
-        if self.eval_loader is None:
-            return text + "; no evaluation (data.eval_split: 0)"
-        rows = self.eval_loader.packing.num_rows
-        return text + f"; {held:,} held out ({rows:,} rows; up to {self.eval_batch_count} batches per evaluation)"
+        if self.eval_loader is not None:
+            rows = self.eval_loader.packing.num_rows
+            text += f"; {held:,} held out ({rows:,} rows; up to {self.eval_batch_count} batches per evaluation)"
+        elif held:
+            text += f"; no evaluation (data.overflow: drop left none of the {held:,} held-out records)"
+        else:
+            text += "; no evaluation (data.eval_split: 0)"
+        return ". ".join([text, self.overflow.sentence(self.overflow_mode), *filter(None, [self.skipped])])
 
     def state_dict(self) -> dict[str, int]:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = state.get("overflow", "split" if "row_length" in state else None)
+        if saved is not None and saved != self.overflow_mode:
+            # Before data.overflow existed the trainer split longer records; its states say nothing.
+            raise ConfigError(
+                f"data.overflow: the run was checkpointed with {saved}, so {self.overflow_mode} would not continue "
+                f"with the batches that come next; set data.overflow: {saved} to resume it"
+            )
         self.loader.load_state_dict(state)
         self._iterator = None
+
+
+@dataclass
+class Overflow:
+    """The records of a dataset longer than a row of seq_length tokens (what data.overflow
+    acts on): how many, their tokens past the row, and how many keep no learned token in
+    their first seq_length (a prompt-masked record whose prompt fills the row: truncated,
+    it is trained on nothing)."""
+
+    records: int
+    seq_length: int
+    longer: int = 0
+    tokens_past: int = 0  # tokens beyond the first seq_length of the longer records
+    tokens_longer: int = 0  # every token of the longer records
+    unlearned: int | None = None  # longer records with no learned token in their first row; None: not counted
+
+    def sentence(self, mode: str) -> str:
+        """What the trainer logs: how many records were longer than a row, and what mode did."""
+        if self.longer == 0:
+            return f"No record is longer than {self.seq_length} tokens (data.overflow: {mode} has nothing to do)"
+        share = 100 * self.longer / max(self.records, 1)
+        head = f"{self.longer:,} of {self.records:,} records ({share:.0f}%) longer than {self.seq_length} tokens"
+        if mode == "truncate":
+            done = f"truncated to their first {self.seq_length} (data.overflow: truncate; {self.tokens_past:,} tokens cut"
+            if self.unlearned:
+                done += f"; {self.unlearned:,} of them keep no learned token, their prompt filling the row"
+            return f"{head}: {done})"
+        if mode == "split":
+            return (
+                f"{head}: split into pieces of up to {self.seq_length} tokens trained as records of their own "
+                "(data.overflow: split; a later piece is learned without the start of its record)"
+            )
+        return f"{head}: dropped (data.overflow: drop; {self.tokens_longer:,} tokens left out)"
+
+
+def _lengths_and_learned(dataset) -> list[tuple[np.ndarray, np.ndarray | None]] | None:
+    """(offsets, learned mask or None when every token is learned) of each part of dataset
+    (its arrays, or each shard's); None when the dataset does not expose its arrays."""
+    if isinstance(getattr(dataset, "offsets", None), np.ndarray) and hasattr(dataset, "labels"):
+        return [(dataset.offsets, None if dataset.labels is None else dataset.labels != task.IGNORE_INDEX)]
+    if hasattr(dataset, "shard_arrays") and hasattr(dataset, "num_shards"):
+        parts = []
+        for shard in range(dataset.num_shards):
+            arrays = dataset.shard_arrays(shard)
+            parts.append((np.asarray(arrays["offsets"]), None if arrays["mask"] is None else np.asarray(arrays["mask"])))
+        return parts
+    return None
+
+
+def count_overflow(dataset, seq_length: int) -> Overflow:
+    """The records of dataset (a TokenizedDataset, shards, or any SequenceDataset) longer
+    than seq_length tokens. A packed row's first label is ignored (the shift never asks one
+    record to predict the next), so a truncated record keeps a learned token only when one
+    of its tokens 1 .. seq_length - 1 is learned."""
+    report = Overflow(records=len(dataset), seq_length=seq_length)
+    parts = _lengths_and_learned(dataset)
+    if parts is None:  # only the count, from a packing plan
+        from barqtrain.data.packing import Packing
+
+        stats = Packing(dataset.source, seq_length, overflow="split", shuffle=False).stats
+        report.longer = int(stats["split_sequences"])
+        return report
+    report.unlearned = 0
+    for offsets, learned in parts:
+        lengths = np.diff(offsets)
+        long = np.flatnonzero(lengths > seq_length)
+        if not len(long):
+            continue
+        report.longer += len(long)
+        report.tokens_longer += int(lengths[long].sum())
+        report.tokens_past += int((lengths[long] - seq_length).sum())
+        if seq_length < 2:
+            report.unlearned += len(long)
+        elif learned is not None:
+            # Learned tokens in [start + 1, start + seq_length) of each longer record: the even
+            # segments of one reduceat (the odd ones, between the records, are not used).
+            starts = offsets[:-1][long].astype(np.int64)
+            bounds = np.empty(2 * len(long), dtype=np.int64)
+            bounds[0::2] = starts + 1
+            bounds[1::2] = starts + seq_length
+            any_learned = np.logical_or.reduceat(learned.astype(bool, copy=False), bounds)[0::2]
+            report.unlearned += int((~any_learned).sum())
+    return report
+
+
+def _skipped_sentence(dataset, on_error: str) -> str | None:
+    """The trainer's note on malformed records left out (data.on_error: skip), with the first reasons."""
+    report = getattr(dataset, "report", None) or {}
+    skipped = int(report.get("skipped", 0))
+    if not skipped and isinstance(getattr(dataset, "metadata", None), dict):  # pre-tokenized shards
+        earlier = int(dataset.metadata.get("stats", {}).get("skipped", 0))
+        return f"{earlier:,} malformed records were skipped when the shards were tokenized" if earlier else None
+    if not skipped:
+        return None
+    errors = report.get("errors") or []
+    first = f"; the first: {'; '.join(errors[:3])}" if errors else ""
+    total = skipped + int(report.get("records", len(dataset)))
+    return f"{skipped:,} of {total:,} records malformed and skipped (data.on_error: {on_error}{first})"
+
+
+def _skipped_note(dataset, on_error: str) -> str:
+    sentence = _skipped_sentence(dataset, on_error)
+    return f" ({sentence})" if sentence else ""
 
 
 def _inputs(batch) -> dict[str, torch.Tensor]:

@@ -72,6 +72,18 @@ class DataConfig:
         "tokens per row (the task's sequences are 14 tokens: a longer row packs seq_length // 14 of them)", 14
     )
     packing: bool = _doc("pack several sequences per row", True)
+    overflow: Literal["truncate", "split", "drop"] = _doc(
+        "a record longer than seq_length: truncate (keep its first seq_length tokens and their labels, as "
+        "Hugging Face and TRL do), split (pieces of seq_length trained as records of their own: no token lost, "
+        "but a later piece lacks its record's start, e.g. its prompt; for long plain-text documents) or drop; "
+        "the trainer logs how many records were longer",
+        "truncate",
+    )
+    on_error: Literal["raise", "skip"] = _doc(
+        "a malformed record in the dataset file: raise (stop with its file and line) or skip (leave it out; the "
+        "trainer logs how many were skipped and the first reasons)",
+        "raise",
+    )
     eval_split: float = _doc("fraction of the dataset file's sequences held out for evaluation; 0: no evaluation", 0.05)
     eval_batches: int = _doc("at most this many held-out batches per evaluation", 2)
 
