@@ -477,16 +477,12 @@ def _train(config, resume, stop_after, log, device, progress_bar, ranks: distrib
     try:
         while step < steps:
             step_start = time.perf_counter()
-            total_loss, tokens = 0.0, 0
-            for _ in range(config.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in data.next().items()}
-                with autocast:
-                    loss = model(**batch, use_cache=False).loss / config.grad_accum
-                scaler.scale(loss).backward()
-                total_loss += loss.item()
-                tokens += batch["input_ids"].numel()
-            if ranks.is_distributed:  # the logged loss and throughput are the whole world's
-                total_loss = distributed.mean_across_ranks(total_loss, device)
+            # The step's micro-batches are read first, so that their scored tokens (on every
+            # rank) weight the loss: the step's loss and gradients are one batch's of them all.
+            micro_batches = [data.next() for _ in range(config.grad_accum)]
+            total_loss = distributed.accumulate_gradients(model, micro_batches, device, ranks, autocast, scaler)
+            tokens = sum(batch["input_ids"].numel() for batch in micro_batches)
+            if ranks.is_distributed:  # the logged throughput is the whole world's
                 tokens = distributed.sum_across_ranks(tokens, device)
             if config.optim.max_grad_norm is not None:
                 scaler.unscale_(optimizer)
