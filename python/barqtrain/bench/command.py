@@ -102,6 +102,17 @@ def existing_directory(text: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    # Without a GPU only e2e and data have something to run, and only with --tiny: anything
+    # else measures nothing, which is a failure (exit 2), not a result.
+    if not torch.cuda.is_available() and not (args.tiny and args.suite in ("e2e", "data", "all")):
+        tiny = " (--tiny runs the e2e and data harness on the CPU)" if args.suite in ("e2e", "data", "all") else ""
+        print(f"barqtrain bench {args.suite}: needs a CUDA GPU and none is visible; nothing was measured{tiny}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     # `bench` (all) gives each suite the baselines it knows; `bench e2e` alone must not drop one silently.
     ops_only = [name for name in args.compare if name not in e2e.BASELINES]
     if args.suite == "e2e" and ops_only:

@@ -113,9 +113,9 @@ def test_liger_has_a_patch_function_for_every_benchmark_family():
 
 def test_without_a_gpu_the_real_shapes_are_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["bench", "e2e", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "needs a CUDA GPU" in out and "--tiny" in out
+    assert cli.main(["bench", "e2e", "--out", str(tmp_path)]) == 2  # nothing measured is a failure
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--tiny" in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -14,8 +14,8 @@ from barqtrain.bench.timing import Timing
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path, capsys):
-    assert cli.main(["bench", "ops", "--out", str(tmp_path)]) == 0
-    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert cli.main(["bench", "ops", "--out", str(tmp_path)]) == 2  # nothing measured is a failure
+    assert "needs a CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
