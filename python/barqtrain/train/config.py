@@ -8,7 +8,9 @@ no file) is the embedded default, the built-in digit task on a tiny random Llama
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +22,12 @@ from barqtrain.bench.models import LLAMA_1B, LLAMA_8B
 from barqtrain.train.task import SEQUENCE_LENGTH, TINY_LLAMA
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """A failure the user caused and can fix (a config key, a file, a full disk): its message
+    is one line that names the key or file and what to do. `barqtrain` prints it and exits 2."""
+
+
+class ConfigError(UsageError):
     """A config that cannot be used; the message names the key path."""
 
 
@@ -284,8 +291,24 @@ def _check(config: TrainConfig) -> None:
     }.items():
         if value < 0:
             raise ConfigError(f"{key}: must not be negative, got {value}")
+    if not config.lora.dropout < 1:
+        raise ConfigError(f"lora.dropout: a probability, at least 0 and below 1 (0.05 is usual), got {config.lora.dropout}")
+    if not config.lora.alpha > 0:
+        raise ConfigError(f"lora.alpha: must be positive (the update is scaled by alpha / r), got {config.lora.alpha}")
     if len(config.optim.betas) != 2:
         raise ConfigError(f"optim.betas: expected two numbers, got {config.optim.betas!r}")
+    for i, beta in enumerate(config.optim.betas):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optim.betas[{i}]: must be at least 0 and below 1 (AdamW's default is [0.9, 0.999]), got {beta}")
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"optim.min_lr_ratio: the final learning rate as a fraction of lr, from 0 to 1, got {config.optim.min_lr_ratio}"
+        )
+    if config.optim.max_grad_norm is not None and not config.optim.max_grad_norm > 0:
+        raise ConfigError(f"optim.max_grad_norm: must be positive (null: no clipping), got {config.optim.max_grad_norm}")
+    targets = config.lora.target_modules
+    if (isinstance(targets, list) and not targets) or (isinstance(targets, str) and not targets.strip()):
+        raise ConfigError("lora.target_modules: names no module; use 'all-linear' or a list such as [q_proj, v_proj]")
     if config.qlora.quant_type == "int8" and not config.qlora.double_quant:
         raise ConfigError("qlora.double_quant: applies to nf4/fp4 only (int8 keeps one fp32 absmax per row); "
                           "remove it with quant_type: int8")  # fmt: skip
@@ -314,12 +337,61 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
 
 
+def config_warnings(config: TrainConfig) -> list[str]:
+    """What the config allows but is very likely a mistake: one line each, naming the key."""
+    said = []
+    if config.optim.lr == 0:
+        said.append("optim.lr is 0: the weights will not change; set a learning rate such as 2e-4")
+    if config.steps is not None and config.optim.warmup_steps >= config.steps and config.optim.lr > 0:
+        said.append(
+            f"optim.warmup_steps ({config.optim.warmup_steps}) is not below steps ({config.steps}): "
+            "the whole run warms up and never reaches optim.lr"
+        )
+    return said
+
+
+def _check_safetensors(path: str) -> None:
+    """A safetensors file is whole: its header parses and the file holds every tensor it lists
+    (a cut-short download otherwise fails deep inside the load without naming the file)."""
+    size = os.path.getsize(path)
+    what = f"model.path: {path} is truncated or corrupt"
+    fix = "download or copy it again"
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise ConfigError(f"{what} ({size} bytes, not even a header); {fix}")
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > size - 8:
+            raise ConfigError(f"{what} (a {header_size}-byte header in a {size}-byte file); {fix}")
+        try:
+            header = json.loads(file.read(header_size))
+        except ValueError:
+            raise ConfigError(f"{what} (its header is not valid JSON); {fix}") from None
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)
+            and "data_offsets" in entry]  # fmt: skip
+    needed = 8 + header_size + max(ends, default=0)
+    if needed > size:
+        raise ConfigError(f"{what}: it has {size} bytes, its tensors need {needed}; {fix}")
+
+
 def check_paths(config: TrainConfig) -> None:
     """The files a config names exist (checked when training starts, not on load, so that
     a template with placeholder paths loads and validates)."""
     model_path = config.model.path
     if model_path is not None and not os.path.isfile(os.path.join(model_path, "config.json")):
         raise ConfigError(f"model.path: {model_path!r} is not a Hugging Face model directory (no config.json in it)")
+    if model_path is not None:
+        config_json = os.path.join(model_path, "config.json")
+        try:
+            with open(config_json, encoding="utf-8") as file:
+                model_config = json.load(file)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ConfigError(f"model.path: {config_json} is not valid JSON ({error}); restore it from the model's source") from None
+        if not isinstance(model_config, dict) or "model_type" not in model_config:
+            raise ConfigError(f"model.path: {config_json} has no model_type; restore it from the model's source")
+        for name in sorted(os.listdir(model_path)):
+            if name.endswith(".safetensors"):
+                _check_safetensors(os.path.join(model_path, name))
     data_path = config.data.path
     is_shard_directory = data_path is not None and os.path.isfile(os.path.join(data_path, "shards.json"))
     if config.data.format == "pretokenized":

@@ -1,4 +1,4 @@
-"""`barqtrain config --template NAME [--documented] [--out FILE]`: writes a train config.
+"""`barqtrain config --template NAME [--documented] [--out FILE [--overwrite]]`: writes a train config.
 
 The templates: default (the embedded default), lora, qlora, full, long-context, fsdp
 (several GPUs under torchrun).
@@ -7,6 +7,7 @@ The templates: default (the embedded default), lora, qlora, full, long-context, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -14,10 +15,11 @@ from barqtrain.train.config import TEMPLATES, ConfigError, template_yaml
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("config", help="write a YAML config for `barqtrain train`", description=__doc__.splitlines()[0])
+    parser = subparsers.add_parser("config", help="write a YAML config for `barqtrain train`", description=" ".join(__doc__.split()))
     parser.add_argument("--template", default="lora", metavar="NAME", help=f"one of {', '.join(TEMPLATES)} (default: lora)")
     parser.add_argument("--documented", action="store_true", help="a comment on every key")
-    parser.add_argument("--out", help="file to write (default: standard output)")
+    parser.add_argument("--out", help="file to write (default: standard output); an existing file only with --overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE")
     parser.set_defaults(run=run)
 
 
@@ -28,8 +30,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"barqtrain config: {error}", file=sys.stderr)
         return 2
     if args.out:
-        Path(args.out).write_text(text)
-        print(f"Wrote {args.out}")
+        out = Path(args.out)
+        if out.is_dir():
+            print(f"barqtrain config: --out {out} is a directory; name a file such as {out / 'train.yaml'}", file=sys.stderr)
+            return 2
+        if out.exists() and not args.overwrite:
+            print(
+                f"barqtrain config: {out} exists (it may hold your edits); choose another --out, or add --overwrite "
+                "to replace it",
+                file=sys.stderr,
+            )
+            return 2
+        temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        try:
+            temporary.write_text(text)
+            os.replace(temporary, out)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            print(f"barqtrain config: cannot write {out} ({error.strerror or error}); choose another --out", file=sys.stderr)
+            return 2
+        print(f"Wrote {out}")
     else:
         print(text, end="")
     return 0

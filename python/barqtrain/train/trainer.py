@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
 import shutil
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,8 @@ from barqtrain.train.config import (
     ADAPTER_METHODS,
     NAMED_MODELS,
     ConfigError,
+    UsageError,
+    config_warnings,
     TrainConfig,
     check_paths,
     config_from_dict,
@@ -49,6 +53,14 @@ from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
 from barqtrain.train.progress import Progress, duration, is_terminal
 
 CHECKPOINTS = "checkpoints"
+# Everything BarqTrain writes in a run directory: what --overwrite deletes (and nothing else).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "adapter", "model", "base", "config.yaml", "training.png")
+# The keys a resumed run may change: they say how long it runs, where, and how often it reports,
+# not what it trains (a new value of any other key is refused, naming it).
+RESUMABLE_CHANGES = frozenset({
+    "steps", "epochs", "output_dir", "eval_interval", "save_interval", "log_interval", "tensorboard", "plot",
+    "gradient_checkpointing", "data.eval_batches",
+})  # fmt: skip
 
 
 @dataclass
@@ -134,16 +146,43 @@ def build_model(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
             task_type="CAUSAL_LM",
         )
-        if config.model.patch:  # PEFT's adapter (and format), computed by BarqTrain's fused LoRA and ops
-            model = barqtrain.get_peft_model(model, lora_config, lora_precision=lora.precision)
-            log(model.barqtrain_patch_report)
-        else:
-            model = peft.get_peft_model(model, lora_config)
+        with _model_errors(config, model):
+            if config.model.patch:  # PEFT's adapter (and format), computed by BarqTrain's fused LoRA and ops
+                model = barqtrain.get_peft_model(model, lora_config, lora_precision=lora.precision)
+                log(model.barqtrain_patch_report)
+            else:
+                model = peft.get_peft_model(model, lora_config)
     elif config.model.patch:
-        log(barqtrain.patch_model(model))
+        with _model_errors(config, model):
+            log(barqtrain.patch_model(model))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model
+
+
+@contextlib.contextmanager
+def _model_errors(config: TrainConfig, model: torch.nn.Module):
+    """PEFT's and the patcher's refusals of a config, as one line naming the key."""
+    from barqtrain.patch.families import UnsupportedModelError
+
+    name = config.model.path or config.model.name
+    try:
+        yield
+    except UnsupportedModelError:
+        from barqtrain.patch.families import SUPPORTED_MODEL_TYPES
+
+        raise ConfigError(
+            f"model.patch: model_type {model.config.model_type!r} ({name}) has no BarqTrain fused ops (they cover "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}); set model.patch: false to train it unpatched"
+        ) from None
+    except ValueError as error:
+        if "target_modules" not in str(error).lower() and "target modules" not in str(error).lower():
+            raise
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(
+            f"lora.target_modules: {config.lora.target_modules!r} names no module of model {name}; its linear "
+            f"layers are {', '.join(linear)} (or use 'all-linear')"
+        ) from None
 
 
 def load_quantized_base(
@@ -260,27 +299,59 @@ def save_checkpoint(
         model_state, optimizer_state = None, optimizer.state_dict()
         data_states, rng_states = [data.state_dict()], [_rng_state()]
     root = run_dir / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     temporary = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    save_weights(model, config, temporary, model_state)
-    if ranks.is_distributed or config.method == "full":
-        torch.save(model_state if ranks.is_distributed else model.state_dict(), temporary / "model_state.pt")
-    torch.save(optimizer_state, temporary / "optimizer.pt")
-    torch.save(scheduler.state_dict(), temporary / "scheduler.pt")
-    trainer_state = {"step": step, "world_size": ranks.world_size, "rng": rng_states, "data": data_states}
-    torch.save({**trainer_state, "scaler": scaler.state_dict()}, temporary / "trainer_state.pt")
-    (temporary / "trainer_state.json").write_text(
-        json.dumps({"step": step, "world_size": ranks.world_size, "data": data_states}) + "\n"
-    )
+    with _disk_errors(final, run_dir, cleanup=temporary):
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        save_weights(model, config, temporary, model_state)
+        if ranks.is_distributed or config.method == "full":
+            torch.save(model_state if ranks.is_distributed else model.state_dict(), temporary / "model_state.pt")
+        torch.save(optimizer_state, temporary / "optimizer.pt")
+        torch.save(scheduler.state_dict(), temporary / "scheduler.pt")
+        trainer_state = {"step": step, "world_size": ranks.world_size, "rng": rng_states, "data": data_states}
+        torch.save({**trainer_state, "scaler": scaler.state_dict()}, temporary / "trainer_state.pt")
+        (temporary / "trainer_state.json").write_text(
+            json.dumps({"step": step, "world_size": ranks.world_size, "data": data_states}) + "\n"
+        )
+        # The config it was trained with: a resume compares the run's config against it.
+        (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     if final.exists():  # a checkpoint of the same step from an earlier, resumed-over attempt
         shutil.rmtree(final)
     os.replace(temporary, final)
     if ranks.is_distributed:
         distributed.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _disk_errors(what: Path, run_dir: Path, cleanup: Path | None = None):
+    """A write that the disk refuses (full, read-only, no permission) as one line naming the
+    path; a partial write in cleanup is removed, so that it takes no more space."""
+
+    def fail(reason: str) -> typing.NoReturn:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        raise UsageError(
+            f"{what}: {reason}; make room (or choose another output_dir), then `barqtrain train --resume {run_dir}` "
+            "continues from the last whole checkpoint"
+        ) from None
+
+    try:
+        yield
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            fail("no space left on device")
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fail(f"cannot write there ({error.strerror})")
+        raise
+    except RuntimeError as error:
+        # torch.save's zip writer reports a short write without its errno: "unexpected pos N vs M",
+        # "file write failed".
+        if "unexpected pos" in str(error) or "write failed" in str(error):
+            fail("no space left on device (the write stopped short)")
+        raise
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -290,6 +361,112 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     # Only renamed-into-place directories count: a .tmp-* one is a write that a kill interrupted.
     found = sorted(p for p in root.iterdir() if p.name.startswith("step-") and (p / "trainer_state.pt").exists())
     return found[-1] if found else None
+
+
+def _flat(mapping: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., None] = print) -> None:
+    """Resuming from checkpoint with config continues the same run: the config the
+    checkpoint was written with differs from config only in RESUMABLE_CHANGES (logged), and
+    steps is not below the checkpoint's. Otherwise a ConfigError names the changed keys."""
+    saved_path = checkpoint / "config.yaml"
+    step = int(checkpoint.name.removeprefix("step-"))
+    if config.steps is not None and config.steps < step:
+        raise ConfigError(
+            f"steps: {config.steps} is below step {step} of the checkpoint {checkpoint}; give at least {step} "
+            "(--resume RUN --steps N continues to N)"
+        )
+    state_path, world_size = checkpoint / "trainer_state.json", distributed.ranks_from_env().world_size
+    saved_world_size = int(json.loads(state_path.read_text()).get("world_size", 1)) if state_path.exists() else 1
+    if saved_world_size != world_size:  # said first: it is why batch_size may have changed
+        raise ConfigError(
+            f"--resume: {checkpoint} was written by {saved_world_size} process(es) and this run has {world_size}; "
+            "resume with the same number of processes (each holds its own data position)"
+        )
+    if not saved_path.exists():  # written before checkpoints kept their config: load_checkpoint checks the shapes
+        return
+    try:
+        saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+    except (ConfigError, yaml.YAMLError) as error:
+        log(f"Warning: {saved_path} cannot be read ({error}); the resumed config is not compared with it.")
+        return
+    old, new = _flat(to_dict(saved)), _flat(to_dict(config))
+    changed = [key for key in old.keys() | new.keys() if old.get(key) != new.get(key)]
+    refused = sorted(key for key in changed if key not in RESUMABLE_CHANGES)
+    if refused:
+        what = ", ".join(f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in refused)
+        raise ConfigError(
+            f"--resume: {what} changed since {checkpoint} was written, which changes what the run trains; "
+            "put the checkpoint's value back in the run's config.yaml to continue it, or start a new run "
+            "(another output_dir, or --overwrite)"
+        )
+    applied = sorted(key for key in changed if key != "output_dir")
+    if applied:
+        log("Resuming with " + ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in applied) + ".")
+
+
+def _check_output_dir(run_dir: Path, continuing: bool, overwrite: bool) -> None:
+    """A fresh run never adopts what another run left in output_dir."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output_dir: {run_dir} is a file, not a directory; choose another output_dir")
+    if continuing or overwrite or not run_dir.is_dir():
+        return
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if not entries:
+        return
+    ours = [name for name in entries if name in RUN_FILES]
+    listing = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+    if ours:
+        raise ConfigError(
+            f"output_dir: {run_dir} already holds a run ({listing}); continue it with `barqtrain train --resume "
+            f"{run_dir}`, start it over with --overwrite (deletes only BarqTrain's files there), or choose another "
+            "output_dir"
+        )
+    raise ConfigError(
+        f"output_dir: {run_dir} is not empty ({listing}); choose a new or empty directory, or add --overwrite to "
+        "train into it (BarqTrain then writes its files beside these and deletes none of them)"
+    )
+
+
+def _prepare_output_dir(run_dir: Path, overwrite: bool, log: Callable[..., None]) -> None:
+    if overwrite and run_dir.is_dir():
+        removed = [name for name in RUN_FILES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+        for name in removed:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        if removed:
+            log(f"--overwrite: removed {', '.join(removed)} from {run_dir}.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def copy_run(source: Path, checkpoint: Path, target: Path, log: Callable[..., None]) -> None:
+    """The run in source, up to checkpoint, copied to target (source is left untouched): the
+    checkpoint, the metrics, TensorBoard's events and a random-init run's base weights."""
+    for name in ("metrics.jsonl", "tensorboard", "base"):
+        path = source / name
+        if path.is_dir():
+            shutil.copytree(path, target / name, dirs_exist_ok=True)
+        elif path.is_file():
+            shutil.copy2(path, target / name)
+    root = target / CHECKPOINTS
+    root.mkdir(exist_ok=True)
+    temporary = root / f".tmp-{checkpoint.name}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    shutil.copytree(checkpoint, temporary)
+    shutil.rmtree(root / checkpoint.name, ignore_errors=True)
+    os.replace(temporary, root / checkpoint.name)
+    log(f"Copied the run in {source} up to {checkpoint.name} to {target}; {source} is left as it was.")
 
 
 def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, data, ranks=distributed.SINGLE) -> int:
@@ -305,15 +482,22 @@ def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, dat
             model, optimizer, torch.load(path / "model_state.pt", weights_only=True),
             torch.load(path / "optimizer.pt", weights_only=False),
         )
-    elif config.method in ADAPTER_METHODS:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
     else:
-        model.load_state_dict(torch.load(path / "model_state.pt", weights_only=True))
-    if not ranks.is_distributed:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        try:
+            if config.method in ADAPTER_METHODS:
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+            else:
+                model.load_state_dict(torch.load(path / "model_state.pt", weights_only=True))
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        except (RuntimeError, ValueError, KeyError, FileNotFoundError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(
+                f"--resume: {path} does not fit this run's model or method ({reason}); the config changed since it "
+                "was written (lora.r, method, model?): put the run's settings back, or start a new run"
+            ) from None
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     scaler.load_state_dict(state["scaler"])
     data.load_state_dict(state["data"][ranks.rank])
@@ -363,6 +547,24 @@ def task_accuracy(model, batches, device) -> float:
     )
 
 
+def _check_context(config: TrainConfig, log: Callable[..., None]) -> None:
+    """Warns where data.seq_length is above the model's context (max_position_embeddings)."""
+    if config.model.path is None:
+        context = NAMED_MODELS[config.model.name].get("max_position_embeddings")
+    else:
+        with open(os.path.join(config.model.path, "config.json"), encoding="utf-8") as file:
+            model_config = json.load(file)
+        context = model_config.get("max_position_embeddings")
+        if context is None and isinstance(model_config.get("text_config"), dict):
+            context = model_config["text_config"].get("max_position_embeddings")
+    if isinstance(context, int) and config.data.seq_length > context:
+        log(
+            f"Warning: data.seq_length ({config.data.seq_length}) is above the model's context "
+            f"(max_position_embeddings {context}): positions past {context} were never trained; "
+            "lower data.seq_length or use a longer-context model."
+        )
+
+
 def _check_vocabulary(data, config: TrainConfig) -> None:
     """Before the (slow) model load: every token id of the data has an embedding."""
     from transformers import AutoConfig
@@ -386,8 +588,16 @@ def train(
     log: Callable[..., None] = print,
     device: torch.device | str | None = None,
     progress_bar: bool | None = None,
+    overwrite: bool = False,
+    resume_from: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
     """Runs (or, with resume, continues) the training described by config.
+
+    A fresh run refuses a non-empty output_dir (it would adopt another run's checkpoints)
+    unless overwrite, which first deletes what BarqTrain writes there (RUN_FILES) and
+    nothing else. resume: continue from the latest checkpoint, whose saved config must match
+    config but for RESUMABLE_CHANGES; resume_from: that checkpoint's run directory, when it
+    is not output_dir (the run is copied to output_dir and continued there).
 
     stop_after: end after the checkpoint of that step, as if the run had been killed there
     (tests use it to compare a resumed run with an uninterrupted one).
@@ -399,16 +609,19 @@ def train(
     process's own (cuda:LOCAL_RANK, else cpu)."""
     ranks = distributed.ranks_from_env()
     if not ranks.is_distributed:
-        return _train(config, resume, stop_after, log, device, progress_bar, ranks)
+        return _train(config, resume, stop_after, log, device, progress_bar, ranks, overwrite, resume_from)
     distributed.check_supported(config)
     device, formed = distributed.start(ranks)
     try:
-        return _train(config, resume, stop_after, distributed.main_only(log, ranks), device, progress_bar, ranks)
+        log = distributed.main_only(log, ranks)
+        return _train(config, resume, stop_after, log, device, progress_bar, ranks, overwrite, resume_from)
     finally:
         distributed.finish(formed)
 
 
-def _train(config, resume, stop_after, log, device, progress_bar, ranks: distributed.Ranks) -> TrainResult:
+def _train(
+    config, resume, stop_after, log, device, progress_bar, ranks: distributed.Ranks, overwrite=False, resume_from=None
+) -> TrainResult:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if progress_bar is None:
         progress_bar = log is print and is_terminal(sys.stdout)
@@ -416,13 +629,34 @@ def _train(config, resume, stop_after, log, device, progress_bar, ranks: distrib
     check_paths(config)
     check_optimizer(config, device)
     compute_precision(config, device)  # fails before the model is built where the precision cannot run
+    for warning in config_warnings(config):
+        log(f"Warning: {warning}.")
+    _check_context(config, log)
     run_dir = Path(config.output_dir)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    source = Path(resume_from) if resume and resume_from is not None else run_dir
+    _check_output_dir(run_dir, continuing=resume and source == run_dir, overwrite=overwrite)
+    checkpoint = latest_checkpoint(source) if resume else None
+    if checkpoint is not None:
+        check_resumable(checkpoint, config, log)
+    if ranks.is_distributed:
+        distributed.barrier()  # every rank has looked at output_dir before rank 0 writes in it
     if ranks.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            _prepare_output_dir(run_dir, overwrite, log)
+            if checkpoint is not None and source != run_dir:
+                copy_run(source, checkpoint, run_dir, log)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        except OSError as error:
+            reason = "no space left on device" if error.errno == errno.ENOSPC else error.strerror or str(error)
+            raise ConfigError(
+                f"output_dir: cannot write to {run_dir} ({reason}); choose a directory you can write to"
+            ) from None
         if resume and checkpoint is None:
-            log(f"No checkpoint in {run_dir}: starting from step 0.")
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            log(f"No checkpoint in {source}: starting from step 0.")
+    if checkpoint is not None and source != run_dir:
+        checkpoint = run_dir / CHECKPOINTS / checkpoint.name
+        if ranks.is_distributed:
+            distributed.barrier()  # the copy is whole before any rank reads it
 
     data = make_data(config, device, ranks.rank, ranks.world_size)
     _check_vocabulary(data, config)
@@ -550,11 +784,40 @@ def _train(config, resume, stop_after, log, device, progress_bar, ranks: distrib
     return result
 
 
-def resume_run(run_dir: str | os.PathLike[str], **kwargs: Any) -> TrainResult:
-    """Continues the run in run_dir from its latest checkpoint, with the config it saved."""
+def resume_run(
+    run_dir: str | os.PathLike[str],
+    steps: int | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    **kwargs: Any,
+) -> TrainResult:
+    """Continues the run in run_dir from its latest checkpoint, with the config it saved
+    (run_dir/config.yaml; a change to it that alters what the run trains is refused, naming
+    the key). steps: run to that step (more than the config said). output_dir: copy the run
+    there and continue it there, leaving run_dir as it was (a non-empty output_dir only with
+    overwrite)."""
     config_path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"--resume {run_dir}: no such run directory")
     if not config_path.exists():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there (is it a `barqtrain train` run directory?)")
-    config = config_from_dict(yaml.safe_load(config_path.read_text()))
+    try:
+        mapping = yaml.safe_load(config_path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{config_path}: not valid YAML: {error}") from None
+    try:
+        config = config_from_dict(mapping)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     config = dataclasses.replace(config, output_dir=str(run_dir))
-    return train(config, resume=True, **kwargs)
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--steps: must be at least 1, got {steps}")
+        config.steps = steps
+    if output_dir is None or Path(output_dir).resolve() == Path(run_dir).resolve():
+        if overwrite:
+            raise ConfigError(f"--overwrite: --resume {run_dir} continues that run; there is nothing to overwrite "
+                              "(with --output-dir DIR it lets DIR be non-empty)")  # fmt: skip
+        return train(config, resume=True, **kwargs)
+    config = dataclasses.replace(config, output_dir=str(output_dir))
+    return train(config, resume=True, overwrite=overwrite, resume_from=run_dir, **kwargs)
