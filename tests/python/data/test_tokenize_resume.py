@@ -21,7 +21,8 @@ require(GPT2, ALPACA)
 
 
 class Interrupted(Exception):
-    pass
+    """A crash mid-run. The CLI turns an unexpected exception into one line and exit code 1;
+    with BARQTRAIN_DEBUG=1 it propagates, as the crash of a killed process would end the run."""
 
 
 @pytest.fixture
@@ -68,7 +69,8 @@ def test_a_rerun_resumes_and_writes_what_an_uninterrupted_run_writes(inputs, tmp
         real_write(path, text)
 
     monkeypatch.setattr(tokenize_command, "_write_atomically", write_then_stop)
-    with pytest.raises(Interrupted):
+    with monkeypatch.context() as debug, pytest.raises(Interrupted):
+        debug.setenv("BARQTRAIN_DEBUG", "1")
         main(command(inputs, tmp_path / "cut"))
     monkeypatch.setattr(tokenize_command, "_write_atomically", real_write)
     assert not (tmp_path / "cut" / "shards.json").exists()
@@ -94,6 +96,7 @@ def test_directories_that_cannot_be_resumed_say_what_to_do(inputs, tmp_path, mon
     with monkeypatch.context() as patch:
         patch.setattr(tokenize_command, "CHUNK_RECORDS", 9)
         patch.setattr(tokenize_command, "_write_atomically", stop)
+        patch.setenv("BARQTRAIN_DEBUG", "1")
         with pytest.raises(Interrupted):
             main(command(inputs, out))
     # A shard but no progress file: nothing says where the inputs stood.
@@ -120,6 +123,7 @@ def test_directories_that_cannot_be_resumed_say_what_to_do(inputs, tmp_path, mon
             real_write(path, text)
 
         patch.setattr(tokenize_command, "_write_atomically", second_stops)
+        patch.setenv("BARQTRAIN_DEBUG", "1")
         with pytest.raises(Interrupted):
             main(command(inputs, other))
     capsys.readouterr()
