@@ -33,6 +33,7 @@ from barqtrain.train.export import (
     trained_end_token,
     write_marker,
 )
+from barqtrain.train.progress import without_transformers_bars
 
 __all__ = ["ExportError", "export", "register"]
 
@@ -187,12 +188,8 @@ def export(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from transformers.utils import logging as transformers_logging
-
     dtype = base_dtype(base_dir)
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()  # its loading and shard-writing bars, for a one-line summary
-    try:
+    with without_transformers_bars():
         # Merged in fp32 (W + BA rounded once), then saved in the base's dtype.
         model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
         merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().to(getattr(torch, dtype))
@@ -201,9 +198,6 @@ def export(
         with atomic_directory(out) as directory:
             merged.save_pretrained(str(directory), safe_serialization=True)
             extras = _finish(directory, run_dir, config, base_dir, what, log)
-    finally:
-        if bars:
-            transformers_logging.enable_progress_bar()
     log(f"Merged {adapter} into {base_dir} ({dtype}): wrote {out}{extras}.")
     if (config or {}).get("method") == "qlora":
         log(

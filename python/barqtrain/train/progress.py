@@ -4,11 +4,27 @@ terminal (CI logs, `| tee`), where a bar's carriage returns would only make nois
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
+
+
+@contextlib.contextmanager
+def without_transformers_bars() -> Iterator[None]:
+    """Transformers' loading and shard-writing progress bars off: inside a run they would break
+    BarqTrain's own bar, and in export they would bury its one-line summary."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def duration(seconds: float) -> str:

@@ -50,7 +50,7 @@ from barqtrain.train.config import (
 )
 from barqtrain.train.metrics import Metrics, write_plot
 from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
-from barqtrain.train.progress import Progress, duration, is_terminal
+from barqtrain.train.progress import Progress, duration, is_terminal, without_transformers_bars
 
 CHECKPOINTS = "checkpoints"
 # Everything BarqTrain writes in a run directory: what --overwrite deletes (and nothing else).
@@ -253,7 +253,8 @@ def save_base(model: torch.nn.Module, directory: Path) -> None:
     directory renamed into place)."""
     temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary)
+    with without_transformers_bars():
+        model.save_pretrained(temporary)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(temporary, directory)
 
@@ -281,7 +282,8 @@ def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path, f
     full_model_state: the gathered state of a sharded model (its own state_dict is shards)."""
     # A copy: transformers' save_pretrained empties the state dict it is given.
     state_dict = None if full_model_state is None else dict(full_model_state)
-    model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"), state_dict=state_dict)
+    with without_transformers_bars():
+        model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"), state_dict=state_dict)
 
 
 def save_checkpoint(

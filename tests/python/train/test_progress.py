@@ -87,3 +87,27 @@ def test_lines_carry_the_eval_loss_and_resume_counts_from_the_checkpoint():
 
 def test_is_terminal():
     assert not is_terminal(io.StringIO())
+
+
+
+def test_transformers_bars_are_off_while_the_trainer_saves_weights(tmp_path, monkeypatch):
+    """Transformers' shard-writing bars inside a run would break BarqTrain's progress bar."""
+    from barqtrain.train.config import TrainConfig
+    from barqtrain.train.trainer import save_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+    model = LlamaForCausalLM(config)
+    bars_while_saving = []
+    save_pretrained = model.save_pretrained
+
+    def recording_save(*args, **kwargs):
+        bars_while_saving.append(transformers_logging.is_progress_bar_enabled())
+        return save_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(model, "save_pretrained", recording_save)
+    transformers_logging.enable_progress_bar()
+    save_weights(model, TrainConfig(method="full"), tmp_path)
+    assert bars_while_saving == [False] and transformers_logging.is_progress_bar_enabled()
+    assert (tmp_path / "model" / "config.json").exists()
