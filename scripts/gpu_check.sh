@@ -26,7 +26,7 @@ SUMMARY=()
 FAILED=0
 export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 cd "$REPO"
-# Pass the commit from the machine that made the call: the device machine's copy of the tree
+# Pass the commit from the machine that launches this script: the GPU machine's copy of the tree
 # may carry no .git or a stale one.
 export BARQTRAIN_GIT_COMMIT=${BARQTRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 

@@ -1,4 +1,4 @@
-// Cross-entropy over rows of logits (SPEC K5), framework-free launcher: the row-wise half
+// Cross-entropy over rows of logits, framework-free launcher: the row-wise half
 // of the fused linear + cross-entropy, run on one chunk of logits at a time so that the
 // [tokens x vocab] logits never exist whole.
 //

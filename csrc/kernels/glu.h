@@ -1,4 +1,4 @@
-// Gated MLP activations (SPEC K2), framework-free launchers.
+// Gated MLP activations, framework-free launchers.
 //
 //   forward : h = act(gate) * up                        act = silu (SwiGLU) or gelu_tanh (GeGLU)
 //   backward: dgate = dh * up * act'(gate),  dup = dh * act(gate)   (act recomputed, not stored)

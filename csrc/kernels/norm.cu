@@ -14,21 +14,15 @@
 // LayerNorm's backward with dweight has its own kernel for 16-bit aligned rows up to hidden
 // 8192 (backward_launch holds the rule), because the shared kernel left it far below the copy:
 // its shared-memory column sums put 64 KiB of shared traffic on every row's critical path and
-// at 8192 its 79 registers left one block an SM. A harness timed the shipped kernel against
-// variants of each choice (H100, 2026-11-22, benchmarks/results/2026-11-22-h100-s6/
-// ln_bwd_harness.log; bf16, backward with dweight + dbias as % of a same-size device copy,
-// fwd+bwd with the shipped forward in brackets): 16384 x 4096 shipped 77.8% (82.4%) -> 94.5%
-// (92.9%); 16384 x 8192 shipped 69.9% (75.4%) -> 94.4% (90.6%); 4096 x 4096 shipped 47.5% ->
-// 82.0%; dweight without dbias, 16384 x 4096: 89.2% -> 97.0%. What won: column sums in
-// registers (in shared memory, same form: 92.2%), the next row's dy and x loaded before this
-// row's barrier, the row sums read back by broadcast, 512 threads with one vector a thread and
-// two blocks an SM at 4096, two vectors and one block at 8192. At 4096 x 4096 two vectors at
-// 256 threads measured 85.4%, but 91.8% against 94.5% at 16384 rows: one tiling rule, the one
-// of the target shape. Summing the partials inside the kernel behind a grid barrier was no
-// faster (94.3%). The harness summed the partials with its own one-launch reduce under
-// programmatic dependent launch; this file keeps its two reduce launches, which the harness
-// measured about 5 us slower at 16384 x 4096 (the shipped kernel with either reduce: 0.1774
-// vs 0.1724 ms).
+// at 8192 its 79 registers left one block an SM. Its form: column sums in registers, the next
+// row's dy and x loaded before this row's barrier, the row sums read back by broadcast, 512
+// threads with one vector a thread and two blocks an SM at 4096, two vectors and one block at
+// 8192 (one tiling rule, that of the 16384-row target shape). On an H100, bf16, backward with
+// dweight + dbias as a share of a same-size device copy: 16384 x 4096 94.5% against the shared
+// kernel's 77.8%, 16384 x 8192 94.4% against 69.9% (`barqtrain bench ops`; the alternatives
+// measured are in docs/design/README.md, section "Norms"). The partials are summed by a second
+// launch; a one-launch reduce under programmatic dependent launch would save about 5 us at
+// 16384 x 4096.
 //
 // Bytes at 16384 x 4096 bf16 (RMSNorm): forward reads x, writes y (256 MiB); backward
 // reads dy, x, writes dx (384 MiB). The fused add adds a read of residual and a write of
@@ -318,7 +312,7 @@ norm_backward_kernel(const NormBackwardParams p, float* dweight_partials, float*
 }
 
 // ------------------------------------------------------------------ LayerNorm backward, 16-bit rows
-// The form that won the LayerNorm backward harness (header): column sums in registers, the
+// The LayerNorm backward's own form (the header says why): column sums in registers, the
 // next row's inputs loaded before this row's barrier, both row sums read back by broadcast.
 // backward_launch says which calls take it.
 
@@ -367,7 +361,7 @@ __device__ __forceinline__ float2 block_row_sums(float dot, float sum_g, float2*
 }
 
 // 512 threads at most; two blocks an SM at one vector a thread (64 registers), one at two
-// (120 of 128 used): the residencies the harness measured best.
+// (120 of 128 used): the residencies that measured best.
 template <int kVecsPerThread>
 constexpr int kLayerNormMinBlocks = kVecsPerThread == 1 ? 2 : 1;
 
@@ -575,7 +569,7 @@ BackwardLaunch backward_launch(const NormBackwardParams& p) {
                 [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto fused) {
                   using T = decltype(type_tag);
                   constexpr int kVecsPerThread = decltype(vpt)::value;
-                  // The one rule for layernorm_backward_kernel, the form the harness measured:
+                  // The one rule for layernorm_backward_kernel, the shapes it was measured at:
                   // 16-bit rows, 16-byte aligned, up to two vectors a thread (hidden <= 8192),
                   // a trainable weight, no d_residual_out. fp32, unaligned or wider rows, the
                   // fused add's gradient and a frozen weight (99.6% of the copy as it is) keep
@@ -650,7 +644,7 @@ void norm_forward(const NormForwardParams& p, cudaStream_t stream) {
   // Two vectors a thread: a block's row (one a block) is read by half the threads, with twice
   // the loads in flight per thread. H100, 16384 x 4096 bf16, of a same-size device copy: RMSNorm
   // 96.3% -> 98.2%, LayerNorm 88.1% -> 90.5% (the backward measured best at one vector a thread;
-  // benchmarks/results/2026-11-22-h100-s5/norm_tiling.log).
+  // `barqtrain bench ops` measures the tiling kept).
   const RowTiling tiling = choose_tiling(p.hidden, vectorizable, p.dtype, /*min_vecs_per_thread=*/2);
   dispatch_norm(p.dtype, tiling, p.kind, fused, [&](auto type_tag, auto vec, auto vpt, auto layer_norm, auto f) {
     using T = decltype(type_tag);

@@ -1,4 +1,4 @@
-// Row normalizations (SPEC K1), framework-free launchers: RMSNorm, LayerNorm, and either
+// Row normalizations, framework-free launchers: RMSNorm, LayerNorm, and either
 // fused with the residual add that precedes it in a decoder layer.
 //
 //   residual add (optional): s = round(x + residual), written to residual_out; s replaces x

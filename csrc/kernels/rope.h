@@ -1,4 +1,4 @@
-// Rotary position embedding (SPEC K3) of Q and K in one launch, framework-free launcher.
+// Rotary position embedding of Q and K in one launch, framework-free launcher.
 //
 // For each head vector x of a token with tables cos, sin (rotary_dim wide, the
 // Hugging Face "rotate_half" convention, x1 = x[:r/2], x2 = x[r/2:r]):

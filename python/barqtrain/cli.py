@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    # Results record how they were produced (SPEC 4: "the exact command").
+    # Results record how they were produced, the exact command included.
     args.command_line = shlex.join(["barqtrain", *argv])
     # A failure the user can fix is one line that names the key or file, exit code 2; anything
     # else is a bug, one line too unless --debug (or BARQTRAIN_DEBUG=1) asks for the traceback.

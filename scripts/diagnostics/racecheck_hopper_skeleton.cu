@@ -1,5 +1,5 @@
-// Racecheck on the Hopper attention forward's synchronization skeleton (csrc/kernels/attention/
-// NOTES.md, "Why opt-in"): 3 warpgroups; the producer's threads exit (thread 0 last); the
+// Racecheck on the Hopper attention forward's synchronization skeleton
+// (docs/design/attention.md, "Debugging a Hopper failure"): 3 warpgroups; the producer's threads exit (thread 0 last); the
 // consumers raise their registers with setmaxnreg, take turns through named barriers 2/3
 // (bar.arrive / bar.sync), then exchange a staging tile through shared memory across
 // bar.sync 1, 256, as the kernel's epilogue does. Variants drop one feature each, to find the

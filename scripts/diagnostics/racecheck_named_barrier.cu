@@ -1,5 +1,5 @@
-// Racecheck on a count-limited named barrier alone (csrc/kernels/attention/NOTES.md, "Why
-// opt-in"): two warps exchange through shared memory across bar.sync 1, 64 while a third
+// Racecheck on a count-limited named barrier alone (docs/design/attention.md,
+// "Debugging a Hopper failure"): two warps exchange through shared memory across bar.sync 1, 64 while a third
 // warp has exited ("named"), across __syncthreads ("full"), and without a barrier ("none",
 // the one hazard racecheck must report). On an H100 on 2026-11-22: 0, 0 and 1 hazards.
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a racecheck_named_barrier.cu -o named_barrier

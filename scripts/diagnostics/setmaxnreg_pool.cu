@@ -1,4 +1,4 @@
-// setmaxnreg against the CTA's register pool alone (csrc/kernels/attention/NOTES.md, "Hopper
+// setmaxnreg against the CTA's register pool alone (docs/design/attention.md, "Hopper
 // backward"): a CTA of 3 warpgroups under __launch_bounds__(384, 1) enters at 168 registers
 // per thread (ptxas -v), so its pool is 168 * 384 = 64512. Warpgroup 0 gives registers back
 // (setmaxnreg.dec to the first argument), warpgroups 1 and 2 ask for 240 each: with 24

@@ -8,11 +8,11 @@ steps. The busy fraction is the mean slot time over the makespan.
 
 Two kernel families (--kernels):
   hopper: one CTA per SM (132 slots), 128-row owned blocks: the dK/dV grid, and the persistent
-          forward's and dQ kernel's QueryTiles. NOTES.md (session 13) quotes it: 88% for the
-          dK/dV grid head after head at B4 S4096 H32/8 causal (ncu measured 87%).
+          forward's and dQ kernel's QueryTiles: 88% busy for the dK/dV grid head after head at
+          B4 S4096 H32/8 causal (ncu measured 87%; docs/design/attention.md, "Tile order").
   sm80:   two CTAs per SM (264 slots on an H100): the dK/dV grid (64 keys), the dQ grid (64
           queries) and the forward grid (128 queries), whose "heads inner" order is the grid
-          (q heads, query blocks, batch). NOTES.md (session 14) quotes it.
+          (q heads, query blocks, batch).
 
     python scripts/diagnostics/tile_schedule_sim.py [--kernels hopper|sm80] [--sms 132]
 """

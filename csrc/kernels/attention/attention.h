@@ -1,4 +1,4 @@
-// FlashAttention-style attention (SPEC K4), framework-free launchers. Tiled on the
+// FlashAttention-style attention, framework-free launchers. Tiled on the
 // tensor cores (mma.sync m16n8k16, fp32 accumulation, sm_80 and later); the N x N scores
 // never reach memory. The forward saves only O and the fp32 log-sum-exp; the backward
 // recomputes the scores, a CTA owns each block of dK and dV, and dQ is either summed in fixed

@@ -101,9 +101,10 @@ void launch_fixed_point(const AttentionParams& p, cudaStream_t stream) {
 }
 
 // The fixed-point configurations: 128 keys per CTA, 8 warps (GradientsConfig). 64 queries per
-// step at head_dim 96 and 128 (registers), 128 at 64: H100, session 16, B4 S4096 H32/8, 3.16-3.18
-// ms against 4.08-4.11 with 64-query steps. Split barriers at head_dim 64 only: 3-4% less
-// backward time there, 0.4-0.7% more at 128, none at 96 (NOTES.md).
+// step at head_dim 96 and 128 (registers), 128 at 64: H100, B4 S4096 H32/8, 3.16-3.18 ms
+// against 4.08-4.11 with 64-query steps. Split barriers at head_dim 64 only: 3-4% less
+// backward time there, 0.4-0.7% more at 128, none at 96 (docs/design/attention.md, section on
+// the five-product backward).
 using FixedPoint64 = attention::GradientsConfig<64, 128, 128, 2, 4, 4, true>;
 using FixedPoint96 = attention::GradientsConfig<96, 128, 64, 2, 4, 4, false>;
 using FixedPoint128 = attention::GradientsConfig<128, 128, 64, 2, 4, 2, false>;
@@ -134,7 +135,7 @@ void dispatch_head_dim(const AttentionParams& p, bool fixed_point, cudaStream_t 
   using attention::DkDvConfig;
   using attention::DqConfig;
   // Seven products: dK/dV in 64-query steps, on an H100 faster than 32 by 8% (head_dim 64), 16%
-  // (96) and 11% (128), from fewer barriers per mma (NOTES.md).
+  // (96) and 11% (128), from fewer barriers per mma (docs/design/attention.md).
   switch (attention::backward_head_dim_tile(p.head_dim)) {
     case 64:
       if (fixed_point) return launch_fixed_point<T, FixedPoint64>(p, stream);

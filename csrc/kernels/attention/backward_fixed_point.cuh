@@ -23,7 +23,8 @@
 // 2^-9 of that scale, an estimate) that O's 16-bit storage already puts in D_i; the float64
 // kernel tests are the measurement.
 // The sums leave shared memory through cp.reduce.async.bulk (sm_90), while the warps go on:
-// added with atomics instead, session 15 measured them slower than the seven products (NOTES.md).
+// added with int32 atomics instead, they measured slower than the seven products
+// (docs/design/attention.md, section on the five-product backward).
 // With RoPE, Q and K are rotated as loaded and dQ, dK are rotated back as stored.
 #pragma once
 
@@ -38,8 +39,8 @@ namespace barqtrain::kernels::attention {
 // output tile is split over the warps in near-square warp tiles, as FlashAttention-2 does: a
 // warp's B fragments then serve two row tiles, so a step reads less shared memory than with a
 // 16-key strip per warp (an estimate at head_dim 128: about 610 KB of ldmatrix per 64 x 128
-// step against 750). H100, session 16, B4 S4096 H32/8 D128 causal: backward 5.27-5.30 ms
-// against 6.02-6.04 for the strips (NOTES.md).
+// step against 750). H100, B4 S4096 H32/8 D128 causal: backward 5.27-5.30 ms against
+// 6.02-6.04 for the strips (docs/design/attention.md, section on the five-product backward).
 //   S, dP (kBlockM x kBlockN): kSWarpsM warps down the queries, the rest across the keys
 //   dK, dV (kBlockN x kD):     kKVWarpsN warps down the keys, the rest across head_dim
 //   dQ's share (kBlockM x kD): kDqWarpsM warps down the queries, the rest across head_dim
@@ -233,8 +234,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_gradients_kernel(c
   const int blocks_per_head = queries.x < queries.y ? (queries.y + kBlockM - 1) / kBlockM - first_block : 0;
   const int steps = blocks_per_head * group;
   // A step's q head and first query, stepped forward: divided out of the step index, as they
-  // were for three uses a step, they cost the backward 4-6% at head_dim 64 and 96 (H100,
-  // session 17).
+  // were for three uses a step, they cost the backward 4-6% at head_dim 64 and 96 (H100).
   struct StepRows {
     int head, m0;
   };

@@ -28,7 +28,7 @@ void dispatch_head_dim(const AttentionParams& p, cudaStream_t stream) {
   using attention::ForwardConfig;
   // 4 warps of two 16-row tiles each against 64-key blocks up to head_dim 128 (128-key blocks
   // at 64: half the barriers per key; ptxas spills 72 bytes there, yet 9-11% faster than 64
-  // keys on an H100, benchmarks/results/2026-11-22-h100-s8); one tile per warp and 32-key
+  // keys on an H100); one tile per warp and 32-key
   // blocks at 256 (registers).
   if (p.head_dim <= 64) return launch_forward<T, ForwardConfig<64, 128, 128, 4>>(p, stream);
   if (p.head_dim <= 96) return launch_forward<T, ForwardConfig<96, 128, 64, 4>>(p, stream);

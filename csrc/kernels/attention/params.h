@@ -1,4 +1,4 @@
-// Parameters of the FlashAttention-style kernels (SPEC K4): plain pointers, strides and
+// Parameters of the FlashAttention-style kernels: plain pointers, strides and
 // sizes, no framework types, so the op layer and the C++ tests fill the same struct.
 //
 // Layout: q, k, v, o and their gradients are [batch, seq, heads, head_dim] views with unit

@@ -22,7 +22,7 @@ namespace barqtrain::kernels::attention {
 // so that CTAs running together share the group's K and V in L2 and the last tiles to start
 // are short ones. Taken a head after another, the last head's longest tile started when little
 // else was left: the SMs idled 4% of the Hopper forward's and dQ kernel's cycles, against under
-// 1% now (ncu, B4 S4096 H32/8 D128 causal, session 13). A persistent kernel runs tile i on CTA
+// 1% in this order (ncu, B4 S4096 H32/8 D128 causal). A persistent kernel runs tile i on CTA
 // i first, then takes the next unstarted one from a counter.
 struct QueryTiles {
   int m_blocks = 0;  // query blocks of the longest sequence
@@ -52,9 +52,9 @@ inline QueryTiles query_tiles(const AttentionParams& p, int block_m) {
 // sequence's query blocks from the last (query_block_of_cta), every head's at each: the tiles
 // that start last are short ones, and the CTAs running together read one sequence's K and V, a
 // GQA group's heads adjacent. The mapping is blockIdx itself: QueryTiles' divisions made ptxas
-// spill 84 bytes in the sm_80 forward (5-7% slower on an H100, session 14). H100, session 14:
-// the forward's SMs busy 94% -> 99% (ncu) and +3-7% under a causal mask against a head's blocks
-// together.
+// spill 84 bytes in the sm_80 forward (5-7% slower on an H100). On an H100 this order keeps
+// the forward's SMs busy 99% of its cycles against 94% (ncu) and runs 3-7% faster under a causal
+// mask than a head's blocks together.
 inline dim3 query_block_grid(const AttentionParams& p, int block_m, const char* what) {
   const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
   require(m_blocks <= 65535, std::string(what) + ": a sequence of " + std::to_string(p.seqlen_q) +
@@ -95,9 +95,10 @@ __host__ __device__ inline KeyTile key_tile_of_cta(dim3 cta, dim3 grid, int head
 // longest tiles first. Taken head after head, the last heads' longest tiles start when most
 // CTAs have finished: a long tail where a tile walks several q heads (GQA) and the resident
 // CTAs hold the key blocks of two heads or more. There the longest tiles go first, at the
-// price of the L2 sharing of a head's queries. Hopper, H100, session 13 (NOTES.md): B4 S4096
-// H32/8 causal, SMs busy 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3%;
-// the seven-product sm_80 dK/dV kernel (two CTAs per SM on an H100), session 14: 91% -> 99%,
+// price of the L2 sharing of a head's queries. Hopper, H100, B4 S4096 H32/8 causal: SMs busy
+// 87% -> 98% of the D128 dK/dV kernel's cycles (ncu), backward -3% (docs/design/attention.md,
+// section "Tile order and scheduling"); the seven-product sm_80 dK/dV kernel (two CTAs per SM
+// on an H100): 91% -> 99%,
 // backward 6.67-6.76 -> 6.37-6.40 ms (D64: 3.75-3.79 -> 3.53-3.55). Head after head measured
 // better for H32/32 (tiles a quarter as long: 454 against 431 TFLOP/s forward+backward), B1
 // S16384 (128 key blocks on 132 SMs: one head's fill them; by 0.5-1%) and full masks (tiles
@@ -111,7 +112,7 @@ inline bool key_tiles_longest_first(const AttentionParams& p, int key_blocks, in
 // without a window (tiles of different lengths), where a head's key blocks fill at most half the
 // resident CTAs, as many pairs as the resident CTAs hold whole, so that the CTAs running at once
 // read the queries of a few heads and a run's longest tiles still start first; else 1. Unlike
-// key_tiles_longest_first, without GQA too. H100, session 17, B4 S4096 causal, 4 pairs a run:
+// key_tiles_longest_first, without GQA too. H100, B4 S4096 causal, 4 pairs a run:
 // at H32/8, against every pair together, backward 2.5% faster at head_dim 128, 1-2.5% at 96, 1%
 // at 64, the kernel's DRAM reads 2.3 GB against 3.9 (ncu), where Q, dO and the dQ sums take
 // about 0.54 GB; at H32/32 D128, against head after head, 4.90-4.92 ms against 4.98-5.02.

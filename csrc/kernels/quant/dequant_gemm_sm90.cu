@@ -4,7 +4,7 @@
 // H100 peaks near a third of wgmma's rate; it measured 3.0-3.5x cuBLAS bf16 at the 8B
 // model's LoRA shapes (docs/qlora.md). This kernel computes the same sums over the same
 // dequantized bits (dequant_values.cuh) with wgmma; its forward conversions are the fastest
-// of the forms timed side by side on an H100 (below, and NOTES.md).
+// of the forms timed side by side on an H100 (below, and docs/design/quantized-gemm.md).
 //
 // Transposed, with W from registers. Each CTA computes a tile of Cᵀ: 128 output columns
 // (W rows in the forward, W columns in the backward; 64 per consumer warpgroup) by 256 rows
@@ -45,19 +45,18 @@
 // an SM, against 128 for PRMT and FADD): byte q ^ 0x80 permuted under the exponent of 2^23,
 // minus 2^23 + 128; fp16 pairs as one permute into 0x64xx halves and one HADD2.
 //
-// Measured on an H100 (2026-11-22, the session-5 harness run,
-// benchmarks/results/2026-11-22-h100-s5/qgemm_variants.log; bf16, M = 8192, K -> N of
+// Measured on an H100 (`barqtrain bench qlora` times the kept forms; bf16, M = 8192, K -> N of
 // 4096 -> 14336, 4096 -> 4096, 14336 -> 4096; x cuBLAS bf16 on the dequantized weight, cuBLAS
 // fwd 1.259 / 0.359 / 1.288 ms, bwd 1.353 / 0.359 / 1.349 ms):
-//   NF4 forward 1.36 / 1.18 / 1.25x (the previous byte-by-byte form 1.48 / 1.20 / 1.39x),
+//   NF4 forward 1.36 / 1.18 / 1.25x (a byte-by-byte gather 1.48 / 1.20 / 1.39x),
 //       backward 1.30 / 1.34 / 1.42x; double-quantized forward 1.32 / 1.17 / 1.22x,
 //       backward 1.34 / 1.34 / 1.40x;
 //   int8 forward 1.38 / 1.16 / 1.17x (with I2F 1.73 / 1.34 / 1.64x), backward 1.29 / 1.33 /
 //       1.43x (the backward keeps I2F: without it 1.32 / 1.39 / 1.46x, no faster).
-// Every form timed gave bit-identical C. The previous version of this kernel (the producer
-// warpgroup dequantizing into a shared 16-bit tile for wgmma SS) was 3.7-4x, the general
-// kernel 3-3.6x. Run to run, the same binary varies by up to ~8%. Also measured and dropped:
-// the producer re-laying each stage's NF4 bytes into fragment order (NOTES.md).
+// Every form timed gave bit-identical C. The producer warpgroup dequantizing into a shared
+// 16-bit tile for wgmma SS ran at 3.7-4x, the general kernel 3-3.6x. Run to run, the same
+// binary varies by up to ~8%. Also measured and dropped: the producer re-laying each stage's
+// NF4 bytes into fragment order (docs/design/quantized-gemm.md, "Rejected").
 // With the conversion taken out (fragments = the raw bytes, timing only) the forward ran at
 // 0.94-1.03x cuBLAS and the backward 1.08-1.24x: the dequantization is the remaining gap. A
 // register lookup table (the step's 16 products per row, picked by byte permutes) in place of

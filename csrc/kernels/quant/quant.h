@@ -1,4 +1,4 @@
-// Weight quantization (SPEC K7), framework-free launchers, in the bitsandbytes layout so that
+// Weight quantization, framework-free launchers, in the bitsandbytes layout so that
 // bitsandbytes' Params4bit / QuantState tensors are read as they are.
 //
 // 4-bit (NF4 or FP4): the tensor is flattened and cut into blocks of 64 elements; each block

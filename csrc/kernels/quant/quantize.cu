@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kQuantBlockAbsmax) quantize_absmax_kernel(Quan
 // store in 16 bits), so that both a warp's loads and its stores are contiguous; each thread
 // has kWordsInFlight words' loads (and their absmax lookups) issued before it converts any.
 // H100, 14336 x 4096 bf16 from double-quantized NF4: 87% of the copy bandwidth (bitsandbytes
-// 61%); the previous form, one 16-byte chunk (32 values, four strided 16-byte stores) a thread
-// and no loads in flight, ran at 55%.
+// 61%; `barqtrain bench qlora`); one 16-byte chunk (32 values, four strided 16-byte stores) a
+// thread and no loads in flight ran at 55%.
 constexpr int kWordsInFlight = 4;
 
 template <typename T>

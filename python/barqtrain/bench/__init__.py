@@ -1,4 +1,4 @@
-"""`barqtrain bench`: benchmarks side by side with the baselines, measured in one run (SPEC 4).
+"""`barqtrain bench`: benchmarks side by side with the baselines, measured in one run.
 
 Modules:
 command.py      the CLI command

@@ -1,10 +1,10 @@
 """`barqtrain bench attn`: the attention kernels against PyTorch SDPA's flash (FlashAttention-2)
-and cuDNN backends, in the same run (SPEC 4: causal, B4 H32 S4096 D128; issue 5: causal and
-full, D 64 and 128, sequences 1K-16K, GQA 32/8).
+and cuDNN backends, in the same run (the reference case: causal, B4 H32 S4096 D128; around it:
+causal and full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
 BarqTrain runs three times, its kernels named per call through the op's `forward_kernel`
 argument, which the autograd backward follows: `barqtrain-general` (the mma.sync kernels of sm_80
-and up, forward and backward: issue 5's first milestone), `barqtrain-hopper` (the sm_90a
+and up, forward and backward), `barqtrain-hopper` (the sm_90a
 wgmma/TMA kernels, which `attention` picks on sm_90 for these cases), and `barqtrain-auto+rope`
 (the call the patched models make: the kernels `attention` picks, with RoPE over all of head_dim;
 the general kernels rotate q and k as they load them, the Hopper ones take them rotated ahead by
@@ -62,7 +62,7 @@ class AttentionCase:
 
 
 def _cases() -> list[AttentionCase]:
-    cases = [AttentionCase(4, 4096, 32, 32, 128, causal=True)]  # SPEC 4's target
+    cases = [AttentionCase(4, 4096, 32, 32, 128, causal=True)]  # the reference case
     for causal in (True, False):
         for head_dim in (64, 128):
             for seq in (1024, 2048, 4096, 8192, 16384):

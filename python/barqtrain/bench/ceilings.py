@@ -1,4 +1,4 @@
-"""Hardware ceilings measured in the same run as the ops (SPEC 4): copy bandwidth and matmul rate.
+"""Hardware ceilings measured in the same run as the ops: copy bandwidth and matmul rate.
 
 Both run on random data: tensor cores draw less power on zeros and would report a
 matmul rate that real weights never reach.

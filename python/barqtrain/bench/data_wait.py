@@ -35,7 +35,7 @@ from barqtrain.bench.models import LLAMA_1B, TINY, Workload, build_model
 from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
 from barqtrain.data.pack_bench import lognormal_lengths
 
-TARGET_WAIT_PERCENT = 1.0  # issue 10: the GPU waits for data less than 1% of a step
+TARGET_WAIT_PERCENT = 1.0  # the target: the GPU waits for data less than 1% of a step
 PIPELINES = ("barqtrain", "hf", "hf, 2 workers")
 SEQUENCES = 32768  # the dataset: enough for a shuffle window and an HF Dataset of realistic size
 TINY_SEQUENCES = 2048

@@ -1,4 +1,4 @@
-"""What a benchmark result must carry to be reproducible (SPEC 4): hardware, versions, commit, command."""
+"""What a benchmark result must carry to be reproducible: hardware, versions, commit, command."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`barqtrain bench lora`: the LoRA linear against the frozen-base GEMMs alone and against
-PEFT (SPEC 4: 8192 × 4096 → 14336 and → 4096, r 16, bf16, forward + backward), and one
+PEFT (the targets: 8192 × 4096 → 14336 and → 4096, r 16, bf16, forward + backward), and one
 Llama-3.1-8B-shape decoder layer with LoRA on every linear: time and saved activations.
 
 The linear's bar is the work a frozen base needs anyway: x Wᵀ forward and dy W backward.
@@ -46,7 +46,7 @@ class LinearCase:
         return f"N{self.tokens} {self.in_features}->{self.out_features} r{self.rank}"
 
 
-LINEAR_CASES = (LinearCase(8192, 4096, 14336, 16), LinearCase(8192, 4096, 4096, 16))  # SPEC 4's targets
+LINEAR_CASES = (LinearCase(8192, 4096, 14336, 16), LinearCase(8192, 4096, 4096, 16))  # the target shapes
 
 # The linear's implementations: (name, adapter dtype); "base GEMMs" is the bar.
 LINEAR_VARIANTS = (

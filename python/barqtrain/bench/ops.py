@@ -25,7 +25,7 @@ from barqtrain.bench.timing import input_sets_to_defeat_l2, time_calls
 
 __all__ = ["BASELINES", "run_ops_benchmark"]
 
-SPEC_TARGET_FRACTION_OF_COPY = 0.85  # SPEC 4's target for every fused elementwise op
+SPEC_TARGET_FRACTION_OF_COPY = 0.85  # the target for every fused elementwise op
 
 
 def run_ops_benchmark(op_names: Sequence[str], baselines: Sequence[str], out_dir: Path, command_line: str) -> None:
@@ -153,7 +153,7 @@ def _percent(fraction: float | None) -> float | None:
 
 
 def _save_chart(path: Path, rows: Sequence[dict[str, Any]], ceilings: Ceilings) -> Path | None:
-    """% of the copy ceiling, the unit of SPEC 4's targets: a row of bars per implementation, op and case."""
+    """% of the copy ceiling, the unit of the targets: a row of bars per implementation, op and case."""
     # One series per --compare name, so that the eager baseline keeps its colour where it is torch's own op.
     implementations: dict[str, dict[str, None]] = {}
     for row in rows:
@@ -164,7 +164,7 @@ def _save_chart(path: Path, rows: Sequence[dict[str, Any]], ceilings: Ceilings) 
     ]
     reference_lines = (
         (f"copy ceiling ({ceilings.copy_tbps:.2f} TB/s)", 100.0),
-        (f"SPEC target ({SPEC_TARGET_FRACTION_OF_COPY:.0%})", 100 * SPEC_TARGET_FRACTION_OF_COPY),
+        (f"target ({SPEC_TARGET_FRACTION_OF_COPY:.0%})", 100 * SPEC_TARGET_FRACTION_OF_COPY),
     )
     panels = []
     for title, key in (

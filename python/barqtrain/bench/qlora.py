@@ -1,4 +1,4 @@
-"""`barqtrain bench qlora`: the 4-bit base of QLoRA on the 8B LoRA shapes (SPEC 4, issue 8).
+"""`barqtrain bench qlora`: the 4-bit base of QLoRA on the 8B LoRA shapes.
 
   dequant : NF4 (double-quantized absmax) -> bf16 standalone, as % of the copy ceiling measured
             in the same run (bytes: 0.5 read + 2 written per element, plus the absmax bytes);

@@ -1,4 +1,4 @@
-"""`barqtrain bench xent`: fused linear + cross-entropy, time and memory (SPEC 4: 8192 tokens,
+"""`barqtrain bench xent`: fused linear + cross-entropy, time and memory (the target: 8192 tokens,
 hidden 4096, vocab 128256, forward + backward), against the unfused loss ("hf") and Liger.
 
 The loss is bound by its GEMMs, not by bandwidth: each row reports the time of forward +
@@ -46,7 +46,7 @@ class XentCase:
 
 
 CASES = (
-    XentCase(8192, 4096, 128256, trainable_head=True),  # SPEC 4's target
+    XentCase(8192, 4096, 128256, trainable_head=True),  # the target case
     XentCase(8192, 4096, 128256, trainable_head=False),  # LoRA: the head is frozen
     XentCase(8192, 896, 151936, trainable_head=True),  # Qwen2 0.5B
     XentCase(8192, 3584, 151936, trainable_head=True),  # Qwen2 7B

@@ -1,4 +1,4 @@
-"""LoRA without overhead (SPEC K6): the LoRA linear, the projections of one input and the
+"""LoRA without overhead: the LoRA linear, the projections of one input and the
 gated MLP as autograd functions with hand-written backwards (functions.py), and
 get_peft_model, PEFT's own with BarqTrain's patching applied (peft_model.py).
 

@@ -1,4 +1,4 @@
-"""LoRA linear layers as a few cuBLAS GEMMs with a hand-written backward (SPEC K6).
+"""LoRA linear layers as a few cuBLAS GEMMs with a hand-written backward.
 
     y = x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ      PEFT's layout: W [out, in], A [r, in], B [out, r]
 

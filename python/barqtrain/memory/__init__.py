@@ -1,4 +1,4 @@
-"""Memory savers for training (SPEC T3): gradient checkpointing whose kept layer inputs are
+"""Memory savers for training: gradient checkpointing whose kept layer inputs are
 offloaded to pinned CPU memory, overlapped with compute (checkpoint.py).
 
     barqtrain.memory.enable_gradient_checkpointing(model, offload=True)

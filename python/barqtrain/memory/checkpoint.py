@@ -1,4 +1,4 @@
-"""Gradient checkpointing whose kept layer inputs live in pinned CPU memory (SPEC T3).
+"""Gradient checkpointing whose kept layer inputs live in pinned CPU memory.
 
 Checkpointing keeps one tensor per decoder layer, its input hidden states, and recomputes
 the rest of the layer in the backward pass. At long sequences those inputs add up (a

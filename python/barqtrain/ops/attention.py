@@ -1,4 +1,4 @@
-"""FlashAttention-style attention (SPEC K4): causal or full, GQA/MQA, packed sequences,
+"""FlashAttention-style attention: causal or full, GQA/MQA, packed sequences,
 sliding window, logit softcap and RoPE fused into the q/k loads.
 
 q is [B, S, Hq, D] and k, v [B, S_k, Hkv, D] (the projections viewed per head, before any

@@ -1,4 +1,4 @@
-"""Fused linear + cross-entropy (SPEC K5): CE(h @ weight.T + bias, labels) without the logits.
+"""Fused linear + cross-entropy: CE(h @ weight.T + bias, labels) without the logits.
 
 On CUDA the [tokens x vocab] logits are made a chunk of tokens at a time (fp32, from the
 16-bit GEMM) and the gradients leave in the same pass, so a training step holds one chunk

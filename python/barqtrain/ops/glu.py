@@ -1,4 +1,4 @@
-"""Gated MLP activations (SPEC K2): h = act(gate) * up, act = silu (SwiGLU) or gelu_tanh (GeGLU).
+"""Gated MLP activations: h = act(gate) * up, act = silu (SwiGLU) or gelu_tanh (GeGLU).
 
 Computed in fp32 and rounded once; the backward recomputes act(gate) from the saved gate
 and up rather than storing it.

@@ -1,4 +1,4 @@
-"""Row normalizations (SPEC K1): RMSNorm, residual-add + RMSNorm fused, LayerNorm.
+"""Row normalizations: RMSNorm, residual-add + RMSNorm fused, LayerNorm.
 
 Statistics in fp32 whatever the storage dtype. RMSNorm's casting="llama" rounds norm(x)
 to x's dtype before multiplying by the weight (Llama, Mistral, Qwen2, Qwen3, Phi-3);

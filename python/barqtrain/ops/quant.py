@@ -1,4 +1,4 @@
-"""4-bit (NF4/FP4) and int8 weights in the bitsandbytes layout (SPEC K7), and their GEMMs.
+"""4-bit (NF4/FP4) and int8 weights in the bitsandbytes layout, and their GEMMs.
 
 Layout (csrc/kernels/quant/quant.h): the weight flattened in blocks of 64 with an fp32 absmax
 each, two 4-bit code indices per byte (the even element in the high nibble); optionally the

@@ -1,4 +1,4 @@
-"""Rotary position embedding of q and k (SPEC K3), Hugging Face's rotate_half convention.
+"""Rotary position embedding of q and k, Hugging Face's rotate_half convention.
 
 q, k are [B, H, S, D] (heads_dim=1, what HF attention modules hold) or [B, S, H, D]
 (heads_dim=2); cos, sin are [B or 1, S, rotary_dim] tables, as a rotary-embedding module

@@ -1,4 +1,4 @@
-"""Patching of Hugging Face models (SPEC T1): their modules computed by BarqTrain's ops.
+"""Patching of Hugging Face models: their modules computed by BarqTrain's ops.
 
 Per model (only that model's module instances change):
 

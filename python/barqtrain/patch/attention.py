@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 OP = "rope"
 FUSED_OP = "attention"
 
-# Why FUSED_OP is not a default op, as the patch report says it (csrc/kernels/attention/NOTES.md
-# has the measurements, barqtrain.bench.attention the benchmark).
+# Why FUSED_OP is not a default op, as the patch report says it (docs/design/attention.md has the
+# measurements; `barqtrain bench attn` and `barqtrain bench e2e` measure it again).
 FUSED_OP_OPT_IN = (
     "opt-in (ops=(*barqtrain.patch.OPS, 'attention')): a LoRA step with BarqTrain's attention kernels is "
     "still 2-3% slower than with the default path on an H100 (Llama-3.1-8B shape: 7,336 vs 7,487 tokens/s), "

@@ -1,4 +1,4 @@
-"""QLoRA (SPEC K7): 4-bit base weights in the bitsandbytes layout, or int8 ones with an absmax
+"""QLoRA: 4-bit base weights in the bitsandbytes layout, or int8 ones with an absmax
 per row, computed by the fused dequant-GEMMs, under barqtrain's LoRA functions.
 
     model = barqtrain.quant.load_4bit("path/to/model")      # streamed; or quantize_model(model)

@@ -101,7 +101,8 @@ std::string hopper_backward_unsupported_reason(const AttentionParams& p) {
 }
 
 // No opt-in, unlike the forward: its gradients matched the general backward's bit for bit and
-// racecheck found no hazard in it (H100, 2026-11-22; NOTES.md). Since D is summed in the dQ
+// racecheck found no hazard in it on an H100 (docs/design/attention.md, "Hopper backward";
+// scripts/gpu_check.sh's sanitize phase runs racecheck). Since D is summed in the dQ
 // kernel, in another order than attention_dot_kernel's, they may differ in the last bits.
 bool hopper_backward_selected(const AttentionParams& p) {
   return hopper_backward_unsupported_reason(p).empty() && current_device_is_sm90();

@@ -5,9 +5,9 @@
 // registers and write it to AttentionParams::d_o_dot_o, where the dK/dV kernel (next on the
 // stream) reads it. This replaces the sm_80 path's attention_dot_kernel, a third kernel that
 // read dO and O once more (~0.1 ms, ~2% of forward + backward at B4 S4096 H32/8 D128 causal
-// on an H100; measured without it: NOTES.md, session 11).
+// on an H100).
 //
-// Choice of the dQ scheme, counted at B4 H32 S4096 D128 causal (the SPEC's case), bf16:
+// Choice of the dQ scheme, counted at B4 H32 S4096 D128 causal (the reference case), bf16:
 //   (a) two kernels, 7 GEMMs (the sm_80 path's scheme): a dK/dV kernel (S^T, dP^T, dV, dK)
 //       and a dQ kernel that recomputes S and dP (S, dP, dQ). The two extra GEMMs cost
 //       2 x 2 * S^2 * D / 2 (causal) per head = 2 x 2.1 GFLOP x 128 heads = 550 GFLOP,
@@ -19,9 +19,9 @@
 //       read + written = 8.6 GB, about 2.9 ms of HBM time unless L2 holds the tiles, plus the
 //       waits the fixed order imposes on CTAs that finish early.
 //   (a) moves fewer bytes than (b) saves FLOPs, and is the simpler of the two: it is this
-//   file. (b), measured on an H100 in session 9 (branch perf/hopper-dq-in-key-order): correct
-//   and bit-identical across runs, but 9-24% slower than (a) in the same run, at 55% DRAM
-//   throughput against the dK/dV kernel's 7% (ncu; benchmarks/results/2026-11-22-h100-s9).
+//   file. (b), built and measured on an H100: correct and bit-identical across runs, but
+//   9-24% slower than (a) in the same run, at 55% DRAM throughput against the dK/dV kernel's
+//   7% (ncu; docs/design/attention.md, section "Hopper backward").
 //
 // One kernel template serves both CTA roles (kOwnsKeys): a CTA owns 128 rows of one operand
 // pair, loaded once per tile by TMA, and streams 64-row blocks of the other pair through a
@@ -99,7 +99,7 @@ struct BackwardTraits : WarpSpecializedCta {
   // A step's score GEMMs issued ahead of the previous step's gradient GEMMs. S and dP (fp32)
   // then live beside P and dS (16-bit) and the accumulators: at head_dim 128 in the dK/dV role
   // that is 224 registers of 240 and ptxas spills ~300 bytes, which measured 13-19% slower than
-  // the unpipelined steps there (H100, session 12); everywhere else it fits and gains 1-4%.
+  // the unpipelined steps there (H100); everywhere else it fits and gains 1-4%.
   static constexpr bool kOverlapSteps = !(kOwnsKeys && kD == 128);
 
   using BlockOwned = Int<kBlockOwned>;

@@ -50,10 +50,10 @@
 // tensor work wasted), at 96 1.33x (25% wasted); 32 and 40 on the 64 tile waste 50% and 37.5%,
 // 160 and 192 on the 256 tile 37.5% and 25%.
 //
-// Not here: the epilogue through TMA stores (not tried). Session 7's persistent walk (a static
-// schedule of causal pairs, Q released after the epilogue) gained nothing once the masked blocks
+// Not here: the epilogue through TMA stores (not tried). A persistent walk over a static
+// schedule of causal pairs, Q released after the epilogue, gained nothing once the masked blocks
 // got cheap; this one hands the tiles out dynamically in QueryTiles' order and releases Q
-// after a tile's last S (NOTES.md).
+// after a tile's last S (docs/design/attention.md, section "Hopper forward").
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -145,13 +145,13 @@ struct ForwardTraits : WarpSpecializedCta {
   // a tile of its own, row-major with rows padded by 16 bytes so that the accumulators'
   // column pairs spread over the banks; at head_dim 256, where shared memory has no room for
   // one, the warpgroup's own rows of Q (dead once its last S has completed). Staging in Q at
-  // 64 and 128 too measured 1-2% slower on an H100 (benchmarks/results/2026-11-22-h100-s10).
+  // 64 and 128 too measured 1-2% slower on an H100 (docs/design/attention.md, "Hopper forward").
   static constexpr bool kOutputStagedInQ = kD == 256;
   using OutputStagingLayout = std::conditional_t<kOutputStagedInQ, QLayout,
                                                  Layout<Shape<BlockM, HeadDim>, Stride<Int<kD + 8>, _1>>>;
   // One resident CTA per SM walks the tiles (QueryTiles), except where O is staged in Q: the
   // next tile's Q could load only after the epilogue there, and at head_dim 256 the walk measured
-  // 10-12% slower on an H100 (session 11) than one CTA per tile.
+  // 10-12% slower on an H100 than one CTA per tile.
   static constexpr bool kPersistent = !kOutputStagedInQ;
 
   using TmaQ = TmaLoad<T, QLayout>;
@@ -643,7 +643,7 @@ __device__ __forceinline__ void consume(const AttentionParams& p, SharedStorage<
 // Persistent: the producer hands each tile's index to the consumers through the tile ring
 // (the last one past the end, which stops them) and takes the next from the counter. The walk is
 // written out here and in the backward's dQ role: one shared walk taking a lambda measured 3-4%
-// slower in the forward (NOTES.md, session 11).
+// slower in the forward (docs/design/attention.md, section "Hopper forward").
 template <typename T, typename Traits>
 __device__ __forceinline__ void produce_tiles(const ForwardKernelParams<T, Traits>& params,
                                               SharedStorage<T, Traits>& smem) {

@@ -94,7 +94,7 @@ class OpBenchmark(Generic[Shape]):
     """An op's entry in `bench ops`: the shapes it is measured at and how to build a case for one."""
 
     op: str  # the name --ops selects it by
-    shapes: tuple[Shape, ...]  # the first is the shape SPEC 4 targets
+    shapes: tuple[Shape, ...]  # the first is the target shape
     smoke_shape: Shape  # a few KB: checks the case end to end in moments, on a CPU too
     make_case: Callable[[Shape, torch.device], OpCase]
 

@@ -1,4 +1,4 @@
-"""Gated MLP activations in the per-op benchmark: SwiGLU (SPEC 4) and GeGLU, h = act(gate) * up."""
+"""Gated MLP activations in the per-op benchmark: SwiGLU and GeGLU, h = act(gate) * up."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def _glu_case(activation: str, shape: Rows, device: torch.device) -> OpCase:
         make_inputs=lambda: shape.random_inputs(device, inputs=2, outputs=1),
         forward_bytes=3 * shape.tensor_bytes,  # read gate and up, write h
         # Read dh, gate and up, write dgate and dup. With the forward's 3 that makes 8 tensor
-        # passes, where SPEC 4's baseline figures counted 7: the same time gives 8/7 of their
-        # TB/s here. 8 is the minimum: gate and up cannot stay on chip from forward to backward.
+        # passes; figures that count 7 report 7/8 of this TB/s for the same time. 8 is the
+        # minimum: gate and up cannot stay on chip from forward to backward.
         backward_bytes=5 * shape.tensor_bytes,
         builders={OURS: barqtrain, EAGER: hf, LIGER: liger},
     )

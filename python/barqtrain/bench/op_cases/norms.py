@@ -1,4 +1,4 @@
-"""Row normalizations in the per-op benchmark: RMSNorm (SPEC 4), residual-add + RMSNorm, LayerNorm."""
+"""Row normalizations in the per-op benchmark: RMSNorm, residual-add + RMSNorm, LayerNorm."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rotary position embedding of q and k in the per-op benchmark (SPEC 4: RoPE fwd+bwd)."""
+"""Rotary position embedding of q and k in the per-op benchmark (fwd+bwd)."""
 
 from __future__ import annotations
 
