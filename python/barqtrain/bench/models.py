@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from barqtrain.train import shapes
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -32,26 +34,7 @@ class Workload:
 LLAMA_1B = Workload(
     name="llama-1b",
     description="Llama-3.2-1B shape",
-    config=dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    ),
+    config=dict(shapes.LLAMA_3_2_1B),
     batch_size=4,
     seq_len=2048,
     gradient_checkpointing=False,
@@ -60,26 +43,7 @@ LLAMA_1B = Workload(
 LLAMA_8B = Workload(
     name="llama-8b",
     description="Llama-3.1-8B shape",
-    config=dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    ),
+    config=dict(shapes.LLAMA_3_1_8B),
     batch_size=2,
     seq_len=4096,
     gradient_checkpointing=True,

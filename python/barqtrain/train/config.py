@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from barqtrain.bench.models import LLAMA_1B, LLAMA_8B
+from barqtrain.train.shapes import LLAMA_3_1_8B, LLAMA_3_2_1B
 from barqtrain.train.task import SEQUENCE_LENGTH, TINY_LLAMA
 
 
@@ -41,8 +41,8 @@ def _doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclass
 # task's tiny Llama, and the benchmark's real shapes (for throughput and memory runs).
 NAMED_MODELS: dict[str, dict[str, Any]] = {
     "tiny-llama": TINY_LLAMA,
-    "llama-1b-shape": LLAMA_1B.config,
-    "llama-8b-shape": LLAMA_8B.config,
+    "llama-1b-shape": LLAMA_3_2_1B,
+    "llama-8b-shape": LLAMA_3_1_8B,
 }
 
 

@@ -32,7 +32,7 @@ def parameters_on_meta(config: dict) -> int:
 
 
 def test_named_shapes_are_the_benchmark_workloads():
-    assert NAMED_MODELS["llama-1b-shape"] is LLAMA_1B.config and NAMED_MODELS["llama-8b-shape"] is LLAMA_8B.config
+    assert NAMED_MODELS["llama-1b-shape"] == LLAMA_1B.config and NAMED_MODELS["llama-8b-shape"] == LLAMA_8B.config
     # Llama-3.2-1B (tied embeddings) and Llama-3.1-8B as published.
     assert parameters_on_meta(NAMED_MODELS["llama-1b-shape"]) == 1_235_814_400
     assert parameters_on_meta(NAMED_MODELS["llama-8b-shape"]) == 8_030_261_248
