@@ -1,7 +1,6 @@
 """BarqTrain: fused CUDA C++ kernels and a lean trainer for fine-tuning Hugging Face models."""
 
 from barqtrain import lora, memory, ops
-from barqtrain.lora import get_peft_model
 from barqtrain.memory import enable_gradient_checkpointing
 from barqtrain.patch import (
     PatchReport,
@@ -17,6 +16,7 @@ from barqtrain.patch import (
     revert_class_patches,
     unpatch_model,
 )
+from barqtrain.patch.peft_model import get_peft_model
 
 __version__ = "0.1.0"
 

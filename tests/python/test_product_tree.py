@@ -30,3 +30,26 @@ def test_the_product_tree_names_no_sessions_calls_or_result_logs():
     ]
     assert product_files(), "no product files found: the test looks in the wrong place"
     assert not found, "history in the product tree (say what and why, not when):\n" + "\n".join(found)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_lora_functions_do_not_import_the_patching_above_them():
+    # Layers, lowest first: lora's autograd functions, then patch (which routes PEFT's layers
+    # through them, and holds get_peft_model). An import the other way makes a cycle.
+    sources = sorted((REPO / "python" / "barqtrain" / "lora").glob("*.py"))
+    assert sources
+    upward = {str(path.relative_to(REPO)): sorted(m for m in _imported_modules(path) if m.startswith("barqtrain.patch"))
+              for path in sources}  # fmt: skip
+    assert not any(upward.values()), upward

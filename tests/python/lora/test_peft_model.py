@@ -11,7 +11,7 @@ from pathlib import Path
 import barqtrain
 import pytest
 import torch
-from barqtrain.lora.peft_model import REPORT_ATTRIBUTE
+from barqtrain.patch.peft_model import REPORT_ATTRIBUTE
 from barqtrain.patch import attention, fallback, mlp, patch_model, unpatch_model
 from peft import LoraConfig, PeftModel
 from torch import nn

@@ -7,6 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from barqtrain.patch.families import OPS
+from barqtrain.patch.instance import patch_model
+from barqtrain.patch.lora import DEFAULT_LORA_PRECISION, checked_precision
+
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
 
@@ -20,7 +24,7 @@ def get_peft_model(
     *,
     adapter_name: str = "default",
     autocast_adapter_dtype: bool = True,
-    lora_precision: str = "mixed",
+    lora_precision: str = DEFAULT_LORA_PRECISION,
     ops: Collection[str] | None = None,
     **lora_options: Any,
 ) -> PeftModel:
@@ -39,13 +43,7 @@ def get_peft_model(
     """
     import peft
 
-    # Imported here: barqtrain.patch imports barqtrain.lora's functions, so barqtrain.lora
-    # cannot import barqtrain.patch while it loads.
-    from barqtrain.patch import OPS, patch_model
-    from barqtrain.patch.lora import checked_precision
-
     checked_precision(lora_precision)  # before PEFT changes the model
-
     if peft_config is None:
         peft_config = peft.LoraConfig(**{"task_type": "CAUSAL_LM", **lora_options})
     elif lora_options:
