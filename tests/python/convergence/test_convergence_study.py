@@ -7,11 +7,13 @@ docs/convergence.md."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+from shared_data import require  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "benchmarks" / "convergence.py"
@@ -27,11 +29,7 @@ def load_study():
 
 study = load_study()
 
-_missing = [str(p) for p in (study.MODEL_DIR / "model.safetensors", study.DATA_FILE) if not p.exists()]
-if _missing:
-    if os.environ.get("CI"):
-        raise RuntimeError(f"the shared data is missing: {', '.join(_missing)} (CI runs with shared/ beside the clone)")
-    pytest.skip(f"the shared data is missing: {', '.join(_missing)}", allow_module_level=True)
+require(study.MODEL_DIR / "model.safetensors", study.DATA_FILE)
 
 
 @pytest.fixture(scope="module")
