@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from barqtrain.train.config import ConfigError, UsageError, load_config
+from barqtrain.train.config import ConfigError, load_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from barqtrain.cli import debugging
-    from barqtrain.data import ReaderError, TokenizerError
     from barqtrain.train.distributed import ranks_from_env
     from barqtrain.train.trainer import latest_checkpoint, resume_run, train
 
@@ -50,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.config:
         print("barqtrain train: --resume uses the config saved in RUN_DIR; leave CONFIG out", file=sys.stderr)
         return 2
-    # A config or dataset problem found while starting (a missing file, a malformed line,
-    # an optimizer that cannot run here) is the user's to fix: one line, not a traceback.
+    # A config or dataset problem is the user's to fix: barqtrain.cli prints it as one line.
+    # Here only Ctrl-C, which gets the checkpoint to resume from.
     run_dir = args.output_dir or args.resume
     try:
         if args.steps is not None and args.steps < 1:
@@ -68,11 +67,6 @@ def run(args: argparse.Namespace) -> int:
         if args.config is None and ranks_from_env().is_main:
             print("No config given: the embedded default (`barqtrain config --template default` writes it as YAML).")
         train(config, overwrite=args.overwrite)
-    except (UsageError, ReaderError, TokenizerError) as error:
-        if debugging(args):
-            raise
-        print(f"barqtrain train: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         if debugging(args):
             raise
