@@ -6,9 +6,7 @@ Forward: the small x Aᵀ first, then one addmm adds s · (x Aᵀ) Bᵀ into the
 in place, so the LoRA term has no [tokens × out] tensor of its own. Backward: dx = dy W +
 (s · dy B) A (again one addmm, into dx), dA = (s · dy B)ᵀ x, dB = s · dyᵀ (x Aᵀ); the base
 weight's gradient only when it requires one (never in LoRA). Saved: x and x Aᵀ; with dropout,
-its mask too (one byte an element), from which the dropped x is recomputed; with adapters cast
-for their products, the cast A and B (r · (in + out) elements), so that the backward casts
-nothing again.
+its mask too (one byte an element), from which the dropped x is recomputed.
 
 Projections of one input (q, k and v; gate and up) are one autograd function: x is saved
 once, and the A matrices of the LoRA projections are stacked, so that x is read once for
@@ -122,23 +120,19 @@ class _Group:
     adapter_dtype: torch.dtype  # the adapters' (and their gradients') dtype
     dropout: float
 
-    @property
-    def casts(self) -> bool:
-        """Whether the adapters are cast for their products (fp32 master adapters, mixed precision)."""
-        return self.dtype != self.adapter_dtype
-
-    def operands(self, projections: Sequence[Projection]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The A matrices one above the other, and each B, in the products' dtype."""
+    def stacked_A(self, projections: Sequence[Projection]) -> torch.Tensor:
+        """The A matrices one above the other, in the products' dtype."""
         matrices = [projections[i].lora.lora_A for i in self.indices]
-        stacked_A = (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
-        return stacked_A, [projections[i].lora.lora_B.to(self.dtype) for i in self.indices]
+        return (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
+
+    def lora_B(self, projections: Sequence[Projection], index: int) -> torch.Tensor:
+        return projections[index].lora.lora_B.to(self.dtype)
 
     def ranks(self, projections: Sequence[Projection]) -> list[int]:
         return [projections[i].lora.lora_A.shape[0] for i in self.indices]
 
     def saved_count(self) -> int:
-        """The dropout mask, x Aᵀ, and the cast operands (the backward does not cast again)."""
-        return bool(self.dropout) + 1 + (1 + len(self.indices) if self.casts else 0)
+        return 2 if self.dropout else 1  # x Aᵀ, and the dropout mask
 
 
 def _groups(projections: Sequence[Projection]) -> list[_Group]:
@@ -156,9 +150,8 @@ def _groups(projections: Sequence[Projection]) -> list[_Group]:
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale · (a @ b), rounded once. With beta=0 addmm ignores its input: an empty one costs
-    no kernel."""
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+    """scale · (a @ b), rounded once."""
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
 
 
 def _gradient_mm(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -178,9 +171,8 @@ def _dropped(x: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tenso
 
 
 def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The projections of x [tokens, in]; and, per _Group, what the backward needs
-    (_Group.saved_count): with dropout, the mask; x Aᵀ (the group's ranks side by side); and
-    the operands cast to the products' dtype where the adapters are cast."""
+    """The projections of x [tokens, in]; and, per _Group, what the backward needs: x Aᵀ
+    (the group's ranks side by side) and, with dropout, the mask."""
     outputs = [F.linear(x, p.weight, p.bias) for p in projections]
     saved = []
     for group in _groups(projections):
@@ -189,14 +181,10 @@ def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[t
             # Draws what PEFT's nn.Dropout draws from the same RNG state: masks match.
             lora_input, mask = torch.native_dropout(lora_input, group.dropout, True)
             saved.append(mask)
-        stacked_A, lora_Bs = group.operands(projections)
-        xa = lora_input @ stacked_A.T
+        xa = lora_input @ group.stacked_A(projections).T
         saved.append(xa)
-        if group.casts:
-            saved += [stacked_A, *lora_Bs]
-        parts = xa.split(group.ranks(projections), dim=1)
-        for index, xa_part, lora_B in zip(group.indices, parts, lora_Bs, strict=True):
-            scaling = projections[index].lora.scaling
+        for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
+            lora_B, scaling = group.lora_B(projections, index), projections[index].lora.scaling
             if group.dtype == x.dtype:
                 outputs[index].addmm_(xa_part, lora_B.T, alpha=scaling)
             else:
@@ -229,20 +217,18 @@ def _project_backward(
 
     position = 0
     for group in _groups(projections):
-        group_saved = list(saved[position : position + group.saved_count()])
+        mask = saved[position] if group.dropout else None
+        xa = saved[position + group.saved_count() - 1]
         position += group.saved_count()
-        mask = group_saved.pop(0) if group.dropout else None
-        xa = group_saved.pop(0)
-        stacked_A, lora_Bs = (group_saved[0], group_saved[1:]) if group.casts else group.operands(projections)
         ranks = group.ranks(projections)
         dxa_parts = []
-        for index, xa_part, lora_B in zip(group.indices, xa.split(ranks, dim=1), lora_Bs, strict=True):
+        for index, xa_part in zip(group.indices, xa.split(ranks, dim=1), strict=True):
             scaling = projections[index].lora.scaling
             dy = dys[index].to(group.dtype)
             if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
                 dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
                 grads[index * _TENSORS_PER_PROJECTION + 3] = dB
-            dxa_parts.append(_scaled_mm(dy, lora_B, scaling))
+            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
         dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
 
         if any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
@@ -254,6 +240,7 @@ def _project_backward(
                 if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
                     grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
         if needs_dx:
+            stacked_A = group.stacked_A(projections)
             if group.dtype == dx.dtype and mask is None:
                 dx.addmm_(dxa, stacked_A)
             else:
