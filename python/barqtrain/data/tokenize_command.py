@@ -25,6 +25,7 @@ from pathlib import Path
 
 from barqtrain.data import _native
 from barqtrain.data.shards import MANIFEST
+from barqtrain.files import write_text_atomically
 
 
 class TokenizeError(Exception):
@@ -99,15 +100,6 @@ _OUTPUT_NAME = re.compile(rf"(shard-\d+\.bqt|{re.escape(MANIFEST)}|{re.escape(PR
 def _is_output(name: str) -> bool:
     """A file `barqtrain tokenize` writes: shards, shards.json, the progress file, temporaries."""
     return _OUTPUT_NAME.fullmatch(name) is not None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
 
 
 def _resume_point(out: Path, fingerprint: dict, overwrite: bool, log) -> dict | None:
@@ -195,7 +187,7 @@ def tokenize(args: argparse.Namespace, log=print) -> dict:
                 progress = {"fingerprint": fingerprint, "shards": writer.shards,
                             "sequences_in_shards": writer.sequences_in_shards, "file": index,
                             "position": list(position), "sequences": sequences, "skipped_in_earlier_files": skipped}
-                _write_atomically(out / PROGRESS, json.dumps(progress) + "\n")
+                write_text_atomically(out / PROGRESS, json.dumps(progress) + "\n")
             if added == 0:
                 break
         report = stream.report

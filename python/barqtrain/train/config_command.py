@@ -7,10 +7,10 @@ The templates: default (the embedded default), lora, qlora, full, long-context, 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from barqtrain.files import write_text_atomically
 from barqtrain.train.config import TEMPLATES, ConfigError, template_yaml
 
 
@@ -41,12 +41,9 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         try:
-            temporary.write_text(text)
-            os.replace(temporary, out)
+            write_text_atomically(out, text)
         except OSError as error:
-            temporary.unlink(missing_ok=True)
             print(f"barqtrain config: cannot write {out} ({error.strerror or error}); choose another --out", file=sys.stderr)
             return 2
         print(f"Wrote {out}")

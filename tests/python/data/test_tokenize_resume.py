@@ -59,7 +59,7 @@ def test_a_rerun_resumes_and_writes_what_an_uninterrupted_run_writes(inputs, tmp
 
     # Killed as it was about to record its progress after shard stop_at: that shard is on
     # disk, but the progress file still says the shards before it.
-    real_write = tokenize_command._write_atomically
+    real_write = tokenize_command.write_text_atomically
     saves = []
 
     def write_then_stop(path, text):
@@ -68,11 +68,11 @@ def test_a_rerun_resumes_and_writes_what_an_uninterrupted_run_writes(inputs, tmp
             raise Interrupted
         real_write(path, text)
 
-    monkeypatch.setattr(tokenize_command, "_write_atomically", write_then_stop)
+    monkeypatch.setattr(tokenize_command, "write_text_atomically", write_then_stop)
     with monkeypatch.context() as debug, pytest.raises(Interrupted):
         debug.setenv("BARQTRAIN_DEBUG", "1")
         main(command(inputs, tmp_path / "cut"))
-    monkeypatch.setattr(tokenize_command, "_write_atomically", real_write)
+    monkeypatch.setattr(tokenize_command, "write_text_atomically", real_write)
     assert not (tmp_path / "cut" / "shards.json").exists()
     saved = json.loads((tmp_path / "cut" / tokenize_command.PROGRESS).read_text())
     capsys.readouterr()
@@ -95,7 +95,7 @@ def test_directories_that_cannot_be_resumed_say_what_to_do(inputs, tmp_path, mon
 
     with monkeypatch.context() as patch:
         patch.setattr(tokenize_command, "CHUNK_RECORDS", 9)
-        patch.setattr(tokenize_command, "_write_atomically", stop)
+        patch.setattr(tokenize_command, "write_text_atomically", stop)
         patch.setenv("BARQTRAIN_DEBUG", "1")
         with pytest.raises(Interrupted):
             main(command(inputs, out))
@@ -113,7 +113,7 @@ def test_directories_that_cannot_be_resumed_say_what_to_do(inputs, tmp_path, mon
     # An interrupted run of other options is not resumed with these.
     other = tmp_path / "other"
     with monkeypatch.context() as patch:
-        real_write = tokenize_command._write_atomically
+        real_write = tokenize_command.write_text_atomically
         calls = []
 
         def second_stops(path, text):
@@ -122,7 +122,7 @@ def test_directories_that_cannot_be_resumed_say_what_to_do(inputs, tmp_path, mon
                 raise Interrupted
             real_write(path, text)
 
-        patch.setattr(tokenize_command, "_write_atomically", second_stops)
+        patch.setattr(tokenize_command, "write_text_atomically", second_stops)
         patch.setenv("BARQTRAIN_DEBUG", "1")
         with pytest.raises(Interrupted):
             main(command(inputs, other))
