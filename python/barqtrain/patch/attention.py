@@ -19,7 +19,7 @@ computes them all.
 
 from __future__ import annotations
 
-import importlib
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -85,21 +85,13 @@ class AttentionVariant:
     softcap: bool = False
 
 
-# modeling module -> the ALL_ATTENTION_FUNCTIONS and eager_attention_forward its forwards
-# dispatch with (Gemma 2's and Gemma 3's eager function takes a softcap, Llama's does not);
-# looked up on first use, so that importing barqtrain does not import transformers' models.
-_attention_dispatch: dict[str, tuple[AttentionInterface, AttentionFunction]] = {}
-
-
 def _hf_attention_dispatch(modeling_module: str) -> tuple[AttentionInterface, AttentionFunction]:
-    dispatch = _attention_dispatch.get(modeling_module)
-    if dispatch is None:
-        module = importlib.import_module(modeling_module)
-        dispatch = _attention_dispatch[modeling_module] = (
-            module.ALL_ATTENTION_FUNCTIONS,
-            module.eager_attention_forward,
-        )
-    return dispatch
+    """The ALL_ATTENTION_FUNCTIONS and eager_attention_forward that `modeling_module`'s forwards
+    dispatch with (Gemma 2's and Gemma 3's eager function takes a softcap, Llama's does not).
+    The module is imported: a patched instance of its attention class exists. sys.modules,
+    unlike importlib, is read by torch.compile without a graph break."""
+    module = sys.modules[modeling_module]
+    return module.ALL_ATTENTION_FUNCTIONS, module.eager_attention_forward
 
 
 def _project_qkv(
