@@ -16,6 +16,7 @@ from barqtrain.patch import (
     revert_class_patches,
     unpatch_model,
 )
+from barqtrain.patch.compile import compile_decoder_layers
 from barqtrain.patch.peft_model import get_peft_model
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "apply_to_phi3",
     "apply_to_qwen2",
     "apply_to_qwen3",
+    "compile_decoder_layers",
     "enable_gradient_checkpointing",
     "get_peft_model",
     "lora",

@@ -37,12 +37,15 @@ from barqtrain.patch.families import OPS as DEFAULT_OPS
 # BarqTrain's variants and what each passes to barqtrain.get_peft_model: "barqtrain" is its
 # defaults (every default op; the LoRA products in the base dtype on tensor cores, over fp32
 # adapters); "-peft-precision" computes the LoRA products with PEFT's exact fp32 arithmetic;
-# "+attention" adds the opt-in attention kernel.
+# "+attention" adds the opt-in attention kernel; "+compile" compiles each decoder layer
+# (barqtrain.compile_decoder_layers), in the warm-up steps.
 BARQTRAIN_VARIANTS: dict[str, dict[str, Any]] = {
     "barqtrain": {},
+    "barqtrain+compile": {},
     "barqtrain-peft-precision": {"lora_precision": "peft"},
     "barqtrain+attention": {"ops": (*DEFAULT_OPS, "attention")},
 }
+COMPILED_VARIANTS = frozenset({"barqtrain+compile"})
 BASELINE_VARIANTS = ("hf", "liger", "unsloth")
 VARIANTS = ("hf", *BARQTRAIN_VARIANTS, "liger", "unsloth")
 LORA_SETTINGS = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
@@ -163,7 +166,10 @@ def _with_lora(model: torch.nn.Module, variant: str, workload: Workload) -> tupl
         import barqtrain
 
         peft_model = barqtrain.get_peft_model(model, lora_config, **BARQTRAIN_VARIANTS[variant])
-        return peft_model, str(peft_model.barqtrain_patch_report)
+        report = str(peft_model.barqtrain_patch_report)
+        if variant in COMPILED_VARIANTS:
+            report += f"\ncompiled: {barqtrain.compile_decoder_layers(peft_model)} decoder layers"
+        return peft_model, report
     if variant == "liger":
         if workload.model_type not in LIGER_APPLY:
             raise ValueError(f"the liger variant has no patch function for model type {workload.model_type!r}")
