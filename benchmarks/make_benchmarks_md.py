@@ -34,7 +34,13 @@ SUITES = {
     "qlora": "QLoRA: dequantization, fused dequant-GEMM, QLoRA linear (`barqtrain bench qlora`)",
     "data": "Data wait (`barqtrain bench data`)",
 }
-E2E_COLUMNS = (("hf", "HF + PEFT"), ("barqtrain", "BarqTrain"), ("unsloth", "Unsloth"), ("liger", "Liger Kernel"))
+E2E_COLUMNS = (
+    ("hf", "HF + PEFT"),
+    ("barqtrain", "BarqTrain"),
+    ("barqtrain+compile", "BarqTrain, compiled layers"),
+    ("unsloth", "Unsloth"),
+    ("liger", "Liger Kernel"),
+)
 
 
 def load_runs() -> list[dict]:
@@ -264,7 +270,7 @@ def headline(runs) -> str:
             date = run["env"].get("date", "?")[:10]
             rel = f"benchmarks/results/{run['rel']}"
             rows.append([e2e_shape(run["data"], model), *cells, f"[{Path(rel).name}]({rel}), {date}"])
-    return md_table(["shape, batch", *(name for _, name in E2E_COLUMNS), "result"], rows, "lrrrrl")
+    return md_table(["shape, batch", *(name for _, name in E2E_COLUMNS), "result"], rows, "lrrrrrl")
 
 
 def readme_with_headline(text: str, table: str) -> str:
