@@ -55,6 +55,11 @@ class ModelConfig:
     )
     path: str | None = _doc("a local Hugging Face model directory (config.json + weights)", None)
     patch: bool = _doc("swap in BarqTrain's fused ops with barqtrain.patch_model", True)
+    compile: Literal["none", "regional"] = _doc(
+        "regional: torch.compile each decoder layer, one compiled graph shared by all layers (the first steps "
+        "include its compilation; the same shapes each step, or it compiles again); none: run eagerly",
+        "none",
+    )
 
 
 @dataclass

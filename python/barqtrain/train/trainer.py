@@ -155,6 +155,9 @@ def build_model(
     elif config.model.patch:
         with _model_errors(config, model):
             log(barqtrain.patch_model(model))
+    if config.model.compile == "regional":
+        layers = barqtrain.compile_decoder_layers(model)
+        log(f"Compiled: {layers} decoder layers with torch.compile, one graph for all (built in the first step).")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model

@@ -90,3 +90,22 @@ def test_embedded_default_learns_on_a_gpu(tmp_path):
     assert len(steps) == 40 and all(r["gpu_mem_gib"] > 0 for r in steps)
     assert steps[-1]["loss"] < 0.6 * steps[0]["loss"]
     assert result.accuracy_after > 0.6 > result.accuracy_before
+
+
+def test_regional_compilation_trains_as_the_eager_run(tmp_path):
+    def run(name: str, compile: str, log) -> dict[int, float]:
+        config = small_config(tmp_path / name, steps=4)
+        config.lora.dropout = 0.0  # compiled code draws dropout masks from its own RNG
+        config.model.compile = compile
+        return train(config, log=log, device="cpu").losses
+
+    eager = run("eager", "none", lambda *_: None)
+    logged = []
+    torch._dynamo.reset()
+    try:
+        compiled = run("compiled", "regional", logged.append)
+    finally:
+        torch._dynamo.reset()
+    assert any(str(line).startswith("Compiled: 2 decoder layers") for line in logged)
+    assert sorted(compiled) == [1, 2, 3, 4]
+    torch.testing.assert_close([compiled[s] for s in range(1, 5)], [eager[s] for s in range(1, 5)], rtol=1e-4, atol=0)

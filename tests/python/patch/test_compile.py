@@ -1,0 +1,90 @@
+"""compile_decoder_layers: a BarqTrain LoRA model's decoder layers compile without a graph
+break, share one graph, and train as the eager model does (CPU: the ops' reference
+implementations, Inductor's C++ code)."""
+
+import pytest
+import torch
+import torch._dynamo
+import transformers
+from peft import LoraConfig
+
+import barqtrain
+from barqtrain.patch.compile import decoder_layers
+
+LAYERS = 3
+STEPS = 3
+
+
+def _lora_model(checkpointing: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    if checkpointing:
+        barqtrain.enable_gradient_checkpointing(model, offload=True)
+    # init_lora_weights=False: B is not zero, so the LoRA path changes the losses from the first step.
+    lora = LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return barqtrain.get_peft_model(model, lora)
+
+
+def _train(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[float], list[int]]:
+    """The losses, and after each step how many graphs Dynamo has compiled."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses, graphs = [], []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return losses, graphs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_patched_lora_layer_traces_as_one_graph():
+    model = _lora_model(checkpointing=False)
+    inner = model.get_base_model().model
+    ids = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(1))
+    hidden = inner.embed_tokens(ids).detach().requires_grad_()
+    positions = torch.arange(16).expand(2, -1)
+    rotary = inner.rotary_emb(hidden, positions)
+    explanation = torch._dynamo.explain(lambda h: inner.layers[0](h, position_ids=positions, position_embeddings=rotary))(
+        hidden
+    )
+    assert explanation.graph_break_count == 0, [reason.reason for reason in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "offloaded-checkpointing"])
+def test_compiled_layers_train_as_the_eager_model(checkpointing):
+    ids = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, _ = _train(_lora_model(checkpointing), ids)
+
+    model = _lora_model(checkpointing)
+    assert barqtrain.compile_decoder_layers(model) == LAYERS
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+    torch._dynamo.utils.counters.clear()
+    compiled, graphs = _train(model, ids)
+
+    # bf16: the compiled graph fuses and orders some sums differently.
+    torch.testing.assert_close(compiled, eager, rtol=2e-3, atol=0)
+    assert eager[-1] < eager[0]
+    # The layers' parameters are graph inputs, so the layers share graphs: at most one for the
+    # first layer (its input needs no gradient) and one for the others; none compiled again
+    # after the first step.
+    assert graphs[0] <= 2 and graphs == [graphs[0]] * STEPS
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_model_without_decoder_layers_is_named():
+    with pytest.raises(ValueError, match="Linear has no decoder layers"):
+        barqtrain.compile_decoder_layers(torch.nn.Linear(2, 2))
