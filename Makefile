@@ -10,7 +10,7 @@ NO_CUDA_BUILD := build/no-cuda
 
 .PHONY: run test test-cpp test-python test-no-cuda test-fuzz fuzz install venv gpu-check clean
 
-# --overwrite: a second `make run` starts the demo run again (it replaces only what BarqTrain
+# --overwrite: a second `make run` starts the default run again (it replaces only what BarqTrain
 # wrote in runs/default/) instead of refusing the directory the first one left.
 run: install
 	$(VENV)/bin/barqtrain train --overwrite

@@ -14,13 +14,12 @@ import sys
 from collections.abc import Sequence
 
 import barqtrain
-from barqtrain import demo
 from barqtrain.bench import command as bench_command
 from barqtrain.data import tokenize_command
 from barqtrain.train import command as train_command
 from barqtrain.train import config_command, export_command
 
-COMMANDS = (train_command, config_command, export_command, tokenize_command, bench_command, demo)
+COMMANDS = (train_command, config_command, export_command, tokenize_command, bench_command)
 
 
 DEBUG_HELP = "show the traceback of an error (also: environment variable BARQTRAIN_DEBUG=1)"
