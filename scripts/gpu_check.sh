@@ -83,7 +83,7 @@ HOPPER_IN_PACKAGE
 build_package() {
   $PYTHON -m pip install -v --no-build-isolation --no-deps --no-index \
     -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_PIP_ARGS[@]}" . &&
-    (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._native as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'") &&
+    (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._op_library as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'") &&
     check_package_hopper_kernel
 }
 

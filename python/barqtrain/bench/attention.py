@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from barqtrain import _native
+from barqtrain import _op_library
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name
 from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
 from barqtrain.bench.timing import time_calls
@@ -74,7 +74,7 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Ten
 
 
 def _barqtrain(kernel: str, rope: bool = False) -> Attention | Unavailable:
-    if not _native.has_cuda_kernels("attention_forward"):
+    if not _op_library.has_cuda_kernels("attention_forward"):
         return Unavailable("barqtrain's op library was built without CUDA kernels")
     if kernel == "hopper" and torch.cuda.get_device_capability() != (9, 0):
         return Unavailable("the Hopper kernel runs on compute capability 9.0 only")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from barqtrain import _native
+from barqtrain import _op_library
 from barqtrain.bench.ceilings import measure_ceilings
 from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
 from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
@@ -57,7 +57,7 @@ Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _barqtrain() -> Loss | Unavailable:
-    if not _native.has_cuda_kernels("fused_linear_cross_entropy"):
+    if not _op_library.has_cuda_kernels("fused_linear_cross_entropy"):
         return Unavailable("barqtrain's op library was built without CUDA kernels")
     from barqtrain.ops import linear_cross_entropy
 

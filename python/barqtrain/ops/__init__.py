@@ -6,9 +6,9 @@ autograd formula, and exposes differentiable Python functions; fake.py holds the
 kernels for torch.compile.
 """
 
-from barqtrain import _native
+from barqtrain import _op_library
 
-_native.load()
+_op_library.load()
 
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
 from barqtrain.ops.attention import (  # noqa: E402

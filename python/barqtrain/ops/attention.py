@@ -28,13 +28,13 @@ import warnings
 
 import torch
 
-from barqtrain import _native
+from barqtrain import _op_library
 
 # Kernel limits (csrc/kernels/attention/attention.h).
 _MAX_HEAD_DIM_FORWARD = 256
 MAX_HEAD_DIM_BACKWARD = 128
 # Looked up once: torch.compile traces `attention` and must not see the dispatcher query.
-_HAS_CUDA_KERNELS = _native.has_cuda_kernels("attention_forward")
+_HAS_CUDA_KERNELS = _op_library.has_cuda_kernels("attention_forward")
 _warned_reasons: set[str] = set()  # warning messages already given
 
 

@@ -171,7 +171,7 @@ def test_cuda_backward_is_deterministic():
 
 @pytest.mark.gpu
 def test_cuda_opcheck_and_compile():
-    assert barqtrain._native.has_cuda_kernels("rms_norm_forward")
+    assert barqtrain._op_library.has_cuda_kernels("rms_norm_forward")
     x, weight = random_inputs((3, 37, 1024), torch.bfloat16, "cuda", 1.0)
     torch.library.opcheck(torch.ops.barqtrain.rms_norm_forward.default, (x, weight, 1e-6, 1.0, "gemma"))
     compiled = torch.compile(lambda a, b: rms_norm(a, b, 1e-6, 1.0, "gemma"), fullgraph=True)

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from barqtrain import _native
+from barqtrain import _op_library
 from barqtrain.bench.environment import Unavailable
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
@@ -66,7 +66,7 @@ class OpCase:
         if implementation == COMPILED:
             eager = self.build(EAGER)
             return eager if isinstance(eager, Unavailable) else torch.compile(eager, dynamic=False)
-        if implementation == OURS and self.device.type == "cuda" and not _native.has_cuda_kernels(self.native_op):
+        if implementation == OURS and self.device.type == "cuda" and not _op_library.has_cuda_kernels(self.native_op):
             return Unavailable("barqtrain's op library was built without CUDA kernels (no nvcc at build time)")
         if implementation == LIGER and self.device.type != "cuda":
             return Unavailable("Liger's kernels are Triton kernels, for GPUs only")
