@@ -38,14 +38,17 @@ from barqtrain.patch.families import OPS as DEFAULT_OPS
 # defaults (every default op; the LoRA products in the base dtype on tensor cores, over fp32
 # adapters); "-peft-precision" computes the LoRA products with PEFT's exact fp32 arithmetic;
 # "+attention" adds the opt-in attention kernel; "+compile" compiles each decoder layer
-# (barqtrain.compile_decoder_layers), in the warm-up steps.
+# (barqtrain.compile_decoder_layers), in the warm-up steps; "-qlora" is QLoRA: the base's
+# linear layers in NF4 (barqtrain.quant.quantize_model, the output head kept), the rest as "barqtrain".
 BARQTRAIN_VARIANTS: dict[str, dict[str, Any]] = {
     "barqtrain": {},
     "barqtrain+compile": {},
+    "barqtrain-qlora": {},
     "barqtrain-peft-precision": {"lora_precision": "peft"},
     "barqtrain+attention": {"ops": (*DEFAULT_OPS, "attention")},
 }
 COMPILED_VARIANTS = frozenset({"barqtrain+compile"})
+QUANTIZED_VARIANTS = {"barqtrain-qlora": "nf4"}
 BASELINE_VARIANTS = ("hf", "liger", "unsloth")
 VARIANTS = ("hf", *BARQTRAIN_VARIANTS, "liger", "unsloth")
 LORA_SETTINGS = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
@@ -165,6 +168,11 @@ def _with_lora(model: torch.nn.Module, variant: str, workload: Workload) -> tupl
     if variant in BARQTRAIN_VARIANTS:
         import barqtrain
 
+        if variant in QUANTIZED_VARIANTS:
+            from barqtrain.quant import quantize_model
+
+            quantize_model(model, QUANTIZED_VARIANTS[variant])
+            _release_cached_memory(model)
         peft_model = barqtrain.get_peft_model(model, lora_config, **BARQTRAIN_VARIANTS[variant])
         report = str(peft_model.barqtrain_patch_report)
         if variant in COMPILED_VARIANTS:
@@ -226,6 +234,15 @@ def _unsloth_model(workload: Workload, spec: VariantSpec, device: torch.device) 
         random_state=spec.seed,
         max_seq_length=workload.seq_len,
     )
+
+
+def _release_cached_memory(model: torch.nn.Module) -> None:
+    """After quantizing: give the freed 16-bit weights back and restart the peak, so that the peak
+    reported is the quantized model's (a QLoRA user loads the 4-bit weights directly)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _token_batches(workload: Workload, count: int, seed: int, device: torch.device) -> list[torch.Tensor]:

@@ -30,7 +30,9 @@ def test_bench_defaults_run_every_suite_against_hf_liger_and_unsloth():
     assert args.suite == "all"
     assert args.compare == ("hf", "liger", "unsloth")
     assert args.models == ("llama-1b", "llama-8b")
-    assert args.variants == ("barqtrain", "barqtrain+compile", "barqtrain-peft-precision", "barqtrain+attention")
+    assert args.variants == (
+        "barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"
+    )
     assert not args.profile and args.tokenizer is None
     assert (args.steps, args.warmup) == (e2e.DEFAULT_STEPS, e2e.DEFAULT_WARMUP)
     assert str(args.out) == "bench_out"
