@@ -110,7 +110,7 @@ def section_e2e(runs) -> str:
     for run in runs:
         for r in ok(run["data"]["results"]):
             rows.append([gpu(run), f"[{Path(run['rel']).name}]({run['rel']})", e2e_shape(run["data"], r["model"]), r["variant"],
-                         tokens(r.get("tokens_per_s")), f"{r.get('speedup_vs_hf', 0):.2f}×", f"{num(r.get('peak_memory_gib'))} GiB"])
+                         tokens(r.get("tokens_per_s")), f"{r['speedup_vs_hf']:.2f}×" if "speedup_vs_hf" in r else "no HF run", f"{num(r.get('peak_memory_gib'))} GiB"])
     text = md_table(["GPU", "result", "shape, batch", "variant", "tokens/s", "× HF + PEFT", "peak memory"], rows, "llllrrr")
     pngs = sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.glob("*/e2e-*-profile.png"))
     if pngs:
@@ -258,6 +258,8 @@ def headline(runs) -> str:
         results = ok(run["data"]["results"])
         for model in dict.fromkeys(r["model"] for r in results):
             by = {r["variant"]: r for r in results if r["model"] == model}
+            if "hf" not in by:  # the headline compares with HF + PEFT; such runs are in BENCHMARKS.md
+                continue
             cells = []
             for key, _ in E2E_COLUMNS:
                 r = by.get(key)
