@@ -14,7 +14,7 @@ from barqtrain.bench.e2e_worker import TOKENIZER_MISSING, VariantSpec
 from barqtrain.bench.models import TINY, WORKLOADS
 from barqtrain.bench.profile import CATEGORIES
 
-BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain-peft-precision", "barqtrain+attention"]
+BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"]
 
 
 def run_tiny(tmp_path, *extra):
@@ -51,6 +51,8 @@ def test_tiny_run_on_cpu_writes_rows_and_profiles_for_every_variant(tmp_path, ca
     assert result_of("barqtrain+attention", "attention") == "patched"
     assert "LoRA precision: peft" in rows["barqtrain-peft-precision"]["patch_report"]
     assert "LoRA precision: mixed" in rows["barqtrain"]["patch_report"]
+    assert rows["barqtrain+compile"]["patch_report"].endswith("compiled: 2 decoder layers")
+    assert result_of("barqtrain-qlora", "lora") == "patched"
     assert result["environment"]["command"].startswith("barqtrain bench e2e --tiny")
     assert result["settings"]["lora"]["r"] == 16 and result["settings"]["profile"]["steps"] == 3
     assert (tmp_path / "e2e_profile.png").stat().st_size > 0
