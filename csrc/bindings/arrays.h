@@ -26,12 +26,12 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(std::vector<T>&& values) {
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(owned->data(), {owned->size()}, owner);
 }
 
-// Checks that a [rows, row_length] buffer has that shape; the error names the argument.
+// Checks that a [rows, seq_length] buffer has that shape; the error names the argument.
 template <typename Error>
-void check_rows(const Rows& a, size_t rows, int64_t row_length, const char* name) {
-  if (a.shape(0) != rows || a.shape(1) != static_cast<size_t>(row_length)) {
+void check_rows(const Rows& a, size_t rows, int64_t seq_length, const char* name) {
+  if (a.shape(0) != rows || a.shape(1) != static_cast<size_t>(seq_length)) {
     throw Error(std::string(name) + " has shape [" + std::to_string(a.shape(0)) + ", " + std::to_string(a.shape(1)) +
-                "], expected [" + std::to_string(rows) + ", " + std::to_string(row_length) + "]");
+                "], expected [" + std::to_string(rows) + ", " + std::to_string(seq_length) + "]");
   }
 }
 

@@ -46,7 +46,7 @@ nb::dict stats_dict(const PackStats& s) {
   d["tokens"] = s.tokens;
   d["repeated_rows"] = s.repeated_rows;
   d["dropped_rows"] = s.dropped_rows;
-  d["row_length"] = s.row_length;
+  d["seq_length"] = s.seq_length;
   d["fill"] = s.fill();
   return d;
 }
@@ -210,11 +210,11 @@ void register_pipeline(nb::module_& m) {
   nb::class_<Packer>(m, "Packer")
       .def(
           "__init__",
-          [](Packer* self, std::shared_ptr<const SequenceSource> source, int64_t row_length, const std::string& overflow,
+          [](Packer* self, std::shared_ptr<const SequenceSource> source, int64_t seq_length, const std::string& overflow,
              size_t shuffle_window, bool shuffle, uint64_t seed, uint64_t epoch, int64_t rank, int64_t world_size,
              int64_t pad_id, int64_t separator_id, int64_t ignore_index, const std::string& balance) {
             PackOptions options;
-            options.row_length = row_length;
+            options.seq_length = seq_length;
             options.overflow = parse_overflow(overflow);
             options.shuffle_window = shuffle_window;
             options.shuffle = shuffle;
@@ -229,12 +229,12 @@ void register_pipeline(nb::module_& m) {
             nb::gil_scoped_release release;
             new (self) Packer(std::move(source), options);
           },
-          nb::arg("source"), nb::arg("row_length"), nb::arg("overflow") = "split", nb::arg("shuffle_window") = 16384,
+          nb::arg("source"), nb::arg("seq_length"), nb::arg("overflow") = "split", nb::arg("shuffle_window") = 16384,
           nb::arg("shuffle") = true, nb::arg("seed") = 0, nb::arg("epoch") = 0, nb::arg("rank") = 0,
           nb::arg("world_size") = 1, nb::arg("pad_id") = 0, nb::arg("separator_id") = -100,
           nb::arg("ignore_index") = -100, nb::arg("balance") = "repeat")
       .def_prop_ro("num_rows", &Packer::num_rows)
-      .def_prop_ro("row_length", [](const Packer& p) { return p.options().row_length; })
+      .def_prop_ro("seq_length", [](const Packer& p) { return p.options().seq_length; })
       .def_prop_ro("stats", [](const Packer& p) { return stats_dict(p.stats()); })
       .def(
           "row_pieces",
@@ -249,9 +249,9 @@ void register_pipeline(nb::module_& m) {
           "collate",
           [](const Packer& p, size_t first_row, size_t last_row, Rows input_ids, Rows labels, Rows position_ids) {
             const size_t rows = last_row >= first_row ? last_row - first_row : 0;
-            check_rows<PackingError>(input_ids, rows, p.options().row_length, "input_ids");
-            check_rows<PackingError>(labels, rows, p.options().row_length, "labels");
-            check_rows<PackingError>(position_ids, rows, p.options().row_length, "position_ids");
+            check_rows<PackingError>(input_ids, rows, p.options().seq_length, "input_ids");
+            check_rows<PackingError>(labels, rows, p.options().seq_length, "labels");
+            check_rows<PackingError>(position_ids, rows, p.options().seq_length, "position_ids");
             CollateInfo info;
             {
               nb::gil_scoped_release release;
@@ -261,7 +261,7 @@ void register_pipeline(nb::module_& m) {
           },
           nb::arg("first_row"), nb::arg("last_row"), nb::arg("input_ids"), nb::arg("labels"),
           nb::arg("position_ids"),
-          "Writes rows [first_row, last_row) into the int64 [rows, row_length] arrays; returns "
+          "Writes rows [first_row, last_row) into the int64 [rows, seq_length] arrays; returns "
           "(cu_seqlens int32, max_seqlen, sequences).");
 
   m.def(

@@ -37,7 +37,7 @@ nb::object view(const void* data, size_t count, nb::handle owner) {
 struct PyPrefetcher {
   std::unique_ptr<Prefetcher> prefetcher;
   std::map<size_t, std::array<nb::object, 3>> held;
-  int64_t row_length;
+  int64_t seq_length;
 };
 
 }  // namespace
@@ -107,9 +107,9 @@ void register_shards_and_prefetch(nb::module_& m) {
           "__init__",
           [](PyPrefetcher* self, std::shared_ptr<const Packer> packer, size_t batch_size, size_t num_workers,
              size_t depth) {
-            const int64_t row_length = packer ? packer->options().row_length : 0;
+            const int64_t seq_length = packer ? packer->options().seq_length : 0;
             new (self) PyPrefetcher{std::make_unique<Prefetcher>(std::move(packer), batch_size, num_workers, depth), {},
-                                    row_length};
+                                    seq_length};
           },
           nb::arg("packer"), nb::arg("batch_size"), nb::arg("num_workers"), nb::arg("depth"))
       .def(
@@ -122,14 +122,14 @@ void register_shards_and_prefetch(nb::module_& m) {
           [](PyPrefetcher& p, size_t batch, nb::object input_ids, nb::object labels, nb::object position_ids) {
             const size_t rows = p.prefetcher->rows_in(batch);
             Rows ids = nb::cast<Rows>(input_ids), lab = nb::cast<Rows>(labels), pos = nb::cast<Rows>(position_ids);
-            check_rows<PrefetchError>(ids, rows, p.row_length, "input_ids");
-            check_rows<PrefetchError>(lab, rows, p.row_length, "labels");
-            check_rows<PrefetchError>(pos, rows, p.row_length, "position_ids");
+            check_rows<PrefetchError>(ids, rows, p.seq_length, "input_ids");
+            check_rows<PrefetchError>(lab, rows, p.seq_length, "labels");
+            check_rows<PrefetchError>(pos, rows, p.seq_length, "position_ids");
             p.prefetcher->submit(batch, {ids.data(), lab.data(), pos.data()});
             p.held[batch] = {input_ids, labels, position_ids};
           },
           nb::arg("batch"), nb::arg("input_ids"), nb::arg("labels"), nb::arg("position_ids"),
-          "Queues batch to be collated into the int64 [rows_in(batch), row_length] arrays (kept alive until taken).")
+          "Queues batch to be collated into the int64 [rows_in(batch), seq_length] arrays (kept alive until taken).")
       .def(
           "take",
           [](PyPrefetcher& p, size_t batch) {

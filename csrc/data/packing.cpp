@@ -91,7 +91,7 @@ Overflow parse_overflow(const std::string& name) {
 }
 
 double PackStats::fill() const {
-  return rows == 0 ? 0.0 : static_cast<double>(tokens) / (static_cast<double>(rows) * static_cast<double>(row_length));
+  return rows == 0 ? 0.0 : static_cast<double>(tokens) / (static_cast<double>(rows) * static_cast<double>(seq_length));
 }
 
 std::vector<uint64_t> shard_indices(size_t count, const PackOptions& options) {
@@ -172,8 +172,8 @@ Packer::Packer(const int32_t* tokens, const int32_t* labels, const int64_t* offs
 Packer::Packer(std::shared_ptr<const SequenceSource> source, const PackOptions& options)
     : source_(std::move(source)), options_(options) {
   if (!source_) throw PackingError("the sequence source is null");
-  if (options.row_length < 1 || options.row_length > std::numeric_limits<int32_t>::max()) {
-    throw PackingError("row_length must be in [1, 2^31), got " + std::to_string(options.row_length));
+  if (options.seq_length < 1 || options.seq_length > std::numeric_limits<int32_t>::max()) {
+    throw PackingError("seq_length must be in [1, 2^31), got " + std::to_string(options.seq_length));
   }
   Plan own = plan(*source_, options_);
   pieces_ = std::move(own.pieces);
@@ -221,13 +221,13 @@ void Packer::balance_ranks() {
 }
 
 Packer::Plan Packer::plan(const SequenceSource& source, const PackOptions& options) {
-  const size_t L = static_cast<size_t>(options.row_length);
+  const size_t L = static_cast<size_t>(options.seq_length);
   const std::vector<uint64_t> shard = shard_indices(source.size(), options);
   Plan out;
   PackStats& stats = out.stats;
   std::vector<Piece>& pieces = out.pieces;
   std::vector<size_t>& row_offsets = out.row_offsets;
-  stats.row_length = options.row_length;
+  stats.seq_length = options.seq_length;
   stats.sequences = shard.size();
   row_offsets.assign(1, 0);
 
@@ -273,7 +273,7 @@ Packer::Plan Packer::plan(const SequenceSource& source, const PackOptions& optio
           break;
         case Overflow::kError:
           throw PackingError("sequence " + std::to_string(s) + " has " + std::to_string(len) +
-                             " tokens, more than row_length " + std::to_string(L) +
+                             " tokens, more than seq_length " + std::to_string(L) +
                              " (overflow='error'; use 'truncate', 'split' or 'drop')");
       }
     }
@@ -355,7 +355,7 @@ CollateInfo Packer::collate(size_t first_row, size_t last_row, const RowBuffers&
     throw PackingError("rows [" + std::to_string(first_row) + ", " + std::to_string(last_row) +
                        ") are outside [0, " + std::to_string(num_rows()) + ")");
   }
-  const int64_t L = options_.row_length;
+  const int64_t L = options_.seq_length;
   if (static_cast<uint64_t>(last_row - first_row) * static_cast<uint64_t>(L) >
       static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     throw PackingError("a batch of more than 2^31 tokens does not fit int32 cu_seqlens");

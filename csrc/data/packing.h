@@ -1,7 +1,7 @@
 // Packing: tokenized sequences into rows of a fixed length, with no token able to see
 // another sequence.
 //
-//   PackOptions options;  options.row_length = 4096;  options.seed = 1;  options.epoch = e;
+//   PackOptions options;  options.seq_length = 4096;  options.seed = 1;  options.epoch = e;
 //   auto source = std::make_shared<InMemorySequences>(tokens, labels, offsets, count);
 //   Packer packer(source, options);                     // or a ShardSet (data/shards.h)
 //   packer.collate(first_row, last_row, out);           // rows [first_row, last_row) into out
@@ -23,7 +23,7 @@
 // are counted in PackStats. Either way each rank plans every rank's shard to learn the counts.
 //
 // A collated row has the format of Transformers' DataCollatorWithFlattening:
-//   input_ids     the sequences one after another, then pad_id up to row_length
+//   input_ids     the sequences one after another, then pad_id up to seq_length
 //   labels        the sequence's labels (its tokens when none are given), except the first
 //                 token of every sequence, which is separator_id (-100): the model's shifted
 //                 loss never asks the previous sequence's last token to predict it
@@ -48,8 +48,8 @@ class PackingError : public std::runtime_error {
 
 // What happens to a sequence longer than a row.
 enum class Overflow {
-  kTruncate,  // keep its first row_length tokens
-  kSplit,     // cut it into row_length pieces, each packed as a sequence of its own
+  kTruncate,  // keep its first seq_length tokens
+  kSplit,     // cut it into seq_length pieces, each packed as a sequence of its own
   kDrop,      // leave it out (counted in PackStats::dropped_sequences)
   kError,     // a PackingError naming the sequence
 };
@@ -66,7 +66,7 @@ enum class Balance {
 Balance parse_balance(const std::string& name);  // "repeat", "drop", "none"
 
 struct PackOptions {
-  int64_t row_length = 2048;
+  int64_t seq_length = 2048;
   Overflow overflow = Overflow::kSplit;
   size_t shuffle_window = 16384;  // sequences packed together; 0: the whole shard
   bool shuffle = true;            // false: shard and window in input order, rows in packing order
@@ -83,7 +83,7 @@ struct PackOptions {
 struct PackStats {
   size_t sequences = 0;            // sequences in this rank's shard
   size_t empty_sequences = 0;      // of those, empty ones (left out)
-  size_t truncated_sequences = 0;  // cut to row_length (Overflow::kTruncate)
+  size_t truncated_sequences = 0;  // cut to seq_length (Overflow::kTruncate)
   size_t truncated_tokens = 0;
   size_t split_sequences = 0;  // cut into pieces (Overflow::kSplit)
   size_t dropped_sequences = 0;  // left out (Overflow::kDrop)
@@ -92,8 +92,8 @@ struct PackStats {
   size_t tokens = 0;  // real (non-padding) tokens in the rows
   size_t repeated_rows = 0;  // appended to match the longest rank (Balance::kRepeat)
   size_t dropped_rows = 0;   // left out to match the shortest rank (Balance::kDrop)
-  int64_t row_length = 0;
-  double fill() const;  // tokens / (rows * row_length)
+  int64_t seq_length = 0;
+  double fill() const;  // tokens / (rows * seq_length)
 };
 
 // One segment of a row: tokens [start, start + length) of sequence `sequence`.
@@ -103,7 +103,7 @@ struct Piece {
   uint32_t length;
 };
 
-// Where collate() writes; each buffer holds (last_row - first_row) * row_length values.
+// Where collate() writes; each buffer holds (last_row - first_row) * seq_length values.
 struct RowBuffers {
   int64_t* input_ids;
   int64_t* labels;
@@ -111,7 +111,7 @@ struct RowBuffers {
 };
 
 struct CollateInfo {
-  std::vector<int32_t> cu_seqlens;  // over the flattened rows, from 0 to rows * row_length
+  std::vector<int32_t> cu_seqlens;  // over the flattened rows, from 0 to rows * seq_length
   int64_t max_seqlen = 0;
   size_t sequences = 0;  // real (non-padding) segments
 };

@@ -1,6 +1,6 @@
 """PackedLoader: packed batches of a dataset, as a DataLoader would yield them.
 
-    loader = PackedLoader(dataset, row_length=2048, batch_size=8, seed=0, rank=r, world_size=w)
+    loader = PackedLoader(dataset, seq_length=2048, batch_size=8, seed=0, rank=r, world_size=w)
     for epoch in range(n):
         loader.set_epoch(epoch)
         for batch in loader: ...                 # PackedBatch of torch tensors
@@ -28,7 +28,9 @@ from barqtrain.data.packing import PackedBatch, Packing, as_source
 from barqtrain.data.prefetch import Prefetch
 
 # The state's keys besides the position; each must match the loader it is restored into.
-_SETTINGS = ("seed", "rank", "world_size", "row_length", "overflow", "batch_size", "drop_last", "sequences", "tokens")
+_SETTINGS = ("seed", "rank", "world_size", "seq_length", "overflow", "batch_size", "drop_last", "sequences", "tokens")
+# Keys that states saved by earlier versions use for a setting, and the setting's key.
+_EARLIER_KEYS = {"row_length": "seq_length"}
 
 
 class PackedLoader:
@@ -40,7 +42,7 @@ class PackedLoader:
     def __init__(
         self,
         sequences: Any,
-        row_length: int,
+        seq_length: int,
         batch_size: int,
         *,
         labels: Any = None,
@@ -51,7 +53,7 @@ class PackedLoader:
         **options: Any,
     ) -> None:
         self.source: _native.SequenceSource = as_source(sequences, labels)
-        self.row_length = int(row_length)
+        self.seq_length = int(seq_length)
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -76,7 +78,7 @@ class PackedLoader:
     @property
     def packing(self) -> Packing:
         if self._packing is None:
-            self._packing = Packing(self.source, self.row_length, epoch=self.epoch, **self._options)
+            self._packing = Packing(self.source, self.seq_length, epoch=self.epoch, **self._options)
         return self._packing
 
     def __len__(self) -> int:
@@ -108,7 +110,7 @@ class PackedLoader:
             "seed": int(self._options.get("seed", 0)),
             "rank": int(self._options.get("rank", 0)),
             "world_size": int(self._options.get("world_size", 1)),
-            "row_length": self.row_length,
+            "seq_length": self.seq_length,
             "overflow": str(self._options.get("overflow", "split")),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
@@ -119,7 +121,9 @@ class PackedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues at state's position from the next iter(). A state saved with other
         settings is a ValueError naming them (a state with only epoch and next_batch, from
-        before the settings were saved, is taken as it is)."""
+        before the settings were saved, is taken as it is; one that names seq_length
+        row_length is read as naming it seq_length)."""
+        state = {_EARLIER_KEYS.get(key, key): value for key, value in state.items()}
         mine = self.state_dict()
         wrong = [f"{key}={state[key]!r} (this loader: {mine[key]!r})" for key in _SETTINGS if key in state and state[key] != mine[key]]
         if wrong:
@@ -150,11 +154,11 @@ class SequenceDataset:
     def num_tokens(self) -> int:
         return self.source.num_tokens
 
-    def pack(self, row_length: int, **options: Any) -> Packing:
-        return Packing(self.source, row_length, **options)
+    def pack(self, seq_length: int, **options: Any) -> Packing:
+        return Packing(self.source, seq_length, **options)
 
-    def loader(self, row_length: int, batch_size: int, **options: Any) -> PackedLoader:
-        return PackedLoader(self.source, row_length, batch_size, **options)
+    def loader(self, seq_length: int, batch_size: int, **options: Any) -> PackedLoader:
+        return PackedLoader(self.source, seq_length, batch_size, **options)
 
     def subset(self, indices: Any) -> SubsetDataset:
         """The sequences at indices, in that order, reading this dataset's tokens where they

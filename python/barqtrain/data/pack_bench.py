@@ -34,7 +34,7 @@ def alpaca_lengths(tokenizer_dir: str, path: str, n: int) -> np.ndarray:
     return np.random.default_rng(0).choice(lengths, n)
 
 
-def run(name: str, lengths: np.ndarray, row_length: int, window: int, repeats: int = 3) -> dict:
+def run(name: str, lengths: np.ndarray, seq_length: int, window: int, repeats: int = 3) -> dict:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     tokens = (np.arange(offsets[-1], dtype=np.int64) % 50000).astype(np.int32)
@@ -43,9 +43,9 @@ def run(name: str, lengths: np.ndarray, row_length: int, window: int, repeats: i
     for _ in range(repeats):
         t0 = time.perf_counter()
         source = _native.InMemorySequences(tokens, offsets, None)
-        packer = _native.Packer(source, row_length, shuffle_window=window, seed=1)
+        packer = _native.Packer(source, seq_length, shuffle_window=window, seed=1)
         t1 = time.perf_counter()
-        shape = (packer.num_rows, row_length)
+        shape = (packer.num_rows, seq_length)
         if buffers is None or buffers[0].shape != shape:
             # Reused like a loader's (pinned) buffers; the first, page-faulting pass is not the best.
             buffers = tuple(torch.zeros(shape, dtype=torch.int64) for _ in range(3))
@@ -58,7 +58,7 @@ def run(name: str, lengths: np.ndarray, row_length: int, window: int, repeats: i
     n = len(lengths)
     return {
         "dist": name,
-        "row_length": row_length,
+        "seq_length": seq_length,
         "window": window,
         "sequences": n,
         "mean_len": float(lengths.mean()),
@@ -73,7 +73,7 @@ def run(name: str, lengths: np.ndarray, row_length: int, window: int, repeats: i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sequences", type=int, default=1_000_000)
-    ap.add_argument("--row-lengths", default="2048,4096,8192")
+    ap.add_argument("--seq-lengths", default="2048,4096,8192")
     ap.add_argument("--windows", default="16384")
     ap.add_argument("--tokenizer")
     ap.add_argument("--alpaca")
@@ -84,11 +84,11 @@ def main() -> None:
     print("| lengths | mean | row | window | fill | plan seq/s | collate seq/s | collate tok/s | plan+collate seq/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, lengths in dists.items():
-        for row_length in map(int, args.row_lengths.split(",")):
+        for seq_length in map(int, args.seq_lengths.split(",")):
             for window in map(int, args.windows.split(",")):
-                r = run(name, lengths, row_length, window)
+                r = run(name, lengths, seq_length, window)
                 print(
-                    f"| {r['dist']} | {r['mean_len']:.0f} | {row_length} | {window} | {r['fill'] * 100:.2f}% | "
+                    f"| {r['dist']} | {r['mean_len']:.0f} | {seq_length} | {window} | {r['fill'] * 100:.2f}% | "
                     f"{r['plan_seq_per_s'] / 1e6:.2f}M | {r['collate_seq_per_s'] / 1e6:.2f}M | "
                     f"{r['collate_tokens_per_s'] / 1e6:.0f}M | {r['total_seq_per_s'] / 1e6:.2f}M |",
                     flush=True,

@@ -1,7 +1,7 @@
 """Packing tokenized sequences into fixed-length rows, in C++.
 
-    packed = pack(sequences, row_length=2048, seed=0)       # every row at once
-    packed.stats["fill"]                                     # real tokens / (rows * row_length)
+    packed = pack(sequences, seq_length=2048, seed=0)       # every row at once
+    packed.stats["fill"]                                     # real tokens / (rows * seq_length)
     model(**packed.batch(0, 8).model_inputs())               # HF: position_ids, no mask, no cache
 
 PackedLoader (barqtrain.data.loader) yields the rows a batch at a time, collated ahead by
@@ -38,7 +38,7 @@ PackingError = _native.PackingError
 
 @dataclass
 class PackedBatch:
-    """Rows [first_row, last_row) of a packing: int64 [rows, row_length] tensors."""
+    """Rows [first_row, last_row) of a packing: int64 [rows, seq_length] tensors."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -61,7 +61,7 @@ class PackedBatch:
 
     def flash_attn_kwargs(self) -> dict[str, Any]:
         """DataCollatorWithFlattening(return_flash_attn_kwargs=True)'s extra keys; they
-        describe the rows flattened to [1, rows * row_length]."""
+        describe the rows flattened to [1, rows * seq_length]."""
         return {
             "cu_seq_lens_q": self.cu_seq_lens,
             "cu_seq_lens_k": self.cu_seq_lens,
@@ -127,7 +127,7 @@ class Packing:
     def __init__(
         self,
         sequences: Any,
-        row_length: int,
+        seq_length: int,
         *,
         labels: Any = None,
         overflow: str = "split",
@@ -141,9 +141,9 @@ class Packing:
         balance: str = "repeat",
     ) -> None:
         self.source = as_source(sequences, labels)
-        self.row_length = int(row_length)
+        self.seq_length = int(seq_length)
         self._native = _native.Packer(
-            self.source, self.row_length, overflow=overflow, shuffle_window=shuffle_window, shuffle=shuffle,
+            self.source, self.seq_length, overflow=overflow, shuffle_window=shuffle_window, shuffle=shuffle,
             seed=seed, epoch=epoch, rank=rank, world_size=world_size, pad_id=pad_id, balance=balance,
         )
 
@@ -167,7 +167,7 @@ class Packing:
     def batch(self, first_row: int = 0, last_row: int | None = None, pin_memory: bool = False) -> PackedBatch:
         last_row = self.num_rows if last_row is None else min(last_row, self.num_rows)
         rows = max(last_row - first_row, 0)
-        shape = (rows, self.row_length)
+        shape = (rows, self.seq_length)
         input_ids = torch.empty(shape, dtype=torch.int64, pin_memory=pin_memory)
         labels = torch.empty(shape, dtype=torch.int64, pin_memory=pin_memory)
         position_ids = torch.empty(shape, dtype=torch.int64, pin_memory=pin_memory)
@@ -175,9 +175,9 @@ class Packing:
         return PackedBatch(input_ids, labels, position_ids, torch.from_numpy(cu), max_length, count)
 
 
-def pack(sequences: Any, row_length: int, **options: Any) -> Packing:
+def pack(sequences: Any, seq_length: int, **options: Any) -> Packing:
     """Packs sequences (token lists, arrays, tensors, or HF features with input_ids and
-    labels) into rows of row_length tokens. Options: labels, overflow ("split", "truncate",
+    labels) into rows of seq_length tokens. Options: labels, overflow ("split", "truncate",
     "drop", "error"), shuffle_window, shuffle, seed, epoch, rank, world_size, pad_id,
     balance ("repeat", "drop", "none")."""
-    return Packing(sequences, row_length, **options)
+    return Packing(sequences, seq_length, **options)

@@ -63,7 +63,7 @@ class Prefetch:
 
     def _fill(self) -> None:
         while self._submitted < self.end and self._submitted - self._next < self.depth:
-            shape = (self._native.rows_in(self._submitted), self.packing.row_length)
+            shape = (self._native.rows_in(self._submitted), self.packing.seq_length)
             buffers = tuple(torch.empty(shape, dtype=torch.int64, pin_memory=self.pin_memory) for _ in range(3))
             self._native.submit(self._submitted, *buffers)
             self._buffers[self._submitted] = buffers

@@ -2,7 +2,7 @@
 
     data = read_dataset("train.jsonl", "alpaca", tokenizer)      # or "text", "messages"
     packed = data.pack(4096, seed=0)
-    loader = data.loader(row_length=4096, batch_size=8, seed=0)
+    loader = data.loader(seq_length=4096, batch_size=8, seed=0)
     shards = read_dataset("shards/", "pretokenized")             # `barqtrain tokenize` output, mmapped
 
     stream = DatasetStream("big.jsonl", "text", tokenizer)       # a chunk of records at a time

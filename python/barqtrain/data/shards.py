@@ -4,7 +4,7 @@
     len(data), data.num_tokens, data.metadata     # metadata: tokenizer, format, sources, stats
     data[0]                                       # {"input_ids": [...], "labels": [...]}
     data.shard_arrays(0)                          # zero-copy NumPy views of shard 0's file
-    loader = data.loader(row_length=4096, batch_size=8, seed=0)
+    loader = data.loader(seq_length=4096, batch_size=8, seed=0)
 
 The format (csrc/data/shards.h): per shard file a 64-byte header (magic BQTSHARD, version,
 token width, mask flag, counts), int64 offsets, uint16 or uint32 tokens, and a uint8

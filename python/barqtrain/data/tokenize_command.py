@@ -59,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eos.add_argument("--eos-token", help="appended to every record (default: tokenizer_config.json's eos_token, if any)")
     eos.add_argument("--no-eos", action="store_true", help="append no EOS")
     parser.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file at most (default 2^27)")
-    parser.add_argument("--pack", type=int, metavar="ROW_LENGTH",
-                        help="also report how the shards pack into rows of ROW_LENGTH (rows, fill); packing itself happens "
+    parser.add_argument("--pack", type=int, metavar="SEQ_LENGTH",
+                        help="also report how the shards pack into rows of SEQ_LENGTH (rows, fill); packing itself happens "
                              "when training, reshuffled every epoch")
     parser.set_defaults(run=run)
 

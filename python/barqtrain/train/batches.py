@@ -28,7 +28,7 @@ class TaskData:
         self.batch_size = config.batch_size
         self.rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
         self.world_size = world_size
-        self.row_length = config.data.seq_length
+        self.seq_length = config.data.seq_length
         self.eval_batch_count = config.data.eval_batches
         self.position = 0
 
@@ -36,8 +36,8 @@ class TaskData:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
         self.position += 1
         global_rows = self.batch_size * self.world_size
-        if self.row_length > task.SEQUENCE_LENGTH:
-            batch = task.make_packed_rows(global_rows, self.row_length, generator)
+        if self.seq_length > task.SEQUENCE_LENGTH:
+            batch = task.make_packed_rows(global_rows, self.seq_length, generator)
         else:
             input_ids, labels = task.make_batch(global_rows, generator)
             batch = {"input_ids": input_ids, "labels": labels}
@@ -60,9 +60,9 @@ class TaskData:
 
     def describe(self) -> str:
         rows = f"batches of {self.batch_size} sequences"
-        if self.row_length > task.SEQUENCE_LENGTH:
-            per_row = self.row_length // task.SEQUENCE_LENGTH
-            rows = f"batches of {self.batch_size} rows of {self.row_length} tokens ({per_row} sequences packed per row)"
+        if self.seq_length > task.SEQUENCE_LENGTH:
+            per_row = self.seq_length // task.SEQUENCE_LENGTH
+            rows = f"batches of {self.batch_size} rows of {self.seq_length} tokens ({per_row} sequences packed per row)"
         return (
             f"the built-in task in {rows}, {self.eval_batch_count} held-out batches of {self.batch_size} "
             "sequences for evaluation"
@@ -204,9 +204,10 @@ class FileData:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        saved = state.get("overflow", "split" if "row_length" in state else None)
+        saved = state.get("overflow", "split" if "seq_length" in state or "row_length" in state else None)
         if saved is not None and saved != self.overflow_mode:
-            # Before data.overflow existed the trainer split longer records; its states say nothing.
+            # Before data.overflow existed the trainer split longer records; its states say
+            # nothing (and name seq_length row_length).
             raise ConfigError(
                 f"data.overflow: the run was checkpointed with {saved}, so {self.overflow_mode} would not continue "
                 f"with the batches that come next; set data.overflow: {saved} to resume it"

@@ -42,13 +42,13 @@ def make_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tenso
     return input_ids, labels
 
 
-def make_packed_rows(rows: int, row_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Rows of row_length tokens, each packing row_length // SEQUENCE_LENGTH sequences of
+def make_packed_rows(rows: int, seq_length: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Rows of seq_length tokens, each packing seq_length // SEQUENCE_LENGTH sequences of
     make_batch end to end and padding the rest (not scored). position_ids restart at every
     sequence (and the padding), so no token attends across a boundary: the format of
     DataCollatorWithFlattening and of barqtrain's packed dataset rows."""
-    per_row = row_length // SEQUENCE_LENGTH
-    padding = row_length - per_row * SEQUENCE_LENGTH
+    per_row = seq_length // SEQUENCE_LENGTH
+    padding = seq_length - per_row * SEQUENCE_LENGTH
     input_ids, labels = make_batch(rows * per_row, generator)
     positions = torch.cat([torch.arange(SEQUENCE_LENGTH).repeat(per_row), torch.arange(padding)])
     return {

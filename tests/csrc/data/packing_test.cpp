@@ -39,7 +39,7 @@ struct Rows {
 
 Rows collate_all(const Packer& packer) {
   Rows rows;
-  const size_t n = packer.num_rows() * packer.options().row_length;
+  const size_t n = packer.num_rows() * packer.options().seq_length;
   rows.ids.assign(n, -7);
   rows.labels.assign(n, -7);
   rows.pos.assign(n, -7);
@@ -58,7 +58,7 @@ std::vector<size_t> realistic_lengths(size_t n, uint64_t seed) {
 
 TEST(Packing, BestFitDecreasingFillsRowsExactly) {
   PackOptions options;
-  options.row_length = 10;
+  options.seq_length = 10;
   options.shuffle = false;
   const Corpus corpus({2, 6, 3, 5, 4});
   const Packer packer = corpus.pack(options);
@@ -76,7 +76,7 @@ TEST(Packing, BestFitDecreasingFillsRowsExactly) {
 
 TEST(Packing, RowsHaveTheFlatteningCollatorFormat) {
   PackOptions options;
-  options.row_length = 8;
+  options.seq_length = 8;
   options.shuffle = false;
   options.pad_id = 5;
   const Corpus corpus({3, 2});
@@ -94,7 +94,7 @@ TEST(Packing, RowsHaveTheFlatteningCollatorFormat) {
 
 TEST(Packing, WithoutLabelsTheTokensAreTheLabels) {
   PackOptions options;
-  options.row_length = 4;
+  options.seq_length = 4;
   options.shuffle = false;
   const Corpus corpus({4});
   const Rows rows = collate_all(corpus.pack(options, /*with_labels=*/false));
@@ -105,7 +105,7 @@ TEST(Packing, EveryTokenLandsOnceWithPositionsAndBoundariesThatAgree) {
   const auto lengths = realistic_lengths(20000, 1);
   const Corpus corpus(lengths);
   PackOptions options;
-  options.row_length = 2048;
+  options.seq_length = 2048;
   options.seed = 3;
   options.shuffle_window = 4096;
   options.pad_id = -1;
@@ -118,9 +118,9 @@ TEST(Packing, EveryTokenLandsOnceWithPositionsAndBoundariesThatAgree) {
   for (size_t k = 0; k + 1 < cu.size(); ++k) {
     const int32_t a = cu[k], b = cu[k + 1];
     ASSERT_LT(a, b);
-    ASSERT_EQ(a / options.row_length, (b - 1) / options.row_length) << "a segment crosses a row";
+    ASSERT_EQ(a / options.seq_length, (b - 1) / options.seq_length) << "a segment crosses a row";
     const bool padding = rows.ids[a] == -1;
-    if (padding) ASSERT_EQ(b % options.row_length, 0) << "padding only at the end of a row";
+    if (padding) ASSERT_EQ(b % options.seq_length, 0) << "padding only at the end of a row";
     const int64_t s = rows.ids[a] / 100000;
     for (int32_t t = a; t < b; ++t) {
       ASSERT_EQ(rows.pos[t], t - a);
@@ -152,7 +152,7 @@ TEST(Packing, EveryTokenLandsOnceWithPositionsAndBoundariesThatAgree) {
 TEST(Packing, IsDeterministicAndChangesWithTheEpoch) {
   const Corpus corpus(realistic_lengths(3000, 2));
   PackOptions options;
-  options.row_length = 1024;
+  options.seq_length = 1024;
   options.seed = 11;
   const Rows a = collate_all(corpus.pack(options));
   const Rows b = collate_all(corpus.pack(options));
@@ -169,7 +169,7 @@ TEST(Packing, IsDeterministicAndChangesWithTheEpoch) {
 TEST(Packing, RanksGetDisjointShardsCoveringTheData) {
   const Corpus corpus(realistic_lengths(1001, 3));
   PackOptions options;
-  options.row_length = 1024;
+  options.seq_length = 1024;
   options.seed = 5;
   options.epoch = 2;
   options.world_size = 4;
@@ -195,7 +195,7 @@ TEST(Packing, RanksGetDisjointShardsCoveringTheData) {
 TEST(Packing, LongSequencesAreTruncatedSplitDroppedOrRejected) {
   const Corpus corpus({10, 25, 4});
   PackOptions options;
-  options.row_length = 10;
+  options.seq_length = 10;
   options.shuffle = false;
 
   options.overflow = Overflow::kSplit;
@@ -231,7 +231,7 @@ TEST(Packing, LongSequencesAreTruncatedSplitDroppedOrRejected) {
     corpus.pack(options);
     FAIL() << "expected a PackingError";
   } catch (const PackingError& error) {
-    EXPECT_NE(std::string(error.what()).find("sequence 1 has 25 tokens, more than row_length 10"), std::string::npos);
+    EXPECT_NE(std::string(error.what()).find("sequence 1 has 25 tokens, more than seq_length 10"), std::string::npos);
   }
   EXPECT_EQ(parse_overflow("split"), Overflow::kSplit);
   EXPECT_THROW(parse_overflow("wrap"), PackingError);
@@ -239,7 +239,7 @@ TEST(Packing, LongSequencesAreTruncatedSplitDroppedOrRejected) {
 
 TEST(Packing, EmptySequencesAndEmptyInputs) {
   PackOptions options;
-  options.row_length = 8;
+  options.seq_length = 8;
   const Corpus corpus({0, 3, 0});
   const Packer packer = corpus.pack(options);
   EXPECT_EQ(packer.stats().empty_sequences, 2u);
@@ -252,9 +252,9 @@ TEST(Packing, EmptySequencesAndEmptyInputs) {
 TEST(Packing, BadArgumentsAreErrors) {
   const Corpus corpus({3});
   PackOptions options;
-  options.row_length = 0;
+  options.seq_length = 0;
   EXPECT_THROW(corpus.pack(options), PackingError);
-  options.row_length = 4;
+  options.seq_length = 4;
   const std::vector<int64_t> bad{0, 3, 2};
   const std::vector<int32_t> tokens{1, 2, 3};
   EXPECT_THROW(Packer(tokens.data(), nullptr, bad.data(), 2, options), PackingError);
@@ -286,12 +286,12 @@ TEST(Packing, ASubsetReadsTheChosenSequencesInItsOrder) {
 
 TEST(Packing, ARealisticDistributionFillsAtLeast99Percent) {
   const Corpus corpus(realistic_lengths(100000, 4));
-  for (const int64_t row_length : {2048, 4096, 8192}) {
+  for (const int64_t seq_length : {2048, 4096, 8192}) {
     PackOptions options;
-    options.row_length = row_length;
+    options.seq_length = seq_length;
     options.shuffle_window = 16384;
     const Packer packer = corpus.pack(options);
-    EXPECT_GE(packer.stats().fill(), 0.99) << "row_length " << row_length;
+    EXPECT_GE(packer.stats().fill(), 0.99) << "seq_length " << seq_length;
   }
 }
 

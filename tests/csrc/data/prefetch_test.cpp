@@ -37,7 +37,7 @@ struct Fixture {
   std::shared_ptr<Packer> packer;
   Fixture() {
     PackOptions o;
-    o.row_length = 32;  // three sequences a row
+    o.seq_length = 32;  // three sequences a row
     o.seed = 5;
     packer = std::make_shared<Packer>(source, o);
   }

@@ -218,7 +218,7 @@ TEST(Shards, PackingShardsGivesTheSameRowsAsPackingTheArrays) {
   writer.add(data);
   writer.finish("{}");
   PackOptions options;
-  options.row_length = 64;
+  options.seq_length = 64;
   options.seed = 3;
   const Packer from_shards(ShardSet::open(dir), options);
   const Packer from_memory(data.tokens.data(), data.labels.data(), data.offsets.data(), data.size(), options);

@@ -46,7 +46,7 @@ def model(request):
 @torch.no_grad()
 def test_no_token_sees_another_sequence(model):
     seqs, labels = random_sequences(24, seed=1)
-    packed = pack(seqs, row_length=64, labels=labels, seed=3, shuffle_window=8)
+    packed = pack(seqs, seq_length=64, labels=labels, seed=3, shuffle_window=8)
     assert packed.stats["pieces"] == 24
     batch = packed.batch()
     logits = model(**batch.model_inputs()).logits
@@ -69,7 +69,7 @@ def test_no_token_sees_another_sequence(model):
 @torch.no_grad()
 def test_packed_loss_is_the_token_weighted_loss_of_the_sequences(model):
     seqs, labels = random_sequences(30, seed=2)
-    packed = pack(seqs, row_length=80, labels=labels, seed=0)
+    packed = pack(seqs, seq_length=80, labels=labels, seed=0)
     batch = packed.batch()
     loss = model(**batch.model_inputs()).loss
     total, count = 0.0, 0
@@ -87,7 +87,7 @@ def test_packed_loss_is_the_token_weighted_loss_of_the_sequences(model):
 
 def test_rows_match_data_collator_with_flattening():
     seqs, labels = random_sequences(50, seed=4)
-    packed = pack(seqs, row_length=100, labels=labels, seed=9, pad_id=0)
+    packed = pack(seqs, seq_length=100, labels=labels, seed=9, pad_id=0)
     batch = packed.batch()
     collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     for row in range(packed.num_rows):
@@ -168,7 +168,7 @@ def test_overflow_modes_and_errors():
     assert pack(seqs, 10, overflow="split").stats["split_sequences"] == 1
     assert pack(seqs, 10, overflow="truncate").stats["truncated_tokens"] == 15
     assert pack(seqs, 10, overflow="drop").stats["dropped_sequences"] == 1
-    with pytest.raises(PackingError, match="sequence 1 has 25 tokens, more than row_length 10"):
+    with pytest.raises(PackingError, match="sequence 1 has 25 tokens, more than seq_length 10"):
         pack(seqs, 10, overflow="error")
     with pytest.raises(PackingError, match="unknown overflow"):
         pack(seqs, 10, overflow="wrap")
@@ -178,7 +178,7 @@ def test_overflow_modes_and_errors():
 
 def test_loader_batches_epochs_and_resume():
     seqs, labels = random_sequences(400, seed=8, max_len=120)
-    loader = PackedLoader(seqs, row_length=256, batch_size=4, labels=labels, seed=1)
+    loader = PackedLoader(seqs, seq_length=256, batch_size=4, labels=labels, seed=1)
     epoch0 = [b.input_ids for b in loader]
     assert len(epoch0) == len(loader) and all(b.shape[1] == 256 for b in epoch0)
     assert sum(b.shape[0] for b in epoch0) == loader.packing.num_rows
@@ -187,8 +187,17 @@ def test_loader_batches_epochs_and_resume():
     head = [next(it).input_ids for _ in range(3)]
     state = loader.state_dict()
     rest = [b.input_ids for b in it]
-    resumed = PackedLoader(seqs, row_length=256, batch_size=4, labels=labels, seed=1)
+    resumed = PackedLoader(seqs, seq_length=256, batch_size=4, labels=labels, seed=1)
     resumed.load_state_dict(state)
     assert [torch.equal(a, b) for a, b in zip(rest, [b.input_ids for b in resumed])] == [True] * len(rest)
     assert len(head) + len(rest) == len(loader)
     assert not torch.equal(head[0], epoch0[0])
+
+
+def test_loader_reads_a_state_that_names_seq_length_row_length():
+    seqs, labels = random_sequences(400, seed=8, max_len=120)
+    state = PackedLoader(seqs, seq_length=256, batch_size=4, labels=labels, seed=1).state_dict()
+    state["row_length"] = state.pop("seq_length")
+    PackedLoader(seqs, seq_length=256, batch_size=4, labels=labels, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"seq_length=256 \(this loader: 128\)"):
+        PackedLoader(seqs, seq_length=128, batch_size=4, labels=labels, seed=1).load_state_dict(state)

@@ -39,7 +39,7 @@ def test_packs_into_rows(tok):
     data = read_dataset(ALPACA, "alpaca", tok, eos_token="<|endoftext|>")
     packed = data.pack(1024, seed=0)
     assert packed.stats["pieces"] >= len(data) and packed.stats["fill"] > 0.95
-    batch = next(iter(data.loader(row_length=1024, batch_size=2, seed=0)))
+    batch = next(iter(data.loader(seq_length=1024, batch_size=2, seed=0)))
     assert tuple(batch.input_ids.shape) == (2, 1024)
 
 
