@@ -8,7 +8,7 @@ from barqtrain.train import task
 from barqtrain.train.config import config_from_dict
 from barqtrain.train.trainer import build_model
 
-ROW_LENGTH = 32
+SEQ_LENGTH = 32
 # Scored tokens per row (labels[..., 1:] not ignored), rising from 1 to 31, so that a micro-batch's mean
 # weighs its tokens very differently from the whole batch's.
 SCORED = (1, 2, 3, 5, 17, 24, 29, 31)
@@ -31,20 +31,20 @@ def tiny_model(method: str, patch: bool) -> torch.nn.Module:
 
 
 def masked_rows(packed: bool, seed: int = 0) -> dict[str, torch.Tensor]:
-    """len(SCORED) rows of ROW_LENGTH tokens. Masked: row i scores its last SCORED[i] labels
+    """len(SCORED) rows of SEQ_LENGTH tokens. Masked: row i scores its last SCORED[i] labels
     (a prompt, then an answer). Packed: each row holds two sequences, position_ids restarting
     at the second, whose first label is ignored like a prompt's, and the scored tokens split
     unevenly between them."""
     generator = torch.Generator().manual_seed(seed)
     rows = len(SCORED)
-    input_ids = task.FIRST_DIGIT + torch.randint(100, (rows, ROW_LENGTH), generator=generator)
+    input_ids = task.FIRST_DIGIT + torch.randint(100, (rows, SEQ_LENGTH), generator=generator)
     labels = torch.full_like(input_ids, task.IGNORE_INDEX)
-    position_ids = torch.arange(ROW_LENGTH).repeat(rows, 1)
+    position_ids = torch.arange(SEQ_LENGTH).repeat(rows, 1)
     for row, scored in enumerate(SCORED):
-        labels[row, ROW_LENGTH - scored :] = input_ids[row, ROW_LENGTH - scored :]
+        labels[row, SEQ_LENGTH - scored :] = input_ids[row, SEQ_LENGTH - scored :]
         if packed:
-            boundary = ROW_LENGTH // 2 + row % 3  # the second sequence starts here
-            position_ids[row, boundary:] = torch.arange(ROW_LENGTH - boundary)
+            boundary = SEQ_LENGTH // 2 + row % 3  # the second sequence starts here
+            position_ids[row, boundary:] = torch.arange(SEQ_LENGTH - boundary)
             labels[row, boundary] = task.IGNORE_INDEX  # not predicted from the first sequence
             labels[row, 1 : 1 + row % 4] = input_ids[row, 1 : 1 + row % 4]  # a few of the first's tokens
     batch = {"input_ids": input_ids, "labels": labels}
