@@ -19,6 +19,10 @@ and with them the MLP and the q/k/v projections as single functions; instance pa
 only, see lora.py). ALL_OPS adds the opt-in ones (OPT_IN_OPS says why each is): attention,
 BarqTrain's attention kernels with RoPE fused in, e.g. ops=(*OPS, "attention") (see
 docs/attention.md).
+
+TRL's SFTTrainer computes its loss with its own fused LM head, not the causal-LM forward:
+patch_sft_trainer(trainer), once the trainer is built, computes it with
+linear_cross_entropy's op instead (see trl_sft.py and docs/hf_trainer.md).
 """
 
 from barqtrain.patch.classes import (
@@ -43,6 +47,7 @@ from barqtrain.patch.families import (
 )
 from barqtrain.patch.instance import patch_model, unpatch_model
 from barqtrain.patch.report import ClassNotPatched, ClassPatchReport, NotPatched, PatchedOp, PatchReport
+from barqtrain.patch.trl_sft import patch_sft_trainer
 
 __all__ = [
     "ALL_OPS",
@@ -66,6 +71,7 @@ __all__ = [
     "apply_to_qwen2",
     "apply_to_qwen3",
     "patch_model",
+    "patch_sft_trainer",
     "revert_class_patches",
     "unpatch_model",
 ]

@@ -12,6 +12,9 @@ divided by `num_items_in_batch` when the trainer passes it; Gemma 2/3's
 final_logit_softcapping is computed inside the op. An lm_head that is not a plain
 nn.Linear (PEFT LoRA on it, a quantized layer, hooks), a custom loss_function, or
 dtypes the op does not compute run Hugging Face's forward instead, with one warning.
+
+TRL's SFTTrainer does not call this forward with labels (it has an LM head of its own);
+trl_sft.patch_sft_trainer routes its loss through the same op.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ def looks_like_causal_lm(module: nn.Module) -> bool:
 
 def unsupported_lm_head(model: nn.Module) -> str | None:
     """Why the op cannot compute model.lm_head's logits itself, or None when it can."""
-    head = model.lm_head
+    return unsupported_head(model.lm_head)
+
+
+def unsupported_head(head: nn.Module) -> str | None:
+    """Why the op cannot compute the logits of the LM head `head` itself, or None when it can."""
     plain = type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head))
     if plain:
         return None
