@@ -1,13 +1,18 @@
 """A run's metrics: one JSON object a line in metrics.jsonl (always), TensorBoard event
 files (when the tensorboard package is installed) and a loss + throughput PNG at the end
-(when matplotlib is). A missing optional package is said once, never silently skipped."""
+(when matplotlib is). A missing optional package is said once, never silently skipped; a
+write the disk refuses is a one-line error (barqtrain.files.run_write_errors) that leaves the
+records before it whole."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from barqtrain.files import replaced_atomically, run_write_errors, write_text_atomically
 
 
 class Metrics:
@@ -18,6 +23,8 @@ class Metrics:
         None: start a new file. active: False on the FSDP ranks other than 0, which neither
         read nor write the run's metrics (rank 0 writes the losses reduced across ranks)."""
         self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self.tensorboard_dir = run_dir / "tensorboard"
         self.active = active
         self.writer = None
         if not active:
@@ -31,7 +38,8 @@ class Metrics:
                     continue
                 if record.get("step", 0) <= resume_step:
                     kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        with run_write_errors(self.path, run_dir):
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -40,28 +48,39 @@ class Metrics:
             else:
                 # A resumed run drops the events after its checkpoint, as it does the JSONL records.
                 purge_step = None if resume_step is None else resume_step + 1
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+                with run_write_errors(self.tensorboard_dir, run_dir):
+                    self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=purge_step)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        with self.path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+        end = self.path.stat().st_size if self.path.exists() else 0
+        with run_write_errors(self.path, self.run_dir):
+            try:
+                with self.path.open("a") as file:
+                    file.write(json.dumps(record) + "\n")
+            except OSError:
+                os.truncate(self.path, end)  # no partial line after the whole records
+                raise
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, record["step"])
+            # The event writer's thread raises a failed write on the next call, or at close.
+            with run_write_errors(self.tensorboard_dir, self.run_dir):
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with run_write_errors(self.tensorboard_dir, self.run_dir):
+                self.writer.close()
 
     def records(self) -> list[dict[str, Any]]:
         return read_records(self.path.parent) if self.active else []
 
 
 def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], None]) -> bool:
-    """Training and eval loss beside throughput, as a PNG; False (and a message) without matplotlib."""
+    """Training and eval loss beside throughput, as a PNG (written to a temporary file renamed
+    over path, so never half of one); False (and a message) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -81,8 +100,11 @@ def write_plot(records: list[dict[str, Any]], path: Path, log: Callable[[str], N
     right.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
     right.set(xlabel="step", ylabel="tokens/s", title="throughput")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    try:
+        with replaced_atomically(path) as temporary:
+            figure.savefig(temporary, dpi=100, format="png")
+    finally:
+        plt.close(figure)
     return True
 
 

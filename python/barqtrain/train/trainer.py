@@ -7,7 +7,8 @@ A run directory holds config.yaml, metrics.jsonl, tensorboard/, checkpoints/step
 written to a temporary directory and renamed into place, so a killed run leaves only
 whole checkpoints), base/ for a random-init model (its initial weights, which the adapter
 applies to: 16-bit, also for QLoRA, whose adapter loads on the 16-bit model), and at the
-end adapter/ (PEFT format) or model/, and training.png.
+end adapter/ (PEFT format) or model/ (renamed into place the same way), and training.png. A
+write the disk refuses is one line naming the file and the --resume that continues the run.
 
 Under torchrun (WORLD_SIZE > 1) the model is sharded with FSDP2 (see distributed.py); rank
 0 writes everything, a checkpoint's model_state.pt and optimizer.pt then hold the full
@@ -25,7 +26,6 @@ import random
 import shutil
 import sys
 import time
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +35,13 @@ import numpy as np
 import torch
 import yaml
 
+from barqtrain.files import run_write_errors, write_text_atomically
 from barqtrain.train import distributed, task
 from barqtrain.train.batches import make_data, scored_tokens
 from barqtrain.train.config import (
     ADAPTER_METHODS,
     NAMED_MODELS,
     ConfigError,
-    UsageError,
     config_warnings,
     TrainConfig,
     check_paths,
@@ -255,11 +255,12 @@ def save_base(model: torch.nn.Module, directory: Path) -> None:
     """The unpatched, adapter-free model in HF format, written atomically (a temporary
     directory renamed into place)."""
     temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    with without_transformers_bars():
-        model.save_pretrained(temporary)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(temporary, directory)
+    with run_write_errors(directory, directory.parent, cleanup=temporary):
+        shutil.rmtree(temporary, ignore_errors=True)
+        with without_transformers_bars():
+            model.save_pretrained(temporary)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(temporary, directory)
 
 
 # ------------------------------------------------------------------------ checkpoints
@@ -280,13 +281,36 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def weights_name(config: TrainConfig) -> str:
+    return "adapter" if config.method in ADAPTER_METHODS else "model"
+
+
 def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path, full_model_state: dict | None = None) -> None:
     """adapter/ in PEFT format (method lora, qlora) or model/ in HF format (method full).
     full_model_state: the gathered state of a sharded model (its own state_dict is shards)."""
     # A copy: transformers' save_pretrained empties the state dict it is given.
     state_dict = None if full_model_state is None else dict(full_model_state)
     with without_transformers_bars():
-        model.save_pretrained(directory / ("adapter" if config.method in ADAPTER_METHODS else "model"), state_dict=state_dict)
+        model.save_pretrained(directory / weights_name(config), state_dict=state_dict)
+
+
+def save_final_weights(
+    model: torch.nn.Module, config: TrainConfig, run_dir: Path, full_model_state: dict | None = None
+) -> Path:
+    """The run's result, run_dir/adapter or run_dir/model, written into a temporary directory
+    and renamed into place, so that a failed or killed save never leaves a partial one there.
+    Returns its path."""
+    final = run_dir / weights_name(config)
+    temporary = run_dir / f".tmp-{final.name}-{os.getpid()}"
+    with run_write_errors(final, run_dir, cleanup=temporary):
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        save_weights(model, config, temporary, full_model_state)
+        if final.exists():  # the result of an earlier, resumed-over attempt
+            shutil.rmtree(final)
+        os.replace(temporary / final.name, final)
+        temporary.rmdir()
+    return final
 
 
 def save_checkpoint(
@@ -306,7 +330,7 @@ def save_checkpoint(
     root = run_dir / CHECKPOINTS
     final = root / f"step-{step:06d}"
     temporary = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    with _disk_errors(final, run_dir, cleanup=temporary):
+    with run_write_errors(final, run_dir, cleanup=temporary):
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
@@ -328,35 +352,6 @@ def save_checkpoint(
     if ranks.is_distributed:
         distributed.barrier()
     return final
-
-
-@contextlib.contextmanager
-def _disk_errors(what: Path, run_dir: Path, cleanup: Path | None = None):
-    """A write that the disk refuses (full, read-only, no permission) as one line naming the
-    path; a partial write in cleanup is removed, so that it takes no more space."""
-
-    def fail(reason: str) -> typing.NoReturn:
-        if cleanup is not None:
-            shutil.rmtree(cleanup, ignore_errors=True)
-        raise UsageError(
-            f"{what}: {reason}; make room (or choose another output_dir), then `barqtrain train --resume {run_dir}` "
-            "continues from the last whole checkpoint"
-        ) from None
-
-    try:
-        yield
-    except OSError as error:
-        if error.errno == errno.ENOSPC:
-            fail("no space left on device")
-        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fail(f"cannot write there ({error.strerror})")
-        raise
-    except RuntimeError as error:
-        # torch.save's zip writer reports a short write without its errno: "unexpected pos N vs M",
-        # "file write failed".
-        if "unexpected pos" in str(error) or "write failed" in str(error):
-            fail("no space left on device (the write stopped short)")
-        raise
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -399,7 +394,9 @@ def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., No
     if not saved_path.exists():  # written before checkpoints kept their config: load_checkpoint checks the shapes
         return
     try:
-        saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+        mapping = yaml.safe_load(saved_path.read_text())
+        _add_overflow_of_its_time(mapping)
+        saved = config_from_dict(mapping)
     except (ConfigError, yaml.YAMLError) as error:
         log(f"Warning: {saved_path} cannot be read ({error}); the resumed config is not compared with it.")
         return
@@ -416,6 +413,18 @@ def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., No
     applied = sorted(key for key in changed if key != "output_dir")
     if applied:
         log("Resuming with " + ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in applied) + ".")
+
+
+def _add_overflow_of_its_time(mapping: Any) -> bool:
+    """Sets data.overflow to split in a saved config's mapping that has a data section without
+    the key, and says whether it did: such a config was saved before the key existed, when
+    the trainer split a record longer than data.seq_length across rows (the key's default,
+    truncate, would not continue that run)."""
+    data = mapping.get("data") if isinstance(mapping, dict) else None
+    if not isinstance(data, dict) or "overflow" in data:
+        return False
+    data["overflow"] = "split"
+    return True
 
 
 def _check_output_dir(run_dir: Path, continuing: bool, overwrite: bool) -> None:
@@ -650,7 +659,8 @@ def _train(
             _prepare_output_dir(run_dir, overwrite, log)
             if checkpoint is not None and source != run_dir:
                 copy_run(source, checkpoint, run_dir, log)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            # Atomically: a resume that fails here (a full disk) leaves the run's config whole.
+            write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
         except OSError as error:
             reason = "no space left on device" if error.errno == errno.ENOSPC else error.strerror or str(error)
             raise ConfigError(
@@ -687,7 +697,8 @@ def _train(
 
     step = 0
     if checkpoint is not None:
-        for stale in (run_dir / CHECKPOINTS).glob(".tmp-*"):  # left by a killed run
+        # Left by a killed run: a checkpoint's or the final weights' temporary directory.
+        for stale in [*(run_dir / CHECKPOINTS).glob(".tmp-*"), *run_dir.glob(f".tmp-{weights_name(config)}-*")]:
             shutil.rmtree(stale, ignore_errors=True)
         step = load_checkpoint(checkpoint, model, config, optimizer, scheduler, scaler, data, ranks)
         log(f"Resumed from {checkpoint} at step {step}.")
@@ -762,18 +773,23 @@ def _train(
     result.eval_loss_after = evaluate(model, eval_batches, device, autocast)
     if is_task:
         result.accuracy_after = task_accuracy(model, eval_batches, device)
-    if result.eval_loss_after is not None:
+    # Recorded already where this resumes a run whose final save failed (or was killed).
+    recorded = any(r["step"] == steps and "eval_loss" in r for r in metrics.records())
+    if result.eval_loss_after is not None and not recorded:
         metrics.write({"step": steps, "eval_loss": result.eval_loss_after, "accuracy": result.accuracy_after})
     if ranks.is_distributed:
         model_state, _ = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
         if ranks.is_main:
-            save_weights(model, config, run_dir, model_state)
+            save_final_weights(model, config, run_dir, model_state)
         distributed.barrier()  # every rank returns with the weights on disk
     else:
-        save_weights(model, config, run_dir)
+        save_final_weights(model, config, run_dir)
     metrics.close()
-    plotted = config.plot and ranks.is_main and write_plot(metrics.records(), run_dir / "training.png", log)
-    where = run_dir / ("adapter" if config.method in ADAPTER_METHODS else "model")
+    plotted = False
+    if config.plot and ranks.is_main:
+        with run_write_errors(run_dir / "training.png", run_dir):
+            plotted = write_plot(metrics.records(), run_dir / "training.png", log)
+    where = run_dir / weights_name(config)
     summary = f"Done: {steps} steps in {duration(time.perf_counter() - start)}."
     if result.accuracy_before is not None and result.accuracy_after is not None:
         summary += f" Accuracy {100 * result.accuracy_before:.0f}% -> {100 * result.accuracy_after:.0f}%."
@@ -798,9 +814,9 @@ def resume_run(
 ) -> TrainResult:
     """Continues the run in run_dir from its latest checkpoint, with the config it saved
     (run_dir/config.yaml; a change to it that alters what the run trains is refused, naming
-    the key). steps: run to that step (more than the config said). output_dir: copy the run
-    there and continue it there, leaving run_dir as it was (a non-empty output_dir only with
-    overwrite)."""
+    the key; one saved before data.overflow existed resumes with split, as it trained).
+    steps: run to that step (more than the config said). output_dir: copy the run there and
+    continue it there, leaving run_dir as it was (a non-empty output_dir only with overwrite)."""
     config_path = Path(run_dir) / "config.yaml"
     if not Path(run_dir).is_dir():
         raise ConfigError(f"--resume {run_dir}: no such run directory")
@@ -810,6 +826,12 @@ def resume_run(
         mapping = yaml.safe_load(config_path.read_text())
     except yaml.YAMLError as error:
         raise ConfigError(f"{config_path}: not valid YAML: {error}") from None
+    if _add_overflow_of_its_time(mapping):
+        log = distributed.main_only(kwargs.get("log", print), distributed.ranks_from_env())
+        log(
+            f"{config_path} has no data.overflow: the run was trained before that key existed, when records longer "
+            "than data.seq_length were split across rows; it resumes with data.overflow: split."
+        )
     try:
         config = config_from_dict(mapping)
     except ConfigError as error:

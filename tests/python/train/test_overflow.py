@@ -1,22 +1,27 @@
 """data.overflow (a record longer than data.seq_length: truncate, split or drop) and
 data.on_error (a malformed record: raise or skip) in the trainer's data path, on real alpaca
 data tokenized with the stories260K tokenizer (46% of alpaca_en_demo is longer than 512 of
-its tokens), and the Data line that says how many records were longer and what was done."""
+its tokens), the Data line that says how many records were longer and what was done, and the
+resume of a run saved before data.overflow existed (it split longer records)."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from barqtrain import cli
 from barqtrain.data import ReaderError, read_dataset
+from barqtrain.train import trainer
 from barqtrain.train.batches import FileData, count_overflow, make_data
 from barqtrain.train.config import ConfigError, DataConfig, config_from_dict, load_config
-from barqtrain.train.trainer import train
+from barqtrain.train.metrics import read_records
+from barqtrain.train.trainer import resume_run, train
 from shared_data import SHARED, require  # tests/python/data, on the path through conftest.py
 
 STORIES = SHARED / "models" / "stories260K-hf"
@@ -248,7 +253,100 @@ def test_resuming_with_another_overflow_is_refused_naming_the_key(alpaca):
     with pytest.raises(ValueError, match="overflow='truncate' \\(this loader: 'split'\\)"):
         splitting.loader.load_state_dict(state)
     # A state from before the key existed, when the trainer split longer records.
-    old = {key: value for key, value in splitting.state_dict().items() if key != "overflow"}
+    old = before_overflow(splitting.state_dict())
     splitting.load_state_dict(old)
     with pytest.raises(ConfigError, match="^data.overflow: the run was checkpointed with split, so truncate "):
         truncating.load_state_dict(old)
+
+
+def before_overflow(state: dict) -> dict:
+    """A loader state as saved before data.overflow existed: no overflow, and seq_length named row_length."""
+    return {("row_length" if key == "seq_length" else key): value for key, value in state.items() if key != "overflow"}
+
+
+def forget_overflow(run_dir: Path) -> None:
+    """run_dir as a run from before data.overflow existed: its configs (the run's and its
+    checkpoints') without the key, and its data positions as the loader saved them then."""
+    for path in [run_dir / "config.yaml", *run_dir.glob("checkpoints/*/config.yaml")]:
+        mapping = yaml.safe_load(path.read_text())
+        del mapping["data"]["overflow"]
+        path.write_text(yaml.safe_dump(mapping, sort_keys=False))
+    for path in run_dir.glob("checkpoints/*/trainer_state.pt"):
+        state = torch.load(path, weights_only=False)
+        state["data"] = [before_overflow(data) if "overflow" in data else data for data in state["data"]]
+        torch.save(state, path)
+
+
+# The embedded default's tiny random Llama on the built-in task, as small as it runs.
+TINY = {
+    "steps": 2, "batch_size": 4, "save_interval": 2, "eval_interval": 0, "log_interval": 50, "tensorboard": False,
+    "plot": False, "data": {"eval_batches": 1}, "optim": {"warmup_steps": 1},
+}  # fmt: skip
+
+
+def resumed_line(run_dir: Path) -> str:
+    return (
+        f"{run_dir / 'config.yaml'} has no data.overflow: the run was trained before that key existed, when records "
+        "longer than data.seq_length were split across rows; it resumes with data.overflow: split."
+    )
+
+
+def test_the_embedded_default_from_before_overflow_resumes_with_split(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**TINY, "output_dir": str(run_dir)}))
+    assert cli.main(["train", str(tmp_path / "c.yaml")]) == 0
+    forget_overflow(run_dir)
+    used = []
+
+    def recording_make_data(config, *args, **kwargs):
+        used.append(config.data.overflow)
+        return make_data(config, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "make_data", recording_make_data)
+    # It trained with split: its config edited to truncate is refused, as any changed key.
+    edited = yaml.safe_load((run_dir / "config.yaml").read_text())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**edited, "data": {**edited["data"], "overflow": "truncate"}}))
+    assert cli.main(["train", "--resume", str(run_dir), "--steps", "4"]) == 2
+    assert "--resume: data.overflow ('split' -> 'truncate') changed" in capsys.readouterr().err and used == []
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(edited))
+    assert cli.main(["train", "--resume", str(run_dir), "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "overflow" in line] == [resumed_line(run_dir)]
+    assert "step-000002 at step 2" in out and used == ["split"]
+    losses = [r["step"] for r in read_records(run_dir) if "loss" in r]
+    assert losses == [1, 2, 3, 4]
+    assert load_config(run_dir / "config.yaml").data.overflow == "split"  # the config now says how it trained
+
+
+def test_a_dataset_run_from_before_overflow_continues_with_the_batches_of_split(tmp_path):
+    """The run's data positions were saved by a loader that split longer records: the resumed
+    run takes the batches an uninterrupted split run takes (truncate would refuse them)."""
+    require(STORIES / "model.safetensors")
+
+    def run_config(run_dir: Path, steps: int):
+        run = config(output_dir=run_dir, seq_length=128, overflow="split")
+        run.model.path = str(STORIES)
+        run.steps, run.batch_size, run.save_interval, run.eval_interval = steps, 2, 1, 0
+        run.tensorboard = run.plot = False
+        return run
+
+    whole = train(run_config(tmp_path / "whole", 3), log=lambda *_: None, device="cpu")
+    train(run_config(tmp_path / "old", 2), log=lambda *_: None, device="cpu")
+    forget_overflow(tmp_path / "old")
+    lines: list[str] = []
+    resumed = resume_run(tmp_path / "old", steps=3, log=lambda line: lines.append(str(line)), device="cpu")
+    assert resumed_line(tmp_path / "old") in lines
+    assert f"Resumed from {tmp_path / 'old' / 'checkpoints' / 'step-000002'} at step 2." in lines
+    assert "(data.overflow: split;" in next(line for line in lines if line.startswith("Data: "))
+    assert resumed.losses[3] == pytest.approx(whole.losses[3], rel=1e-5)
+
+
+def test_a_run_whose_config_has_overflow_resumes_as_before(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    mapping = {**TINY, "output_dir": str(run_dir), "data": {**TINY["data"], "overflow": "truncate"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(mapping))
+    assert cli.main(["train", str(tmp_path / "c.yaml")]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(run_dir), "--steps", "3"]) == 0
+    assert "overflow" not in capsys.readouterr().out
+    assert load_config(run_dir / "config.yaml").data.overflow == "truncate"

@@ -201,6 +201,143 @@ def test_a_full_disk_during_a_checkpoint_says_so(tmp_path, capsys, monkeypatch, 
     assert list((tmp_path / "out" / "checkpoints").iterdir()) == []  # the partial write is gone
 
 
+NO_SPACE = (
+    "no space left on device; make room (or choose another output_dir), then `barqtrain train --resume {run}` "
+    "continues from the last whole checkpoint"
+)
+
+
+def whole_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's records, every line a whole JSON object (json.loads fails on a partial one)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class HalfWrittenFile:
+    """A text file on a disk that fills during a write: half of the text reaches it, then ENOSPC."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def write(self, text: str) -> int:
+        self.file.write(text[: len(text) // 2])
+        self.file.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self) -> HalfWrittenFile:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.file.close()
+
+
+def test_a_full_disk_during_the_final_save_leaves_no_partial_adapter(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    save = trainer.save_weights
+
+    def full(model, config, directory, *args, **kwargs):
+        save(model, config, directory, *args, **kwargs)
+        if "checkpoints" not in directory.parts:  # the final save: its weights file cut short
+            weights = directory / "adapter" / "adapter_model.safetensors"
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer, "save_weights", full)
+    err = fail(capsys, "train", str(write_config(tmp_path / "c.yaml", out)))
+    assert err == f"barqtrain train: {out / 'adapter'}: " + NO_SPACE.format(run=out)
+    assert not (out / "adapter").exists() and not list(out.glob(".tmp-*"))  # nothing half-written left
+    assert checkpoints(out) == ["step-000002", "step-000004"] and trainer.latest_checkpoint(out).name == "step-000004"
+    records = whole_records(out)
+    assert steps_in(out) == [1, 2, 3, 4]
+
+    monkeypatch.undo()  # space freed: the resume makes the final save
+    assert cli.main(["train", "--resume", str(out)]) == 0
+    assert "at step 4" in capsys.readouterr().out
+    assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert whole_records(out) == records  # the final evaluation is not recorded twice
+
+
+def test_a_full_disk_saving_the_random_base_leaves_no_partial_base(tmp_path, capsys, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    def full(model, directory, *args, **kwargs):
+        Path(directory).mkdir()
+        (Path(directory) / "model.safetensors").write_bytes(b"\0" * 64)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", full)
+    out = tmp_path / "out"
+    err = fail(capsys, "train", str(write_config(tmp_path / "c.yaml", out)))
+    assert err == f"barqtrain train: {out / 'base'}: " + NO_SPACE.format(run=out)
+    assert not (out / "base").exists() and not list(out.glob(".tmp-*"))
+
+
+def test_a_full_disk_when_a_resume_writes_the_config_keeps_it_whole(run, capsys, monkeypatch):
+    before = (run / "config.yaml").read_text()
+    builtin_open = open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        file = builtin_open(path, mode, *args, **kwargs)
+        return HalfWrittenFile(file) if Path(path).name.startswith("config.yaml") and "w" in mode else file
+
+    monkeypatch.setattr("builtins.open", full_disk_open)
+    err = fail(capsys, "train", "--resume", str(run), "--steps", "6")
+    assert f"output_dir: cannot write to {run} (no space left on device)" in err
+    assert (run / "config.yaml").read_text() == before and not list(run.glob("config.yaml.*"))
+
+
+@pytest.mark.parametrize(
+    ("written", "recorded_steps"),
+    [("metrics.jsonl", [1, 2]), ("tensorboard", [1, 2, 3]), ("training.png", [1, 2, 3, 4])],
+)  # fmt: skip
+def test_a_full_disk_writing_the_metrics_says_which_file(written, recorded_steps, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    after_first_checkpoint = out / "checkpoints" / "step-000002"
+    if written == "metrics.jsonl":  # the record of step 3, cut short
+        open_path = Path.open
+
+        def full_disk_open(path, mode="r", *args, **kwargs):
+            file = open_path(path, mode, *args, **kwargs)
+            full = path.name == "metrics.jsonl" and mode == "a" and after_first_checkpoint.exists()
+            return HalfWrittenFile(file) if full else file
+
+        monkeypatch.setattr(Path, "open", full_disk_open)
+    elif written == "tensorboard":  # the scalars of step 3
+        from torch.utils.tensorboard import SummaryWriter
+
+        add_scalar = SummaryWriter.add_scalar
+
+        def full_disk_add_scalar(writer, *args, **kwargs):
+            if after_first_checkpoint.exists():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return add_scalar(writer, *args, **kwargs)
+
+        monkeypatch.setattr(SummaryWriter, "add_scalar", full_disk_add_scalar)
+    else:  # the plot, after the final save
+        from matplotlib.figure import Figure
+
+        def full_disk_savefig(figure, path, *args, **kwargs):
+            Path(path).write_bytes(b"\x89PNG")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(Figure, "savefig", full_disk_savefig)
+    config = write_config(
+        tmp_path / "c.yaml", out, tensorboard=written == "tensorboard", plot=written == "training.png"
+    )
+    err = fail(capsys, "train", str(config))
+    assert err == f"barqtrain train: {out / written}: " + NO_SPACE.format(run=out)
+    assert checkpoints(out)[0] == "step-000002" and trainer.latest_checkpoint(out) is not None
+    records = whole_records(out)  # the lines before the failure are whole, and no partial one follows
+    assert [r["step"] for r in records if "loss" in r] == recorded_steps
+    if written == "training.png":
+        assert (out / "adapter" / "adapter_model.safetensors").exists()
+        assert not list(out.glob("training.png*"))  # no partial plot
+
+    monkeypatch.undo()
+    assert cli.main(["train", "--resume", str(out)]) == 0
+    assert steps_in(out) == [1, 2, 3, 4] and (out / "adapter").is_dir()
+    assert written != "training.png" or (out / "training.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_an_output_dir_that_is_a_file_or_not_writable(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     err = fail(capsys, "train", str(write_config(tmp_path / "c.yaml", tmp_path / "file")))
