@@ -3,6 +3,11 @@
 Each command lives in its own module, which exposes `register(subparsers)`: it adds its
 parser and sets `run`, a function from the parsed arguments to an exit code. A new
 command is one module and one entry in COMMANDS.
+
+Other installed packages add commands through the entry point group "barqtrain.commands",
+each entry naming a module with the same `register(subparsers)`: `barqtrain bench` comes
+from the measuring package, barqtrain_bench, which nothing here imports by name. Without
+it installed, there is no `bench` command.
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 import barqtrain
-from barqtrain.bench import command as bench_command
 from barqtrain.data import tokenize_command
 from barqtrain.train import command as train_command
 from barqtrain.train import config_command, export_command
 
-COMMANDS = (train_command, config_command, export_command, tokenize_command, bench_command)
+COMMANDS = (train_command, config_command, export_command, tokenize_command)
+COMMAND_ENTRY_POINTS = "barqtrain.commands"
 
 
 DEBUG_HELP = "show the traceback of an error (also: environment variable BARQTRAIN_DEBUG=1)"
@@ -33,12 +39,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"barqtrain {barqtrain.__version__}")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
+    for command in (*COMMANDS, *installed_commands()):
         command.register(subparsers)
     for subparser in subparsers.choices.values():  # `barqtrain train ... --debug` too
         if "--debug" not in subparser._option_string_actions:
             subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
+
+
+def installed_commands() -> list[ModuleType]:
+    """The command modules that installed packages add through the "barqtrain.commands" entry
+    points; an entry whose module is not installed adds none."""
+    from importlib.metadata import entry_points
+
+    modules = []
+    for entry_point in entry_points(group=COMMAND_ENTRY_POINTS):
+        try:
+            modules.append(entry_point.load())
+        except ModuleNotFoundError as error:
+            missing = error.name or ""
+            if entry_point.module != missing and not entry_point.module.startswith(missing + "."):
+                raise  # the module is there and one of its imports fails: a bug to show, not a command to drop
+    return modules
 
 
 def debugging(args: argparse.Namespace | None = None) -> bool:

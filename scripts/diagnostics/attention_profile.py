@@ -1,7 +1,7 @@
 """Where the attention time goes (issues 5 and 6), one implementation after another.
 
 One forward + backward (or forward only) of each implementation asked for, `barqtrain bench
-attn`'s own (barqtrain.bench.attention), at the issues' case (B4 S4096 H32/8 D128 causal, bf16
+attn`'s own (barqtrain_bench.attention), at the issues' case (B4 S4096 H32/8 D128 causal, bf16
 by default), each after warm-up, inside a profiler range so that Nsight Compute sees only those
 launches:
 
@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-from barqtrain.bench.attention import AttentionCase, case_inputs, implementations, run_forward, run_forward_backward
-from barqtrain.bench.environment import Unavailable
+from barqtrain_bench.attention import AttentionCase, case_inputs, implementations, run_forward, run_forward_backward
+from barqtrain_bench.environment import Unavailable
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ import torch
 from peft import LoraConfig
 
 import barqtrain
-from barqtrain.bench.e2e_worker import LORA_SETTINGS
-from barqtrain.bench.models import WORKLOADS, build_model
+from barqtrain_bench.e2e_worker import LORA_SETTINGS
+from barqtrain_bench.models import WORKLOADS, build_model
 
 
 def main() -> None:

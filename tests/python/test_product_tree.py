@@ -4,11 +4,15 @@ issue notes, the curated results in benchmarks/results/)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PRODUCT = [REPO / "csrc", REPO / "python" / "barqtrain", REPO / "docs", REPO / "README.md"]
+PRODUCT = [REPO / "csrc", REPO / "python" / "barqtrain", REPO / "python" / "barqtrain_bench", REPO / "docs", REPO / "README.md"]
 TEXT_SUFFIXES = {".py", ".cu", ".cuh", ".h", ".hpp", ".cpp", ".cc", ".md", ".txt", ".cmake", ".toml", ".yaml"}
 HISTORY = re.compile(r"session [0-9]|\bcall[0-9]|benchmarks/results/20[0-9][0-9]", re.IGNORECASE)
 
@@ -53,3 +57,49 @@ def test_the_lora_functions_do_not_import_the_patching_above_them():
     upward = {str(path.relative_to(REPO)): sorted(m for m in _imported_modules(path) if m.startswith("barqtrain.patch"))
               for path in sources}  # fmt: skip
     assert not any(upward.values()), upward
+
+
+MEASURING_PACKAGE = "barqtrain_bench"
+MODULE_PATH = re.compile(rf"{MEASURING_PACKAGE}(\.\w+)*")
+
+
+def _names_of_the_measuring_package(path: Path) -> set[str]:
+    """What a module imports of the measuring package: import statements, and strings that are
+    its module paths (importlib.import_module, __import__, `python -m`)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    imported = {name for name in _imported_modules(path) if name.split(".")[0] == MEASURING_PACKAGE}
+    return imported | {text for text in strings if MODULE_PATH.fullmatch(text)}
+
+
+def test_the_product_never_imports_the_measuring_package():
+    # barqtrain_bench imports barqtrain, never the other way: `barqtrain bench` reaches it through the
+    # "barqtrain.commands" entry point (pyproject.toml), which barqtrain.cli loads without naming it.
+    sources = sorted((REPO / "python" / "barqtrain").rglob("*.py"))
+    assert sources
+    found = {str(path.relative_to(REPO)): sorted(_names_of_the_measuring_package(path)) for path in sources}
+    assert not any(found.values()), {path: names for path, names in found.items() if names}
+
+
+def test_the_command_line_loads_only_the_bench_command_module():
+    # Importing barqtrain and its command line loads nothing of barqtrain_bench. Building the parser
+    # loads the entry points' modules: barqtrain_bench.command, which imports argparse and no suite.
+    import barqtrain
+
+    code = (
+        "import json, sys, barqtrain, barqtrain.cli\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.split('.')[0] == 'barqtrain_bench')\n"
+        "print(json.dumps(loaded()))\n"
+        "barqtrain.cli.build_parser()\n"
+        "print(json.dumps(loaded()))\n"
+    )
+    package_root = str(Path(barqtrain.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, check=True
+    )
+    after_import, after_parser = map(json.loads, completed.stdout.splitlines())
+    assert after_import == []
+    assert set(after_parser) <= {MEASURING_PACKAGE, f"{MEASURING_PACKAGE}.command"}, after_parser

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from barqtrain.bench import attention
+from barqtrain_bench import attention
 
 
 def test_cases_use_the_standard_flop_count():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from barqtrain.bench import data_wait
-from barqtrain.bench.models import TINY
+from barqtrain_bench import data_wait
+from barqtrain_bench.models import TINY
 
 
 def test_both_pipelines_feed_the_same_sequences_in_their_own_layout():

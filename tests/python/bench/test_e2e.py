@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from barqtrain import cli
-from barqtrain.bench import e2e, e2e_worker
-from barqtrain.bench.e2e_worker import TOKENIZER_MISSING, VariantSpec
-from barqtrain.bench.models import TINY, WORKLOADS
-from barqtrain.bench.profile import CATEGORIES
+from barqtrain_bench import e2e, e2e_worker
+from barqtrain_bench.e2e_worker import TOKENIZER_MISSING, VariantSpec
+from barqtrain_bench.models import TINY, WORKLOADS
+from barqtrain_bench.profile import CATEGORIES
 
 BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"]
 
@@ -91,7 +91,7 @@ def test_the_unsloth_worker_reports_an_unavailable_row(tmp_path):
 
 def test_the_worker_imports_neither_transformers_nor_peft_before_unsloth():
     code = (
-        "import sys, barqtrain.bench.e2e_worker; "
+        "import sys, barqtrain_bench.e2e_worker; "
         "print([name for name in ('transformers', 'peft', 'trl') if name in sys.modules])"
     )
     spec = VariantSpec(model="tiny", variant="unsloth", steps=1, warmup=0)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from barqtrain.bench import lora
+from barqtrain_bench import lora
 
 TINY_LAYER = dict(
     hidden_size=64,

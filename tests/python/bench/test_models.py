@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from barqtrain.bench.models import BENCHMARK_MODELS, SELECTABLE_MODELS, WORKLOADS, build_model
+from barqtrain.train import shapes
+from barqtrain_bench.models import BENCHMARK_MODELS, LLAMA_1B, LLAMA_8B, SELECTABLE_MODELS, WORKLOADS, build_model
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PARAMETERS = {
@@ -37,3 +38,8 @@ def test_the_qwen_and_gemma_specifics_reach_the_config():
 def test_the_default_models_stay_the_llama_shapes():
     assert BENCHMARK_MODELS == ("llama-1b", "llama-8b")
     assert set(SELECTABLE_MODELS) == set(PARAMETERS)
+
+
+def test_the_llama_workloads_are_the_trainers_named_shapes():
+    # `barqtrain train` with model.name llama-1b-shape / llama-8b-shape builds these same shapes.
+    assert LLAMA_1B.config == shapes.LLAMA_3_2_1B and LLAMA_8B.config == shapes.LLAMA_3_1_8B

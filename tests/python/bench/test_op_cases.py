@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from barqtrain.bench.environment import Unavailable
-from barqtrain.bench.op_cases import OP_BENCHMARKS
-from barqtrain.bench.op_cases.base import COMPILED, EAGER, LIGER, OURS
+from barqtrain_bench.environment import Unavailable
+from barqtrain_bench.op_cases import OP_BENCHMARKS
+from barqtrain_bench.op_cases.base import COMPILED, EAGER, LIGER, OURS
 
 CPU = torch.device("cpu")
 BENCHMARKS = list(OP_BENCHMARKS.values())

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from barqtrain import cli
-from barqtrain.bench import op_cases, ops
-from barqtrain.bench.op_cases.base import Rows
-from barqtrain.bench.timing import Timing
+from barqtrain_bench import op_cases, ops
+from barqtrain_bench.op_cases.base import Rows
+from barqtrain_bench.timing import Timing
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")

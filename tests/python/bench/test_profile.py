@@ -2,7 +2,7 @@
 
 import pytest
 
-from barqtrain.bench.profile import (
+from barqtrain_bench.profile import (
     CATEGORIES,
     PROFILED_STEPS,
     PROFILER_WARMUP_STEPS,

@@ -1,8 +1,8 @@
 """Tables, chart series and notes of the benchmark reports."""
 
-from barqtrain.bench import ops
-from barqtrain.bench.ceilings import Ceilings
-from barqtrain.bench.report import (
+from barqtrain_bench import ops
+from barqtrain_bench.ceilings import Ceilings
+from barqtrain_bench.report import (
     format_table,
     format_value,
     grouped_values,

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from barqtrain.bench import xent
+from barqtrain_bench import xent
 
 
 def test_cases_count_their_gemms():

@@ -9,8 +9,7 @@ import pytest
 import torch
 import yaml
 
-from barqtrain.bench.models import LLAMA_1B, LLAMA_8B
-from barqtrain.train import task
+from barqtrain.train import shapes, task
 from barqtrain.train.batches import TaskData
 from barqtrain.train.config import NAMED_MODELS, config_from_dict, to_dict
 
@@ -31,8 +30,9 @@ def parameters_on_meta(config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_named_shapes_are_the_benchmark_workloads():
-    assert NAMED_MODELS["llama-1b-shape"] == LLAMA_1B.config and NAMED_MODELS["llama-8b-shape"] == LLAMA_8B.config
+def test_named_shapes_are_the_published_llama_shapes():
+    assert NAMED_MODELS["llama-1b-shape"] == shapes.LLAMA_3_2_1B
+    assert NAMED_MODELS["llama-8b-shape"] == shapes.LLAMA_3_1_8B
     # Llama-3.2-1B (tied embeddings) and Llama-3.1-8B as published.
     assert parameters_on_meta(NAMED_MODELS["llama-1b-shape"]) == 1_235_814_400
     assert parameters_on_meta(NAMED_MODELS["llama-8b-shape"]) == 8_030_261_248

@@ -1,4 +1,4 @@
-"""Packing throughput: python -m barqtrain.data.pack_bench [--sequences N] [--tokenizer DIR --alpaca FILE]
+"""Packing throughput: python -m barqtrain_bench.packing [--sequences N] [--tokenizer DIR --alpaca FILE]
 
 Times the C++ packer (plan: shard, shuffle, best-fit decreasing; includes copying the
 tokens in) and the collation of every row into int64 tensors, on a log-normal length

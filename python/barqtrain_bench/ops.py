@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from barqtrain.bench.ceilings import Ceilings, measure_ceilings
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name
-from barqtrain.bench.op_cases import OP_BENCHMARKS
-from barqtrain.bench.op_cases.base import BASELINES, OURS, Implementation, OpCase, OpInputs
-from barqtrain.bench.report import (
+from barqtrain_bench.ceilings import Ceilings, measure_ceilings
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name
+from barqtrain_bench.op_cases import OP_BENCHMARKS
+from barqtrain_bench.op_cases.base import BASELINES, OURS, Implementation, OpCase, OpInputs
+from barqtrain_bench.report import (
     BarPanel,
     format_table,
     format_value,
@@ -21,7 +21,7 @@ from barqtrain.bench.report import (
     save_bar_chart,
     write_json,
 )
-from barqtrain.bench.timing import input_sets_to_defeat_l2, time_calls
+from barqtrain_bench.timing import input_sets_to_defeat_l2, time_calls
 
 __all__ = ["BASELINES", "run_ops_benchmark"]
 

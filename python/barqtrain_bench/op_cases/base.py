@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 import torch
 
 from barqtrain import _op_library
-from barqtrain.bench.environment import Unavailable
+from barqtrain_bench.environment import Unavailable
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 # Called with the case's differentiable inputs, in OpInputs.tensors order.

@@ -8,7 +8,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from barqtrain.bench.op_cases.base import EAGER, LIGER, OURS, OpBenchmark, OpCase, Rows
+from barqtrain_bench.op_cases.base import EAGER, LIGER, OURS, OpBenchmark, OpCase, Rows
 
 # barqtrain.ops.glu's activation name -> what HF's MLPs apply to the gate, and Liger's fused op.
 _EAGER_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}

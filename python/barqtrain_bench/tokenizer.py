@@ -1,7 +1,7 @@
 """Tokenizer throughput: barqtrain.data.Tokenizer against Hugging Face tokenizers and
 tiktoken, in MB/s of UTF-8 input, on one core and on all cores, in one run.
 
-    python -m barqtrain.data.bench --tokenizers /path/to/tokenizers --text input.txt
+    python -m barqtrain_bench.tokenizer --tokenizers /path/to/tokenizers --text input.txt
 
 The corpus is the text file repeated to --megabytes and cut into documents at blank lines
 (about 1 KB each for Shakespeare), so batch encoding has independent work to share.
@@ -165,7 +165,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     shared = Path("..") / "shared" / "data"  # the project's shared data, beside the checkout
-    parser = argparse.ArgumentParser(prog="python -m barqtrain.data.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m barqtrain_bench.tokenizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizers", type=Path, default=shared / "tokenizers",
                         help="folder of tokenizer folders, each with a tokenizer.json")
     parser.add_argument("--names", default=f"gpt2,llama3,qwen2.5,{SENTENCEPIECE}",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from barqtrain.bench.report import format_table
+from barqtrain_bench.report import format_table
 
 PROFILED_STEPS = 3
 # Steps under the profiler before the profiled ones: the first carries the profiler's start-up.

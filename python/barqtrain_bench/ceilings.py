@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from barqtrain.bench.timing import time_calls
+from barqtrain_bench.timing import time_calls
 
 COPY_BYTES = 1 << 30  # 1 GiB: far beyond L2, so the copy streams through HBM
 MATMUL_SIZE = 8192

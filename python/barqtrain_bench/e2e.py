@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 import barqtrain
-from barqtrain.bench.e2e_worker import (
+import barqtrain_bench
+from barqtrain_bench.e2e_worker import (
     BARQTRAIN_VARIANTS,
     BASELINE_VARIANTS,
     LEARNING_RATE,
@@ -27,10 +28,10 @@ from barqtrain.bench.e2e_worker import (
     VARIANTS,
     VariantSpec,
 )
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
-from barqtrain.bench.models import TINY, WORKLOADS, Workload
-from barqtrain.bench.profile import CATEGORIES, PROFILED_STEPS, profile_table
-from barqtrain.bench.report import (
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
+from barqtrain_bench.models import TINY, WORKLOADS, Workload
+from barqtrain_bench.profile import CATEGORIES, PROFILED_STEPS, profile_table
+from barqtrain_bench.report import (
     BarPanel,
     format_table,
     format_value,
@@ -147,7 +148,7 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="barqtrain-e2e-") as scratch:
         result_path = Path(scratch) / "result.json"
         command = [
-            sys.executable, "-m", "barqtrain.bench.e2e_worker",
+            sys.executable, "-m", "barqtrain_bench.e2e_worker",
             "--spec", json.dumps(asdict(spec)), "--result", str(result_path),
         ]  # fmt: skip
         try:
@@ -167,11 +168,12 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
 
 
 def _worker_environment(spec: VariantSpec) -> dict[str, str]:
-    # The worker must import this very copy of barqtrain, also when it was found through a
-    # sys.path entry (a source checkout, a test runner) rather than an install.
-    package_root = str(Path(barqtrain.__file__).resolve().parent.parent)
+    # The worker must import this very copy of barqtrain and of this package, also when they were
+    # found through a sys.path entry (a source checkout, a test runner) rather than an install.
+    roots = (Path(package.__file__).resolve().parent.parent for package in (barqtrain, barqtrain_bench))
+    package_roots = dict.fromkeys(str(root) for root in roots)
     environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, environment.get("PYTHONPATH"))))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, (*package_roots, environment.get("PYTHONPATH"))))
     if spec.variant == "unsloth":  # set from the start: Hugging Face's libraries read them on import
         environment.update(UNSLOTH_ENVIRONMENT)
     return environment

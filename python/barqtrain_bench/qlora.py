@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from barqtrain.bench.ceilings import measure_ceilings
-from barqtrain.bench.environment import (
+from barqtrain_bench.ceilings import measure_ceilings
+from barqtrain_bench.environment import (
     Unavailable,
     collect_environment,
     device_name,
     import_optional,
 )
-from barqtrain.bench.report import format_table, format_value, write_json
-from barqtrain.bench.timing import time_calls
+from barqtrain_bench.report import format_table, format_value, write_json
+from barqtrain_bench.timing import time_calls
 
 TOKENS = 8192
 SHAPES = ((4096, 14336), (4096, 4096), (14336, 4096))  # (in_features, out_features) of W

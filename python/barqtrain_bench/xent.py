@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from barqtrain import _op_library
-from barqtrain.bench.ceilings import measure_ceilings
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
-from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
-from barqtrain.bench.timing import time_calls
+from barqtrain_bench.ceilings import measure_ceilings
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
+from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.timing import time_calls
 
 BASELINES = ("hf", "liger")  # hf: the unfused loss of Hugging Face's causal-LM heads
 

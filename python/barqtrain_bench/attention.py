@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from barqtrain import _op_library
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name
-from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
-from barqtrain.bench.timing import time_calls
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name
+from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.timing import time_calls
 from barqtrain.ops.attention import attention_rope_tables
 
 TOKENS_PER_BATCH = 16384  # batch = tokens / seq: every case does the same amount of attention rows

@@ -6,10 +6,10 @@ glu.py    SwiGLU, GeGLU
 rope.py   RoPE of q and k
 """
 
-from barqtrain.bench.op_cases.base import OpBenchmark
-from barqtrain.bench.op_cases.glu import GEGLU, SWIGLU
-from barqtrain.bench.op_cases.norms import ADD_RMS_NORM, LAYER_NORM, RMS_NORM
-from barqtrain.bench.op_cases.rope import ROPE
+from barqtrain_bench.op_cases.base import OpBenchmark
+from barqtrain_bench.op_cases.glu import GEGLU, SWIGLU
+from barqtrain_bench.op_cases.norms import ADD_RMS_NORM, LAYER_NORM, RMS_NORM
+from barqtrain_bench.op_cases.rope import ROPE
 
 OP_BENCHMARKS: dict[str, OpBenchmark] = {
     benchmark.op: benchmark for benchmark in (RMS_NORM, ADD_RMS_NORM, SWIGLU, GEGLU, ROPE, LAYER_NORM)

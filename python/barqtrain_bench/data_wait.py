@@ -2,7 +2,7 @@
 data pipeline against Hugging Face Datasets + DataCollatorWithFlattening, side by side.
 
 Both pipelines feed the same model step the same already-tokenized sequences (random
-token ids with pack_bench's log-normal lengths, like instruction data, cut to a row), so
+token ids with the packing benchmark's log-normal lengths, like instruction data, cut to a row), so
 the comparison is about getting batches:
 - barqtrain: PackedLoader packs rows of seq_len in C++ and collates batches ahead on a
   background thread into pinned memory;
@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
-from barqtrain.bench.models import LLAMA_1B, TINY, Workload, build_model
-from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
-from barqtrain.data.pack_bench import lognormal_lengths
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
+from barqtrain_bench.models import LLAMA_1B, TINY, Workload, build_model
+from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.packing import lognormal_lengths
 
 TARGET_WAIT_PERCENT = 1.0  # the target: the GPU waits for data less than 1% of a step
 PIPELINES = ("barqtrain", "hf", "hf, 2 workers")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from barqtrain.bench.op_cases.base import EAGER, LIGER, OURS, ImplementationBuilder, OpBenchmark, OpCase, Rows
+from barqtrain_bench.op_cases.base import EAGER, LIGER, OURS, ImplementationBuilder, OpBenchmark, OpCase, Rows
 
 EPS = 1e-5  # Llama 3's
 LLAMA_8B_TOKENS_X_HIDDEN = Rows(16384, 4096, torch.bfloat16)  # 4 x 4096 tokens

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from barqtrain.bench.op_cases.base import EAGER, LIGER, OURS, OpBenchmark, OpCase, OpInputs, dtype_name
+from barqtrain_bench.op_cases.base import EAGER, LIGER, OURS, OpBenchmark, OpCase, OpInputs, dtype_name
 
 THETA = 500000.0  # Llama 3's
 

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from barqtrain.bench.environment import Unavailable, collect_environment, device_name, import_optional
-from barqtrain.bench.models import LLAMA_8B, build_model
-from barqtrain.bench.report import format_table, format_value, problem_notes, write_json
-from barqtrain.bench.timing import time_calls
+from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
+from barqtrain_bench.models import LLAMA_8B, build_model
+from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.timing import time_calls
 
 BASELINES = ("hf",)  # hf: Hugging Face + PEFT, the layers as PEFT computes them
 

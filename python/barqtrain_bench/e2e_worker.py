@@ -1,6 +1,6 @@
 """One end-to-end benchmark variant, alone in its process.
 
-    python -m barqtrain.bench.e2e_worker --spec '{"model": "llama-1b", ...}' --result result.json
+    python -m barqtrain_bench.e2e_worker --spec '{"model": "llama-1b", ...}' --result result.json
 
 bench/e2e.py starts one such process per (model, variant) so that each variant's peak
 memory, caching allocator and class-level patches (Liger and Unsloth patch HF classes) start
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from barqtrain.bench.models import WORKLOADS, Workload, build_model
-from barqtrain.bench.profile import PROFILED_STEPS, PROFILER_WARMUP_STEPS, profile_steps
+from barqtrain_bench.models import WORKLOADS, Workload, build_model
+from barqtrain_bench.profile import PROFILED_STEPS, PROFILER_WARMUP_STEPS, profile_steps
 from barqtrain.patch.families import OPS as DEFAULT_OPS
 
 # BarqTrain's variants and what each passes to barqtrain.get_peft_model: "barqtrain" is its
