@@ -121,7 +121,7 @@ def _deterministic_algorithms(enabled: bool):
 
 
 def implementations() -> dict[str, Attention | Unavailable]:
-    """The implementations every case runs, by name (also scripts/diagnostics/attention_profile.py's)."""
+    """The implementations every case runs, by name (also benchmarks/diagnostics/attention_profile.py's)."""
     backends = torch.nn.attention.SDPBackend
     return {
         "barqtrain-general": _barqtrain("general"),

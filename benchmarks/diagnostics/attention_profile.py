@@ -7,7 +7,7 @@ launches:
 
   ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
       --section WarpStateStats --section Occupancy --section LaunchStats \\
-      python scripts/diagnostics/attention_profile.py [--impl barqtrain-general sdpa-flash --forward-only]
+      python benchmarks/diagnostics/attention_profile.py [--impl barqtrain-general sdpa-flash --forward-only]
 
 Without ncu it prints each one's CUDA-event time, so the profiled run can be checked against an
 unprofiled one.

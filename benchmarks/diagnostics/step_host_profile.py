@@ -7,7 +7,7 @@ time is close to the wall time, the GPU waits on Python, and fewer launches or l
 layer is what moves the step. Then a profiled step lists the operators by host time and the
 kernels by launch count.
 
-    python scripts/diagnostics/step_host_profile.py [--model llama-1b] [--steps 5]
+    python benchmarks/diagnostics/step_host_profile.py [--model llama-1b] [--steps 5]
 """
 
 import argparse

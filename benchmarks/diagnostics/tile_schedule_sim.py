@@ -14,7 +14,7 @@ Two kernel families (--kernels):
           queries) and the forward grid (128 queries), whose "heads inner" order is the grid
           (q heads, query blocks, batch).
 
-    python scripts/diagnostics/tile_schedule_sim.py [--kernels hopper|sm80] [--sms 132]
+    python benchmarks/diagnostics/tile_schedule_sim.py [--kernels hopper|sm80] [--sms 132]
 """
 
 import argparse
