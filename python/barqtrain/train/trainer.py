@@ -724,6 +724,7 @@ def _train(
     model.train()
     start = time.perf_counter()
     progress = Progress(steps, step, config.log_interval, log, bar=progress_bar)
+    first_step = step + 1  # this process's: the one that compiles
     try:
         while step < steps:
             step_start = time.perf_counter()
@@ -754,6 +755,8 @@ def _train(
             if device.type == "cuda":
                 record["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.write(record)
+            if step == first_step and config.model.compile != "none":
+                log(f"Step {step} took {duration(now - step_start)}, the decoder layers' compilation included.")
             result.losses[step] = total_loss
             progress.step(step, total_loss, lr, tokens, record.get("gpu_mem_gib"))
             if config.eval_interval and step % config.eval_interval == 0 and step < steps and eval_batches:

@@ -107,5 +107,6 @@ def test_regional_compilation_trains_as_the_eager_run(tmp_path):
     finally:
         torch._dynamo.reset()
     assert any(str(line).startswith("Compiled: 2 decoder layers") for line in logged)
+    assert any(str(line).startswith("Step 1 took ") and "compilation included" in str(line) for line in logged)
     assert sorted(compiled) == [1, 2, 3, 4]
     torch.testing.assert_close([compiled[s] for s in range(1, 5)], [eager[s] for s in range(1, 5)], rtol=1e-4, atol=0)
