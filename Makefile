@@ -47,7 +47,7 @@ test-no-cuda: venv
 	  -Cbuild-dir=$(NO_CUDA_BUILD)/cmake -Ccmake.define.BARQTRAIN_ENABLE_CUDA=OFF .
 	$(PY) -m pip install -q --no-deps --target $(NO_CUDA_BUILD)/site $(NO_CUDA_BUILD)/*.whl
 	cd $(NO_CUDA_BUILD) && PYTHONPATH=site $(abspath $(PY)) -c \
-	  "import barqtrain._native as n; assert not n.has_cuda_kernels(), 'expected a build without CUDA kernels'"
+	  "import barqtrain._op_library as n; assert not n.has_cuda_kernels(), 'expected a build without CUDA kernels'"
 	cd $(NO_CUDA_BUILD) && PYTHONPATH=site $(abspath $(PY)) -m pytest -q -p no:cacheprovider \
 	  $(CURDIR)/tests/python/ops
 
