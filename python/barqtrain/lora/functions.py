@@ -2,13 +2,11 @@
 
     y = x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ      PEFT's layout: W [out, in], A [r, in], B [out, r]
 
-Forward: the small x Aᵀ first, then s · (x Aᵀ) Bᵀ, onto which the base GEMM adds x Wᵀ (beta = 1:
-its epilogue reads the LoRA term while the mainloop's compute hides the read), so the LoRA term
-costs one pass over [tokens × out], not the two of adding it afterwards. Backward, likewise:
-dx = (s · dy B) A first, then the base GEMMs add dy W onto it; dA = (s · dy B)ᵀ x,
-dB = s · dyᵀ (x Aᵀ); the base weight's gradient only when it requires one (never in LoRA).
-Saved: x and x Aᵀ; with dropout, its mask too (one byte an element), from which the dropped x
-is recomputed; and the adapters as cast for the products, so that they are cast once a step.
+Forward: the small x Aᵀ first, then one addmm adds s · (x Aᵀ) Bᵀ into the base GEMM's output
+in place, so the LoRA term has no [tokens × out] tensor of its own. Backward: dx = dy W +
+(s · dy B) A (again one addmm, into dx), dA = (s · dy B)ᵀ x, dB = s · dyᵀ (x Aᵀ); the base
+weight's gradient only when it requires one (never in LoRA). Saved: x and x Aᵀ; with dropout,
+its mask too (one byte an element), from which the dropped x is recomputed.
 
 Projections of one input (q, k and v; gate and up) are one autograd function: x is saved
 once, and the A matrices of the LoRA projections are stacked, so that x is read once for
@@ -33,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: for tests
 _TENSORS_PER_PROJECTION = 4  # weight, bias, lora_A, lora_B in the flat argument lists
@@ -123,19 +120,19 @@ class _Group:
     adapter_dtype: torch.dtype  # the adapters' (and their gradients') dtype
     dropout: float
 
-    def cast_adapters(self, projections: Sequence[Projection]) -> list[torch.Tensor]:
-        """[the A matrices one above the other, then each B], in the products' dtype. Made once
-        per forward and saved for the backward, which multiplies by the same values."""
+    def stacked_A(self, projections: Sequence[Projection]) -> torch.Tensor:
+        """The A matrices one above the other, in the products' dtype."""
         matrices = [projections[i].lora.lora_A for i in self.indices]
-        stacked_A = matrices[0] if len(matrices) == 1 else torch.cat(matrices)
-        return [_cast(stacked_A, self.dtype), *(_cast(projections[i].lora.lora_B, self.dtype) for i in self.indices)]
+        return (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
+
+    def lora_B(self, projections: Sequence[Projection], index: int) -> torch.Tensor:
+        return projections[index].lora.lora_B.to(self.dtype)
 
     def ranks(self, projections: Sequence[Projection]) -> list[int]:
         return [projections[i].lora.lora_A.shape[0] for i in self.indices]
 
     def saved_count(self) -> int:
-        """The dropout mask (with dropout), x Aᵀ, the stacked A and each B (cast_adapters)."""
-        return (1 if self.dropout else 0) + 2 + len(self.indices)
+        return 2 if self.dropout else 1  # x Aᵀ, and the dropout mask
 
 
 def _groups(projections: Sequence[Projection]) -> list[_Group]:
@@ -152,16 +149,9 @@ def _groups(projections: Sequence[Projection]) -> list[_Group]:
     return [_Group(tuple(indices), *dtypes, 0.0) for dtypes, indices in undropped.items()] + groups
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """tensor in dtype; without a call into torch when it is already (the host's time counts)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale · (a @ b), rounded once."""
-    if scale == 1.0:
-        return a @ b
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)  # beta = 0: the input is not read
+    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
 
 
 def _gradient_mm(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -171,7 +161,7 @@ def _gradient_mm(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dt
     if a.is_cuda:  # cuBLAS: 16-bit operands on tensor cores, the fp32 accumulator written as is
         product = torch.mm(a, b, out_dtype=dtype)
     else:  # the same sums: 16-bit values are exact in fp32
-        product = _cast(a, dtype) @ _cast(b, dtype)
+        product = a.to(dtype) @ b.to(dtype)
     return product if scale == 1.0 else product.mul_(scale)
 
 
@@ -180,44 +170,26 @@ def _dropped(x: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tenso
     return torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - dropout))
 
 
-def _is_dense(weight: torch.Tensor) -> bool:
-    """A plain weight, which cuBLAS reads; not a quantized one (barqtrain.quant), whose GEMM is its own."""
-    return type(weight) in (torch.Tensor, nn.Parameter)
-
-
 def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The projections of x [tokens, in]; and, per _Group, what the backward needs: x Aᵀ
     (the group's ranks side by side) and, with dropout, the mask."""
-    outputs: list[torch.Tensor | None] = [None] * len(projections)
+    outputs = [F.linear(x, p.weight, p.bias) for p in projections]
     saved = []
     for group in _groups(projections):
-        lora_input = _cast(x, group.dtype)
+        lora_input = x.to(group.dtype)
         if group.dropout:
             # Draws what PEFT's nn.Dropout draws from the same RNG state: masks match.
             lora_input, mask = torch.native_dropout(lora_input, group.dropout, True)
             saved.append(mask)
-        stacked_A, *lora_Bs = group.cast_adapters(projections)
-        xa = lora_input @ stacked_A.T
-        saved += [xa, stacked_A, *lora_Bs]
-        xa_parts = xa.split(group.ranks(projections), dim=1)
-        for index, xa_part, lora_B in zip(group.indices, xa_parts, lora_Bs, strict=True):
-            projection = projections[index]
-            weight, bias, scaling = projection.weight, projection.bias, projection.lora.scaling
-            if group.dtype == x.dtype and _is_dense(weight):
-                # The rank-r term first (a GEMM of K = r, bound by writing its output), then the
-                # base GEMM adds it in its epilogue (beta = 1), where reading it is hidden under a
-                # compute-bound mainloop: one pass over [tokens, out] fewer than adding it after.
-                if bias is None:
-                    summed = _scaled_mm(xa_part, lora_B.T, scaling)
-                else:
-                    summed = torch.addmm(bias, xa_part, lora_B.T, alpha=scaling)
-                outputs[index] = summed.addmm_(x, weight.T)
-            elif group.dtype == x.dtype:
-                outputs[index] = F.linear(x, weight, bias).addmm_(xa_part, lora_B.T, alpha=scaling)
+        xa = lora_input @ group.stacked_A(projections).T
+        saved.append(xa)
+        for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
+            lora_B, scaling = group.lora_B(projections, index), projections[index].lora.scaling
+            if group.dtype == x.dtype:
+                outputs[index].addmm_(xa_part, lora_B.T, alpha=scaling)
             else:
-                summed = _cast(F.linear(x, weight, bias), group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
-                outputs[index] = _cast(summed, x.dtype)
-    outputs = [F.linear(x, p.weight, p.bias) if y is None else y for p, y in zip(projections, outputs, strict=True)]
+                summed = outputs[index].to(group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
+                outputs[index] = summed.to(x.dtype)
     return outputs, saved
 
 
@@ -234,47 +206,6 @@ def _project_backward(
     trainable weight."""
     grads: list[torch.Tensor | None] = [None] * len(needs_grads)
     dx = None
-    # The LoRA terms of dx first, where they are in dx's dtype: the base GEMMs below then add
-    # onto them in their epilogue (see _project). Those in another dtype (PEFT's arithmetic)
-    # are rounded and added last, as PEFT adds them.
-    rounded_lora_dx = []
-    position = 0
-    for group in _groups(projections):
-        group_saved = saved[position : position + group.saved_count()]
-        position += group.saved_count()
-        mask = group_saved[0] if group.dropout else None
-        xa, stacked_A, *lora_Bs = group_saved[1:] if group.dropout else group_saved
-        ranks = group.ranks(projections)
-        dxa_parts = []
-        for index, xa_part, lora_B in zip(group.indices, xa.split(ranks, dim=1), lora_Bs, strict=True):
-            scaling = projections[index].lora.scaling
-            dy = _cast(dys[index], group.dtype)
-            if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
-                dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
-                grads[index * _TENSORS_PER_PROJECTION + 3] = dB
-            dxa_parts.append(_scaled_mm(dy, lora_B, scaling))
-        dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
-
-        if any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
-            lora_input = _cast(x, group.dtype)
-            if mask is not None:
-                lora_input = _dropped(lora_input, mask, group.dropout)
-            dA = _gradient_mm(dxa.T, lora_input, 1.0, group.adapter_dtype)
-            for index, dA_part in zip(group.indices, dA.split(ranks), strict=True):
-                if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
-                    grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
-        if needs_dx:
-            if group.dtype == dys[0].dtype and mask is None:
-                dx = dxa @ stacked_A if dx is None else dx.addmm_(dxa, stacked_A)
-                continue
-            lora_dx = dxa @ stacked_A
-            if mask is not None:
-                lora_dx = _dropped(lora_dx, mask, group.dropout)
-            if group.dtype == dys[0].dtype:
-                dx = lora_dx if dx is None else dx.add_(lora_dx)
-            else:
-                rounded_lora_dx.append(_cast(lora_dx, dys[0].dtype))
-
     for index, (projection, dy) in enumerate(zip(projections, dys, strict=True)):
         needs_weight, needs_bias = needs_grads[index * _TENSORS_PER_PROJECTION : index * _TENSORS_PER_PROJECTION + 2]
         if needs_dx:
@@ -283,8 +214,40 @@ def _project_backward(
             grads[index * _TENSORS_PER_PROJECTION] = dy.T @ x
         if needs_bias:
             grads[index * _TENSORS_PER_PROJECTION + 1] = dy.sum(0)
-    for lora_dx in rounded_lora_dx:
-        dx.add_(lora_dx)
+
+    position = 0
+    for group in _groups(projections):
+        mask = saved[position] if group.dropout else None
+        xa = saved[position + group.saved_count() - 1]
+        position += group.saved_count()
+        ranks = group.ranks(projections)
+        dxa_parts = []
+        for index, xa_part in zip(group.indices, xa.split(ranks, dim=1), strict=True):
+            scaling = projections[index].lora.scaling
+            dy = dys[index].to(group.dtype)
+            if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
+                dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
+                grads[index * _TENSORS_PER_PROJECTION + 3] = dB
+            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
+        dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
+
+        if any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
+            lora_input = x.to(group.dtype)
+            if mask is not None:
+                lora_input = _dropped(lora_input, mask, group.dropout)
+            dA = _gradient_mm(dxa.T, lora_input, 1.0, group.adapter_dtype)
+            for index, dA_part in zip(group.indices, dA.split(ranks), strict=True):
+                if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
+                    grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
+        if needs_dx:
+            stacked_A = group.stacked_A(projections)
+            if group.dtype == dx.dtype and mask is None:
+                dx.addmm_(dxa, stacked_A)
+            else:
+                lora_dx = dxa @ stacked_A
+                if mask is not None:
+                    lora_dx = _dropped(lora_dx, mask, group.dropout)
+                dx.add_(lora_dx.to(dx.dtype))
     return dx, grads
 
 

@@ -94,15 +94,12 @@ def test_a_trainable_base_weight_and_bias_get_their_gradients():
 
 
 def _saved_activations(function, x: torch.Tensor, parameters: list[torch.Tensor]) -> list[torch.Size]:
-    """Shapes of the tensors of one row per token (x has 111, a count no weight here has) that
-    autograd saves while computing function(x): the activations. Parameters, and the adapters
-    as cast for the LoRA products, are per step, not per token."""
+    """Shapes of the tensors autograd saves while computing function(x), parameters excluded."""
     parameter_storages = {p.untyped_storage().data_ptr() for p in parameters}
-    rows = x.reshape(-1, x.shape[-1]).shape[0]
     shapes = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage().data_ptr() not in parameter_storages and tensor.shape[:-1].numel() == rows:
+        if tensor.untyped_storage().data_ptr() not in parameter_storages:
             shapes.append(tensor.shape)
         return tensor
 
