@@ -44,10 +44,15 @@ def original_forward(module: nn.Module) -> Callable[..., object]:
     raise TypeError(f"barqtrain: {type(module).__name__} has no forward")  # nn.Module defines one
 
 
-def fall_back(module: nn.Module, why: str) -> Callable[..., object]:
-    """Warn once that calls like this one run Hugging Face's forward, and return it."""
-    message = f"barqtrain: {type(module).__name__}: {why}, so these calls run the original Hugging Face forward"
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """warnings.warn(message) the first time this message comes; stacklevel as warnings.warn's,
+    counted from the caller of warn_once's caller by default."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=stacklevel)
+
+
+def fall_back(module: nn.Module, why: str) -> Callable[..., object]:
+    """Warn once that calls like this one run Hugging Face's forward, and return it."""
+    warn_once(f"barqtrain: {type(module).__name__}: {why}, so these calls run the original Hugging Face forward", 4)
     return original_forward(module)

@@ -23,7 +23,6 @@ head does not compute keep TRL's head, with one warning that names them.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from types import MethodType
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 from barqtrain.patch.causal_lm import unsupported_head
-from barqtrain.patch.fallback import fused_ops_support
+from barqtrain.patch.fallback import fused_ops_support, warn_once
 
 IGNORE_INDEX = -100  # TRL's label for positions without a loss
 # Logits per forward chunk (fp32: 256 MiB, and as much again for the probabilities), e.g. 512
@@ -44,14 +43,6 @@ _COMPUTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
 # Arguments of TRL's fused head that the backbone does not take.
 _HEAD_KWARGS = frozenset({"labels", "shift_labels", "num_items_in_batch", "use_cache"})
 
-# One warning per distinct message.
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 class _TokenStatistics(torch.autograd.Function):
@@ -152,7 +143,7 @@ def _fused_head_forward(trl_forward: MethodType, head_settings: dict[str, Any]) 
         if not fused_lm_head:
             return trl_forward(*args, **kwargs)
         if (reason := _per_call_reason(self)) is not None:
-            _warn_once(f"barqtrain: {type(self).__name__}: {reason}, so TRL's fused LM head computes these losses")
+            warn_once(f"barqtrain: {type(self).__name__}: {reason}, so TRL's fused LM head computes these losses")
             return trl_forward(*args, fused_lm_head=True, **kwargs)
 
         labels, shift_labels = kwargs["labels"], kwargs.get("shift_labels")
@@ -171,7 +162,7 @@ def _fused_head_forward(trl_forward: MethodType, head_settings: dict[str, Any]) 
         rows, weight, bias = (None if t is None else t.to(compute_dtype) for t in (hidden[mask], head.weight, head.bias))
         if not fused_ops_support(rows, weight, *([] if bias is None else [bias])):
             # Rare (float64, devices other than CPU and CUDA): TRL's head runs the backbone again.
-            _warn_once(
+            warn_once(
                 f"barqtrain: {type(self).__name__}: a {compute_dtype} LM head on {device_type}, "
                 "so TRL's fused LM head computes these losses"
             )
@@ -219,7 +210,7 @@ def patch_sft_trainer(trainer: Any) -> bool:
         )
     head_settings = _closure(instance_forward)
     if (reason := _reason_to_keep_trl_head(trainer, head_settings)) is not None:
-        _warn_once(f"barqtrain: SFTTrainer: {reason}, so TRL's fused LM head computes the loss")
+        warn_once(f"barqtrain: SFTTrainer: {reason}, so TRL's fused LM head computes the loss")
         return False
     model.forward = MethodType(_fused_head_forward(instance_forward, head_settings), model)
     return True

@@ -226,13 +226,13 @@ def sum_of_logits(outputs, labels, num_items_in_batch=None):
 def test_options_the_fused_head_does_not_compute_keep_trl_head_with_a_warning(
     config, trainer_options, option, tokenizer, text_dataset, tmp_path, monkeypatch
 ):
-    from barqtrain.patch import patch_sft_trainer, trl_sft
+    from barqtrain.patch import fallback, patch_sft_trainer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TRL deprecates both options
         trainer = build_trainer(True, tokenizer, text_dataset, tmp_path, trainer_options=trainer_options, **config)
     trl_forward = vars(trainer.model)["forward"]
-    monkeypatch.setattr(trl_sft, "_warned", set())
+    monkeypatch.setattr(fallback, "_warned", set())
     with pytest.warns(UserWarning) as caught:
         assert patch_sft_trainer(trainer) is False
     assert [str(w.message) for w in caught] == [
@@ -244,14 +244,14 @@ def test_options_the_fused_head_does_not_compute_keep_trl_head_with_a_warning(
 def test_an_lm_head_the_op_does_not_compute_goes_to_trl_head_with_one_warning(
     tokenizer, text_dataset, tmp_path, monkeypatch
 ):
-    from barqtrain.patch import patch_sft_trainer, trl_sft
+    from barqtrain.patch import fallback, patch_sft_trainer
 
     trainer = build_trainer(True, tokenizer, text_dataset, tmp_path)
     batch = next(iter(trainer.get_train_dataloader()))
     expected = trainer.compute_loss(trainer.model, dict(batch))
     assert patch_sft_trainer(trainer) is True
     trainer.model.lm_head.register_forward_hook(lambda module, inputs, output: None)
-    monkeypatch.setattr(trl_sft, "_warned", set())
+    monkeypatch.setattr(fallback, "_warned", set())
     calls = OpCalls(monkeypatch)
     with pytest.warns(UserWarning) as caught:
         losses = [trainer.compute_loss(trainer.model, dict(batch)) for _ in range(2)]
