@@ -1,29 +1,19 @@
-"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data]` command.
-
-`barqtrain` loads this module through its "barqtrain.commands" entry point whenever it builds
-its parser, whatever the command: it imports argparse and barqtrain.cli_args, no suite (they
-load in run()). The names the options choose from are the suites' own, spelled out here;
-tests/python/bench/test_cli.py checks that they agree.
-"""
+"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data]` command, which `barqtrain` loads
+through its "barqtrain.commands" entry point."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from barqtrain_bench import attention, data_wait, e2e, lora, ops, qlora, xent
+from barqtrain_bench.e2e_worker import BARQTRAIN_VARIANTS
+from barqtrain_bench.models import BENCHMARK_MODELS, SELECTABLE_MODELS
+from barqtrain_bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
 SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "all")
-# The baselines of ops, xent, lora and e2e (each suite's BASELINES), in that order.
-ALL_BASELINES = ("hf", "liger", "compile", "unsloth")
-OP_NAMES = ("rms_norm", "add_rms_norm", "swiglu", "geglu", "rope", "layer_norm")  # op_cases.OP_BENCHMARKS
-SELECTABLE_MODELS = ("llama-1b", "llama-8b", "qwen2.5-1.5b", "gemma2-2b")  # models.SELECTABLE_MODELS
-BENCHMARK_MODELS = ("llama-1b", "llama-8b")  # models.BENCHMARK_MODELS: `--models`' default
-BARQTRAIN_VARIANTS = (  # e2e_worker.BARQTRAIN_VARIANTS
-    "barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"
-)
-DEFAULT_STEPS = 15  # e2e.DEFAULT_STEPS
-DEFAULT_WARMUP = 3  # e2e.DEFAULT_WARMUP
+ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,10 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ops_options = parser.add_argument_group("per-op options")
     ops_options.add_argument(
         "--ops",
-        type=names_from(OP_NAMES),
-        default=OP_NAMES,
+        type=names_from(tuple(OP_BENCHMARKS)),
+        default=tuple(OP_BENCHMARKS),
         metavar="NAMES",
-        help=f"ops, comma-separated: {', '.join(OP_NAMES)} (default: all)",
+        help=f"ops, comma-separated: {', '.join(OP_BENCHMARKS)} (default: all)",
     )
     e2e_options = parser.add_argument_group("end-to-end and data options")
     e2e_options.add_argument(
@@ -71,8 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e2e_options.add_argument(
         "--variants",
-        type=names_from(BARQTRAIN_VARIANTS),
-        default=BARQTRAIN_VARIANTS,
+        type=names_from(tuple(BARQTRAIN_VARIANTS)),
+        default=tuple(BARQTRAIN_VARIANTS),
         metavar="NAMES",
         help=f"BarqTrain's e2e variants, comma-separated: {', '.join(BARQTRAIN_VARIANTS)} (default: all)",
     )
@@ -90,13 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "loads only from a directory (without it the unsloth row is unavailable)",
     )
     e2e_options.add_argument(
-        "--steps", type=int_at_least(1), default=DEFAULT_STEPS, help=f"timed steps (default: {DEFAULT_STEPS})"
+        "--steps", type=int_at_least(1), default=e2e.DEFAULT_STEPS, help=f"timed steps (default: {e2e.DEFAULT_STEPS})"
     )
     e2e_options.add_argument(
         "--warmup",
         type=int_at_least(0),
-        default=DEFAULT_WARMUP,
-        help=f"untimed steps before them (default: {DEFAULT_WARMUP})",
+        default=e2e.DEFAULT_WARMUP,
+        help=f"untimed steps before them (default: {e2e.DEFAULT_WARMUP})",
     )
     e2e_options.add_argument(
         "--tiny", action="store_true",
@@ -116,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     import torch
-
-    from barqtrain_bench import attention, data_wait, e2e, lora, ops, qlora, xent
 
     # Without a GPU only e2e and data have something to run, and only with --tiny: anything
     # else measures nothing, which is a failure (exit 2), not a result.
