@@ -1,17 +1,13 @@
-"""Files written so that a reader sees the old content or the new one, never half of either,
-and a write into a training run that the disk refuses, as one line saying how to go on."""
+"""Files and directories written so that a reader sees the old content or the new one, never
+half of either."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
-import typing
 from collections.abc import Iterator
 from pathlib import Path
-
-from barqtrain.train.config import UsageError
 
 
 @contextlib.contextmanager
@@ -37,35 +33,17 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def run_write_errors(what: Path, run_dir: Path, cleanup: Path | None = None) -> Iterator[None]:
-    """A write into the training run in run_dir that the disk refuses (full, over quota,
-    read-only, no permission) as a UsageError: one line naming what, the reason and the
-    --resume that continues the run; cleanup, a partial write (file or directory), is removed
-    first, so that it takes no more space. Any other error is raised as it is."""
-
-    def fail(reason: str) -> typing.NoReturn:
-        if cleanup is not None and cleanup.is_dir():
-            shutil.rmtree(cleanup, ignore_errors=True)
-        elif cleanup is not None:
-            cleanup.unlink(missing_ok=True)
-        raise UsageError(
-            f"{what}: {reason}; make room (or choose another output_dir), then `barqtrain train --resume {run_dir}` "
-            "continues from the last whole checkpoint"
-        ) from None
-
+def directory_replaced_atomically(path: Path) -> Iterator[Path]:
+    """Yields an empty temporary directory beside path (.tmp-NAME-PID) to write instead: it
+    replaces path when the block ends without an error, else it is removed."""
+    temporary = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
     try:
-        yield
-    except OSError as error:
-        if error.errno == errno.ENOSPC:
-            fail("no space left on device")
-        if error.errno == errno.EDQUOT:
-            fail("disk quota exceeded")
-        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fail(f"cannot write there ({error.strerror})")
-        raise
-    except RuntimeError as error:
-        # torch.save's zip writer reports a short write without its errno: "unexpected pos N vs M",
-        # "file write failed".
-        if "unexpected pos" in str(error) or "write failed" in str(error):
-            fail("no space left on device (the write stopped short)")
+        temporary.mkdir(parents=True)
+        yield temporary
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
         raise

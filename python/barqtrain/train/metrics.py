@@ -1,7 +1,7 @@
 """A run's metrics: one JSON object a line in metrics.jsonl (always), TensorBoard event
 files (when the tensorboard package is installed) and a loss + throughput PNG at the end
 (when matplotlib is). A missing optional package is said once, never silently skipped; a
-write the disk refuses is a one-line error (barqtrain.files.run_write_errors) that leaves the
+write the disk refuses is a one-line error (barqtrain.train.write_errors) that leaves the
 records before it whole."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from barqtrain.files import replaced_atomically, run_write_errors, write_text_atomically
+from barqtrain.files import replaced_atomically, write_text_atomically
+from barqtrain.train.write_errors import run_write_errors
 
 
 class Metrics:

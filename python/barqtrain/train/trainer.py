@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import yaml
 
-from barqtrain.files import run_write_errors, write_text_atomically
+from barqtrain.files import directory_replaced_atomically, write_text_atomically
 from barqtrain.train import distributed, task
 from barqtrain.train.batches import make_data, scored_tokens
 from barqtrain.train.config import (
@@ -51,6 +51,7 @@ from barqtrain.train.config import (
 from barqtrain.train.metrics import Metrics, write_plot
 from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
 from barqtrain.train.progress import Progress, duration, is_terminal, without_transformers_bars
+from barqtrain.train.write_errors import run_write_errors
 
 CHECKPOINTS = "checkpoints"
 # Everything BarqTrain writes in a run directory: what --overwrite deletes (and nothing else).
@@ -254,13 +255,9 @@ def _quantizable_shapes(quant_type: str) -> str:
 def save_base(model: torch.nn.Module, directory: Path) -> None:
     """The unpatched, adapter-free model in HF format, written atomically (a temporary
     directory renamed into place)."""
-    temporary = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    with run_write_errors(directory, directory.parent, cleanup=temporary):
-        shutil.rmtree(temporary, ignore_errors=True)
+    with run_write_errors(directory, directory.parent), directory_replaced_atomically(directory) as temporary:
         with without_transformers_bars():
             model.save_pretrained(temporary)
-        shutil.rmtree(directory, ignore_errors=True)
-        os.replace(temporary, directory)
 
 
 # ------------------------------------------------------------------------ checkpoints
@@ -285,31 +282,25 @@ def weights_name(config: TrainConfig) -> str:
     return "adapter" if config.method in ADAPTER_METHODS else "model"
 
 
-def save_weights(model: torch.nn.Module, config: TrainConfig, directory: Path, full_model_state: dict | None = None) -> None:
-    """adapter/ in PEFT format (method lora, qlora) or model/ in HF format (method full).
-    full_model_state: the gathered state of a sharded model (its own state_dict is shards)."""
+def save_weights(model: torch.nn.Module, directory: Path, full_model_state: dict | None = None) -> None:
+    """The adapter in PEFT format (method lora, qlora) or the model in HF format (method full),
+    into directory. full_model_state: the gathered state of a sharded model (its own
+    state_dict is shards)."""
     # A copy: transformers' save_pretrained empties the state dict it is given.
     state_dict = None if full_model_state is None else dict(full_model_state)
     with without_transformers_bars():
-        model.save_pretrained(directory / weights_name(config), state_dict=state_dict)
+        model.save_pretrained(directory, state_dict=state_dict)
 
 
 def save_final_weights(
     model: torch.nn.Module, config: TrainConfig, run_dir: Path, full_model_state: dict | None = None
 ) -> Path:
-    """The run's result, run_dir/adapter or run_dir/model, written into a temporary directory
-    and renamed into place, so that a failed or killed save never leaves a partial one there.
+    """The run's result, run_dir/adapter or run_dir/model, written atomically (a failed or
+    killed save never leaves a partial one there, and replaces an earlier, resumed-over one).
     Returns its path."""
     final = run_dir / weights_name(config)
-    temporary = run_dir / f".tmp-{final.name}-{os.getpid()}"
-    with run_write_errors(final, run_dir, cleanup=temporary):
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir()
-        save_weights(model, config, temporary, full_model_state)
-        if final.exists():  # the result of an earlier, resumed-over attempt
-            shutil.rmtree(final)
-        os.replace(temporary / final.name, final)
-        temporary.rmdir()
+    with run_write_errors(final, run_dir), directory_replaced_atomically(final) as temporary:
+        save_weights(model, temporary, full_model_state)
     return final
 
 
@@ -327,14 +318,10 @@ def save_checkpoint(
     else:
         model_state, optimizer_state = None, optimizer.state_dict()
         data_states, rng_states = [data.state_dict()], [_rng_state()]
-    root = run_dir / CHECKPOINTS
-    final = root / f"step-{step:06d}"
-    temporary = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    with run_write_errors(final, run_dir, cleanup=temporary):
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir()
-        save_weights(model, config, temporary, model_state)
+    final = run_dir / CHECKPOINTS / f"step-{step:06d}"
+    # Replaces a checkpoint of the same step from an earlier, resumed-over attempt.
+    with run_write_errors(final, run_dir), directory_replaced_atomically(final) as temporary:
+        save_weights(model, temporary / weights_name(config), model_state)
         if ranks.is_distributed or config.method == "full":
             torch.save(model_state if ranks.is_distributed else model.state_dict(), temporary / "model_state.pt")
         torch.save(optimizer_state, temporary / "optimizer.pt")
@@ -346,9 +333,6 @@ def save_checkpoint(
         )
         # The config it was trained with: a resume compares the run's config against it.
         (temporary / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    if final.exists():  # a checkpoint of the same step from an earlier, resumed-over attempt
-        shutil.rmtree(final)
-    os.replace(temporary, final)
     if ranks.is_distributed:
         distributed.barrier()
     return final
@@ -473,13 +457,8 @@ def copy_run(source: Path, checkpoint: Path, target: Path, log: Callable[..., No
             shutil.copytree(path, target / name, dirs_exist_ok=True)
         elif path.is_file():
             shutil.copy2(path, target / name)
-    root = target / CHECKPOINTS
-    root.mkdir(exist_ok=True)
-    temporary = root / f".tmp-{checkpoint.name}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    shutil.copytree(checkpoint, temporary)
-    shutil.rmtree(root / checkpoint.name, ignore_errors=True)
-    os.replace(temporary, root / checkpoint.name)
+    with directory_replaced_atomically(target / CHECKPOINTS / checkpoint.name) as temporary:
+        shutil.copytree(checkpoint, temporary, dirs_exist_ok=True)
     log(f"Copied the run in {source} up to {checkpoint.name} to {target}; {source} is left as it was.")
 
 

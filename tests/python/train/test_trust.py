@@ -234,10 +234,10 @@ def test_a_full_disk_during_the_final_save_leaves_no_partial_adapter(tmp_path, c
     out = tmp_path / "out"
     save = trainer.save_weights
 
-    def full(model, config, directory, *args, **kwargs):
-        save(model, config, directory, *args, **kwargs)
+    def full(model, directory, *args, **kwargs):
+        save(model, directory, *args, **kwargs)
         if "checkpoints" not in directory.parts:  # the final save: its weights file cut short
-            weights = directory / "adapter" / "adapter_model.safetensors"
+            weights = directory / "adapter_model.safetensors"
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -260,7 +260,7 @@ def test_a_full_disk_saving_the_random_base_leaves_no_partial_base(tmp_path, cap
     from transformers import LlamaForCausalLM
 
     def full(model, directory, *args, **kwargs):
-        Path(directory).mkdir()
+        Path(directory).mkdir(exist_ok=True)  # as save_pretrained makes it
         (Path(directory) / "model.safetensors").write_bytes(b"\0" * 64)
         raise OSError(errno.ENOSPC, "No space left on device")
 
