@@ -108,6 +108,13 @@ TORCH_LIBRARY(barqtrain, m) {
   // (the forward scales its fp32 sums by row_absmax / 127; the backward multiplies by the
   // dequantize_int8_rows values).
   m.def("matmul_int8(Tensor a, Tensor q, Tensor row_absmax, bool grad_input) -> Tensor");
+  // out [M, N] = bias + sum_i alpha[i] * a[i] @ b[i] (a[i] [M, K_i], b[i] [K_i, N], any strides),
+  // in a's dtype. The products go into out in the order given, each after the first added by
+  // its GEMM's epilogue (beta 1), so none has a [M, N] tensor of its own; list the small-K
+  // ones first, and the large GEMMs after them read the partial sum while their mainloop
+  // computes. One functional op, so torch.compile does not copy out between the GEMMs (an
+  // out-of-place addmm copies its input first).
+  m.def("matmul_sum(Tensor[] a, Tensor[] b, float[] alpha, Tensor? bias=None) -> Tensor");
 }
 
 #ifdef BARQTRAIN_WITH_CUDA
@@ -1000,6 +1007,34 @@ at::Tensor matmul_int8_cuda(const at::Tensor& a_in, const at::Tensor& q, const a
   return operands.c;
 }
 
+at::Tensor matmul_sum_cuda(at::TensorList a, at::TensorList b, at::ArrayRef<double> alpha,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!a.empty() && a.size() == b.size() && a.size() == alpha.size(),
+              "barqtrain: matmul_sum needs as many a, b and alpha, at least one; got ", a.size(), ", ", b.size(),
+              " and ", alpha.size());
+  const int64_t rows = a[0].size(0), cols = b[0].size(1);
+  for (size_t i = 0; i < a.size(); ++i) {
+    TORCH_CHECK(a[i].dim() == 2 && b[i].dim() == 2 && a[i].size(0) == rows && b[i].size(1) == cols &&
+                    a[i].size(1) == b[i].size(0),
+                "barqtrain: matmul_sum product ", i, " is ", a[i].sizes(), " @ ", b[i].sizes(), "; expected [", rows,
+                ", K] @ [K, ", cols, "]");
+    check_same(a[i], "a", a[0], "a[0]");
+    check_same(b[i], "b", a[0], "a[0]");
+  }
+  const c10::cuda::CUDAGuard guard(a[0].device());
+  at::Tensor out = at::empty({rows, cols}, a[0].options());
+  if (bias) {
+    check_same(*bias, "bias", a[0], "a[0]");
+    at::addmm_out(out, *bias, a[0], b[0], /*beta=*/1, alpha[0]);
+  } else if (alpha[0] == 1.0) {
+    at::mm_out(out, a[0], b[0]);
+  } else {
+    at::addmm_out(out, out, a[0], b[0], /*beta=*/0, alpha[0]);  // beta 0: out's contents are not read
+  }
+  for (size_t i = 1; i < a.size(); ++i) out.addmm_(a[i], b[i], /*beta=*/1, alpha[i]);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
@@ -1021,6 +1056,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("quantize_int8_rows", &quantize_int8_rows_cuda);
   m.impl("dequantize_int8_rows", &dequantize_int8_rows_cuda);
   m.impl("matmul_int8", &matmul_int8_cuda);
+  m.impl("matmul_sum", &matmul_sum_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA
 

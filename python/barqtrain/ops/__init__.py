@@ -19,6 +19,7 @@ from barqtrain.ops.attention import (  # noqa: E402
 )
 from barqtrain.ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 from barqtrain.ops.glu import geglu, glu, glu_backward_reference, glu_reference, swiglu  # noqa: E402
+from barqtrain.ops.matmul import matmul_sum, matmul_sum_reference  # noqa: E402
 from barqtrain.ops.norm import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
@@ -39,6 +40,8 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "matmul_sum",
+    "matmul_sum_reference",
     "glu",
     "swiglu",
     "geglu",
