@@ -2,11 +2,13 @@
 
     y = x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ      PEFT's layout: W [out, in], A [r, in], B [out, r]
 
-Forward: the small x Aᵀ first, then one addmm adds s · (x Aᵀ) Bᵀ into the base GEMM's output
-in place, so the LoRA term has no [tokens × out] tensor of its own. Backward: dx = dy W +
-(s · dy B) A (again one addmm, into dx), dA = (s · dy B)ᵀ x, dB = s · dyᵀ (x Aᵀ); the base
-weight's gradient only when it requires one (never in LoRA). Saved: x and x Aᵀ; with dropout,
-its mask too (one byte an element), from which the dropped x is recomputed.
+Forward: the small x Aᵀ first, then s · (x Aᵀ) Bᵀ, onto which the base GEMM adds x Wᵀ in its
+epilogue (barqtrain.ops.matmul_sum: the read of the LoRA term hides under the compute-bound
+mainloop, and no product has a [tokens × out] tensor of its own). Backward, likewise: dx =
+(s · dy B) A first, then the base GEMMs' dy W added onto it; dA = (s · dy B)ᵀ x, dB = s · dyᵀ (x Aᵀ);
+the base weight's gradient only when it requires one (never in LoRA). Saved: x and x Aᵀ; with
+dropout, its mask too (one byte an element), from which the dropped x is recomputed. A
+quantized base weight (barqtrain.quant) brings its own GEMM: its LoRA term is added after it.
 
 Projections of one input (q, k and v; gate and up) are one autograd function: x is saved
 once, and the A matrices of the LoRA projections are stacked, so that x is read once for
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from barqtrain.ops.matmul import matmul_sum
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: for tests
 _TENSORS_PER_PROJECTION = 4  # weight, bias, lora_A, lora_B in the flat argument lists
@@ -149,6 +154,11 @@ def _groups(projections: Sequence[Projection]) -> list[_Group]:
     return [_Group(tuple(indices), *dtypes, 0.0) for dtypes, indices in undropped.items()] + groups
 
 
+def _is_dense(weight: torch.Tensor) -> bool:
+    """A plain weight, which cuBLAS reads; not a quantized one (barqtrain.quant), whose GEMM is its own."""
+    return type(weight) in (torch.Tensor, nn.Parameter)
+
+
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale · (a @ b), rounded once."""
     return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
@@ -173,7 +183,7 @@ def _dropped(x: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tenso
 def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The projections of x [tokens, in]; and, per _Group, what the backward needs: x Aᵀ
     (the group's ranks side by side) and, with dropout, the mask."""
-    outputs = [F.linear(x, p.weight, p.bias) for p in projections]
+    outputs: list[torch.Tensor | None] = [None] * len(projections)
     saved = []
     for group in _groups(projections):
         lora_input = x.to(group.dtype)
@@ -184,13 +194,16 @@ def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[t
         xa = lora_input @ group.stacked_A(projections).T
         saved.append(xa)
         for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
-            lora_B, scaling = group.lora_B(projections, index), projections[index].lora.scaling
-            if group.dtype == x.dtype:
-                outputs[index].addmm_(xa_part, lora_B.T, alpha=scaling)
+            projection, lora_B = projections[index], group.lora_B(projections, index)
+            weight, bias, scaling = projection.weight, projection.bias, projection.lora.scaling
+            if group.dtype == x.dtype and _is_dense(weight):
+                outputs[index] = matmul_sum([xa_part, x], [lora_B.T, weight.T], [scaling, 1.0], bias)
+            elif group.dtype == x.dtype:
+                outputs[index] = F.linear(x, weight, bias).addmm_(xa_part, lora_B.T, alpha=scaling)
             else:
-                summed = outputs[index].to(group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
+                summed = F.linear(x, weight, bias).to(group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
                 outputs[index] = summed.to(x.dtype)
-    return outputs, saved
+    return [F.linear(x, p.weight, p.bias) if y is None else y for p, y in zip(projections, outputs, strict=True)], saved
 
 
 def _project_backward(
@@ -205,15 +218,18 @@ def _project_backward(
     needs_grads asks for it. `x` may be None when no projection has an adapter or a
     trainable weight."""
     grads: list[torch.Tensor | None] = [None] * len(needs_grads)
-    dx = None
     for index, (projection, dy) in enumerate(zip(projections, dys, strict=True)):
         needs_weight, needs_bias = needs_grads[index * _TENSORS_PER_PROJECTION : index * _TENSORS_PER_PROJECTION + 2]
-        if needs_dx:
-            dx = dy @ projection.weight if dx is None else dx.addmm_(dy, projection.weight)
         if needs_weight:
             grads[index * _TENSORS_PER_PROJECTION] = dy.T @ x
         if needs_bias:
             grads[index * _TENSORS_PER_PROJECTION + 1] = dy.sum(0)
+
+    # dx's products, summed by one matmul_sum, the rank-r ones first (see _project). LoRA terms
+    # with dropout or in another dtype (PEFT's arithmetic) are rounded and added last, as PEFT
+    # adds them.
+    products: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rounded_lora_dx: list[torch.Tensor] = []
 
     position = 0
     for group in _groups(projections):
@@ -241,13 +257,25 @@ def _project_backward(
                     grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
         if needs_dx:
             stacked_A = group.stacked_A(projections)
-            if group.dtype == dx.dtype and mask is None:
-                dx.addmm_(dxa, stacked_A)
+            if group.dtype == dys[0].dtype and mask is None:
+                products.append((dxa, stacked_A))
             else:
                 lora_dx = dxa @ stacked_A
                 if mask is not None:
                     lora_dx = _dropped(lora_dx, mask, group.dropout)
-                dx.add_(lora_dx.to(dx.dtype))
+                rounded_lora_dx.append(lora_dx.to(dys[0].dtype))
+    if not needs_dx:
+        return None, grads
+
+    products += [(dy, p.weight) for p, dy in zip(projections, dys, strict=True) if _is_dense(p.weight)]
+    dx = None
+    if products:
+        dx = matmul_sum([a for a, _ in products], [b for _, b in products], [1.0] * len(products))
+    for projection, dy in zip(projections, dys, strict=True):
+        if not _is_dense(projection.weight):
+            dx = dy @ projection.weight if dx is None else dx.addmm_(dy, projection.weight)
+    for lora_dx in rounded_lora_dx:
+        dx.add_(lora_dx)
     return dx, grads
 
 
