@@ -51,12 +51,6 @@ bool byte_level_to_bytes(std::string_view token, std::string& bytes) {
   return true;
 }
 
-std::string byte_level_string(uint8_t byte) {
-  std::string out;
-  utf8::append(out, byte_alphabet()[byte]);
-  return out;
-}
-
 void require_empty_or_null(const json::Value& model, const char* field) {
   const json::Value* value = model.find(field);
   if (value && !value->is_null() && !(value->is_string() && value->as_string().empty())) {
@@ -159,12 +153,11 @@ void BpeModel::read_vocab(const json::Value& model) {
     }
   }
   if (byte_level_) {
+    // Some vocabularies lack bytes that UTF-8 text rarely or never holds (control
+    // characters, 0xC0, 0xF5-0xFF): those become the unknown token or no token.
     for (int b = 0; b < 256; ++b) {
       byte_tokens_[b] = find(std::string_view(reinterpret_cast<const char*>(&b), 1));
-      if (byte_tokens_[b] == kNoToken) {
-        throw TokenizerError("model.vocab has no token for byte " + std::to_string(b) + " (\"" +
-                             byte_level_string(static_cast<uint8_t>(b)) + "\"): not a byte-level BPE vocabulary");
-      }
+      if (byte_tokens_[b] == kNoToken) every_byte_has_token_ = false;
     }
     return;
   }
@@ -250,29 +243,31 @@ uint32_t BpeModel::rank_of(TokenId left, TokenId right) const {
   return merge ? merge->rank : kNoMerge;
 }
 
-void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<uint32_t>* lengths) const {
+void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<ByteRange>* ranges) const {
   if (piece.empty()) return;
   if (ignore_merges_ && piece.size() > 1) {
     if (const TokenId whole = find(piece); whole != kNoToken) {
       out.push_back(whole);
-      if (lengths) lengths->push_back(static_cast<uint32_t>(piece.size()));
+      if (ranges) ranges->push_back({0, static_cast<uint32_t>(piece.size())});
       return;
     }
   }
   thread_local std::vector<TokenId> parts;
-  thread_local std::vector<uint32_t> part_lengths;
+  thread_local std::vector<ByteRange> part_ranges;
   parts.clear();
-  part_lengths.clear();
-  std::vector<uint32_t>* tracked = lengths ? &part_lengths : nullptr;
-  if (byte_level_) {
+  part_ranges.clear();
+  std::vector<ByteRange>* tracked = ranges ? &part_ranges : nullptr;
+  if (byte_level_ && every_byte_has_token_) {
     for (const char c : piece) parts.push_back(byte_tokens_[static_cast<uint8_t>(c)]);
-    if (tracked) tracked->assign(parts.size(), 1);
+    if (tracked) {
+      for (uint32_t i = 0; i < piece.size(); ++i) tracked->push_back({i, i + 1});
+    }
   } else {
     split_characters(piece, parts, tracked);
   }
   merge(parts, tracked);
   out.insert(out.end(), parts.begin(), parts.end());
-  if (lengths) lengths->insert(lengths->end(), part_lengths.begin(), part_lengths.end());
+  if (ranges) ranges->insert(ranges->end(), part_ranges.begin(), part_ranges.end());
 }
 
 bool BpeModel::is_character_token(std::string_view text, size_t pos, uint32_t* length) const {
@@ -304,21 +299,25 @@ void BpeModel::split_words(std::string_view piece, std::vector<std::string_view>
 }
 
 void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& parts,
-                                std::vector<uint32_t>* lengths) const {
+                                std::vector<ByteRange>* ranges) const {
   // As Hugging Face's BPE::merge_word: an unknown character is held back (and fused with
   // the next unknown ones under fuse_unk) until a known character or the end comes, so it
   // lands after byte fallbacks that follow it.
   TokenId pending_unknown = kNoToken;
-  uint32_t pending_length = 0;
-  auto add = [&](TokenId id, uint32_t length) {
+  ByteRange pending_range{0, 0};
+  auto add = [&](TokenId id, ByteRange range) {
     parts.push_back(id);
-    if (lengths) lengths->push_back(length);
+    if (ranges) ranges->push_back(range);
   };
-  for (size_t pos = 0; pos < piece.size();) {
+  for (uint32_t pos = 0; pos < piece.size();) {
     const auto byte = static_cast<unsigned char>(piece[pos]);
-    const uint32_t length = byte < 0x80 ? 1 : unicode::decode_at(piece, pos).length;
+    // A byte-level piece's characters are its bytes.
+    const uint32_t length = byte < 0x80 || byte_level_ ? 1 : unicode::decode_at(piece, pos).length;
+    const ByteRange range{pos, pos + length};
     TokenId id = kNoToken;
-    if (byte < 0x80) {
+    if (byte_level_) {
+      id = byte_tokens_[byte];
+    } else if (byte < 0x80) {
       id = ascii_tokens_[byte];
     } else {
       uint32_t key = 0;
@@ -326,32 +325,32 @@ void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& pa
       if (const auto it = character_tokens_.find(key); it != character_tokens_.end()) id = it->second;
     }
     if (id != kNoToken) {
-      if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+      if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
       pending_unknown = kNoToken;
-      add(id, length);
+      add(id, range);
     } else if (byte_fallback_ && std::all_of(piece.begin() + pos, piece.begin() + pos + length, [&](char c) {
                  return byte_fallback_tokens_[static_cast<uint8_t>(c)] != kNoToken;
                })) {
-      for (uint32_t i = 0; i < length; ++i) add(byte_fallback_tokens_[static_cast<uint8_t>(piece[pos + i])], 1);
+      for (uint32_t i = pos; i < pos + length; ++i) add(byte_fallback_tokens_[static_cast<uint8_t>(piece[i])], {i, i + 1});
     } else if (unknown_token_ != kNoToken) {
       if (pending_unknown != kNoToken && fuse_unknown_) {
-        pending_length += length;
+        pending_range.end = range.end;
       } else {
-        if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+        if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
         pending_unknown = unknown_token_;
-        pending_length = length;
+        pending_range = range;
       }
     }
     // Otherwise, as in Hugging Face, the character produces no token.
     pos += length;
   }
-  if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
+  if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
 }
 
-void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+void BpeModel::merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const {
   // Long pieces (SentencePiece-style text without a splitting pre-tokenizer is one piece
   // per segment) use the heap, which is O(n log n).
-  if (parts.size() > 64) return merge_long(parts, lengths);
+  if (parts.size() > 64) return merge_long(parts, ranges);
   // Merge the adjacent pair of lowest rank (the leftmost on ties) until none merges. The
   // ranks of adjacent pairs are kept beside the parts, so each merge recomputes two.
   thread_local std::vector<uint32_t> ranks;
@@ -363,9 +362,9 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths
     const size_t i = lowest - ranks.begin();
     parts[i] = merges_.find(parts[i], parts[i + 1])->merged;
     parts.erase(parts.begin() + i + 1);
-    if (lengths) {
-      (*lengths)[i] += (*lengths)[i + 1];
-      lengths->erase(lengths->begin() + i + 1);
+    if (ranges) {
+      (*ranges)[i].end = (*ranges)[i + 1].end;
+      ranges->erase(ranges->begin() + i + 1);
     }
     ranks.erase(ranks.begin() + i);
     if (i > 0) ranks[i - 1] = rank_of(parts[i - 1], parts[i]);
@@ -373,7 +372,7 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths
   }
 }
 
-void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const {
   // Hugging Face's Word::merge_all: a min-heap of (rank, position) over a linked list of
   // symbols; entries made stale by earlier merges are skipped when popped.
   struct Candidate {
@@ -407,7 +406,7 @@ void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* le
     const Merge* current = merges_.find(parts[top.position], parts[right]);
     if (!current || current->merged != top.merged) continue;
     parts[top.position] = top.merged;
-    if (lengths) (*lengths)[top.position] += (*lengths)[right];
+    if (ranges) (*ranges)[top.position].end = (*ranges)[right].end;
     alive[right] = false;
     next[top.position] = next[right];
     if (next[right] >= 0) previous[next[right]] = top.position;
@@ -418,11 +417,11 @@ void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* le
   for (size_t i = 0; i < n; ++i) {
     if (!alive[i]) continue;
     parts[kept] = parts[i];
-    if (lengths) (*lengths)[kept] = (*lengths)[i];
+    if (ranges) (*ranges)[kept] = (*ranges)[i];
     ++kept;
   }
   parts.resize(kept);
-  if (lengths) lengths->resize(kept);
+  if (ranges) ranges->resize(kept);
 }
 
 }  // namespace barqtrain::tokenizer

@@ -23,6 +23,11 @@ namespace barqtrain::tokenizer {
 
 using TokenId = uint32_t;
 
+// The bytes [start, end) of a piece that one token covers.
+struct ByteRange {
+  uint32_t start, end;
+};
+
 // The bytes a byte-level token string stands for (GPT-2's alphabet: "Ġ" is a space), or the
 // token's own UTF-8 when it has a character outside that alphabet, as Hugging Face's
 // ByteLevel decoder does.
@@ -34,8 +39,9 @@ class BpeModel {
   BpeModel(const json::Value& model, bool byte_level);
 
   // Appends the tokens of one pre-token (raw bytes, valid UTF-8 in the SentencePiece
-  // flavour). With lengths, also appends how many bytes of the piece each token covers.
-  void encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<uint32_t>* lengths = nullptr) const;
+  // flavour). With ranges, also appends the bytes of the piece each token covers; a
+  // character without a token (no unknown token, no byte fallback) is in none.
+  void encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<ByteRange>* ranges = nullptr) const;
 
   bool byte_level() const { return byte_level_; }
 
@@ -81,16 +87,18 @@ class BpeModel {
   uint32_t rank_of(TokenId left, TokenId right) const;
   void read_vocab(const json::Value& model);
   void read_merges(const json::Value& model);
-  // The initial symbols of a SentencePiece-style piece: characters, byte fallbacks, unknowns.
-  void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
-  void merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
-  void merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  // The initial symbols of a piece: its characters (its bytes, byte-level), byte
+  // fallbacks and unknowns.
+  void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
+  void merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
+  void merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
 
   bool byte_level_;
   std::unordered_map<std::string, TokenId> ids_by_bytes_;
   std::vector<std::string> token_bytes_;
   std::vector<bool> has_token_;
-  TokenId byte_tokens_[256];  // byte-level: the token of each byte
+  TokenId byte_tokens_[256];  // byte-level: the token of each byte, or kNoToken
+  bool every_byte_has_token_ = true;
   MergeTable merges_;
   // SentencePiece-style: the token of each one-character string, keyed by its UTF-8
   // bytes packed into an integer; the <0xNN> tokens; the unknown token.

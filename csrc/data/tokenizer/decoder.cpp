@@ -1,15 +1,11 @@
 #include "data/tokenizer/decoder.h"
 
+#include "data/tokenizer/config.h"
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
 namespace {
-
-std::string type_of(const json::Value& component) {
-  const json::Value* type = component.find("type");
-  return type && type->is_string() ? type->as_string() : "(no type)";
-}
 
 // The byte of a "<0xNN>" token (two hex digits, either case, as Rust's from_str_radix
 // reads them), or -1.

@@ -1,15 +1,11 @@
 #include "data/tokenizer/normalizer.h"
 
+#include "data/tokenizer/config.h"
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
 namespace {
-
-std::string type_of(const json::Value& component) {
-  const json::Value* type = component.find("type");
-  return type && type->is_string() ? type->as_string() : "(no type)";
-}
 
 const std::string& string_field(const json::Value& component, const char* name, const std::string& where) {
   const json::Value* value = component.find(name);

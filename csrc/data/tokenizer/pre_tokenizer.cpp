@@ -1,7 +1,9 @@
 #include "data/tokenizer/pre_tokenizer.h"
 
+#include <algorithm>
 #include <cstdint>
 
+#include "data/tokenizer/config.h"
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
 
@@ -215,6 +217,201 @@ void split_before(std::string_view separator, std::string_view text, std::vector
     start = at;
   }
   if (start < text.size()) pieces.push_back(text.substr(start));
+}
+
+SplitStep SplitStep::read_split(const json::Value& config) {
+  SplitStep step;
+  const json::Value* pattern = config.find("pattern");
+  const json::Value* regex = pattern ? pattern->find("Regex") : nullptr;
+  const json::Value* literal = pattern ? pattern->find("String") : nullptr;
+  if (regex && regex->is_string()) {
+    if (const auto scanner = split_pattern_from_regex(regex->as_string())) {
+      step.scanner_ = *scanner;
+    } else {
+      step.kind_ = Kind::kRegex;
+      step.regex_ = std::make_shared<const Regex>(regex->as_string());
+    }
+  } else if (literal && literal->is_string() && !literal->as_string().empty()) {
+    step.kind_ = Kind::kLiteral;
+    step.literal_ = literal->as_string();
+  } else {
+    throw TokenizerError("Split pre-tokenizer: pattern must be {\"Regex\": ...} or a non-empty {\"String\": ...}");
+  }
+  const json::Value* behavior = config.find("behavior");
+  const std::string name = behavior && behavior->is_string() ? behavior->as_string() : "(none)";
+  if (name == "Removed") step.behavior_ = SplitBehavior::kRemoved;
+  else if (name == "Isolated") step.behavior_ = SplitBehavior::kIsolated;
+  else if (name == "MergedWithPrevious") step.behavior_ = SplitBehavior::kMergedWithPrevious;
+  else if (name == "MergedWithNext") step.behavior_ = SplitBehavior::kMergedWithNext;
+  else if (name == "Contiguous") step.behavior_ = SplitBehavior::kContiguous;
+  else {
+    throw TokenizerError("Split pre-tokenizer: unknown behavior " + name +
+                         " (Removed, Isolated, MergedWithPrevious, MergedWithNext or Contiguous)");
+  }
+  step.invert_ = flag(config, "invert", false);
+  return step;
+}
+
+SplitStep SplitStep::digits(bool individual_digits) {
+  SplitStep step;
+  step.kind_ = Kind::kDigits;
+  step.behavior_ = individual_digits ? SplitBehavior::kIsolated : SplitBehavior::kContiguous;
+  return step;
+}
+
+SplitStep SplitStep::isolated(SplitPattern pattern) {
+  SplitStep step;
+  step.scanner_ = pattern;
+  return step;
+}
+
+void SplitStep::find_matches(std::string_view text, std::vector<Match>& matches) const {
+  // Each match, with the text before it as a non-match, as Hugging Face's find_matches.
+  size_t done = 0;
+  auto add_match = [&](size_t start, size_t end) {
+    if (start > done) matches.push_back({done, start, false});
+    matches.push_back({start, end, true});
+    done = end;
+  };
+  switch (kind_) {
+    case Kind::kScanner: {
+      thread_local std::vector<std::string_view> pieces;
+      pieces.clear();
+      tokenizer::split(scanner_, text, pieces);
+      for (const std::string_view piece : pieces) add_match(piece.data() - text.data(), piece.data() - text.data() + piece.size());
+      break;
+    }
+    case Kind::kRegex: {
+      thread_local std::vector<std::pair<size_t, size_t>> found;
+      found.clear();
+      regex_->find_all(text, found);
+      for (const auto& [start, end] : found) add_match(start, end);
+      break;
+    }
+    case Kind::kLiteral:
+      for (size_t at = text.find(literal_); at != std::string_view::npos; at = text.find(literal_, at + literal_.size())) {
+        add_match(at, at + literal_.size());
+      }
+      break;
+    case Kind::kDigits:
+      for (size_t pos = 0; pos < text.size();) {
+        const auto [code_point, length] = unicode::decode_at(text, pos);
+        if (unicode::classify(code_point) == CodePointClass::kNumber) add_match(pos, pos + length);
+        pos += length;
+      }
+      break;
+  }
+  if (done < text.size()) matches.push_back({done, text.size(), false});
+}
+
+void SplitStep::split(std::string_view text, std::vector<std::string_view>& pieces) const {
+  if (text.empty()) return;
+  if (kind_ == Kind::kScanner && behavior_ == SplitBehavior::kIsolated && !invert_) {
+    // The scanners' patterns match everywhere: their matches are the pieces.
+    return tokenizer::split(scanner_, text, pieces);
+  }
+  thread_local std::vector<Match> matches;
+  matches.clear();
+  find_matches(text, matches);
+  if (invert_) {
+    for (Match& match : matches) match.is_match = !match.is_match;
+  }
+  // Hugging Face's SplitDelimiterBehavior, as folds over the matches; `removed` marks what
+  // Removed drops.
+  struct Piece {
+    size_t start, end;
+    bool removed;
+  };
+  thread_local std::vector<Piece> kept;
+  kept.clear();
+  bool previous_match = false;
+  switch (behavior_) {
+    case SplitBehavior::kRemoved:
+    case SplitBehavior::kIsolated:
+      for (const Match& match : matches) {
+        kept.push_back({match.start, match.end, behavior_ == SplitBehavior::kRemoved && match.is_match});
+      }
+      break;
+    case SplitBehavior::kMergedWithPrevious:
+      for (const Match& match : matches) {
+        if (match.is_match && !previous_match && !kept.empty()) kept.back().end = match.end;
+        else kept.push_back({match.start, match.end, false});
+        previous_match = match.is_match;
+      }
+      break;
+    case SplitBehavior::kMergedWithNext:
+      for (size_t i = matches.size(); i-- > 0;) {
+        const Match& match = matches[i];
+        if (match.is_match && !previous_match && !kept.empty()) kept.back().start = match.start;
+        else kept.push_back({match.start, match.end, false});
+        previous_match = match.is_match;
+      }
+      std::reverse(kept.begin(), kept.end());
+      break;
+    case SplitBehavior::kContiguous:
+      for (const Match& match : matches) {
+        if (match.is_match == previous_match && !kept.empty()) kept.back().end = match.end;
+        else kept.push_back({match.start, match.end, false});
+        previous_match = match.is_match;
+      }
+      break;
+  }
+  for (const Piece& piece : kept) {
+    if (!piece.removed && piece.end > piece.start) pieces.push_back(text.substr(piece.start, piece.end - piece.start));
+  }
+}
+
+PreTokenizer PreTokenizer::read(const json::Value* config) {
+  PreTokenizer pre_tokenizer;
+  if (!config || config->is_null()) return pre_tokenizer;
+  if (type_of(*config) != "Sequence") {
+    pre_tokenizer.read_step(*config, /*last=*/true);
+    return pre_tokenizer;
+  }
+  const json::Value* steps = config->find("pretokenizers");
+  if (!steps || !steps->is_array()) throw TokenizerError("pre_tokenizer Sequence without a pretokenizers list");
+  const auto& list = steps->as_array();
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (type_of(list[i]) == "Metaspace" && list.size() > 1) unsupported("Metaspace inside a pre_tokenizer Sequence");
+    pre_tokenizer.read_step(list[i], i + 1 == list.size());
+  }
+  return pre_tokenizer;
+}
+
+void PreTokenizer::read_step(const json::Value& step, bool last) {
+  const std::string type = type_of(step);
+  if (type == "Split") {
+    steps_.push_back(SplitStep::read_split(step));
+  } else if (type == "Digits") {
+    steps_.push_back(SplitStep::digits(flag(step, "individual_digits", false)));
+  } else if (type == "Metaspace") {
+    metaspace_ = Metaspace::read(step);
+  } else if (type == "ByteLevel") {
+    // It maps bytes to characters, which later splits would see: only last.
+    if (!last) unsupported("ByteLevel before another pre-tokenizer in a Sequence");
+    byte_level_ = true;
+    add_prefix_space_ = flag(step, "add_prefix_space", true);
+    // Hugging Face adds that space to each piece of the earlier steps, not to the text.
+    if (add_prefix_space_ && !steps_.empty()) unsupported("ByteLevel with add_prefix_space after a Split or Digits");
+    if (flag(step, "use_regex", true)) steps_.push_back(SplitStep::isolated(SplitPattern::kGpt2));
+  } else {
+    unsupported("pre_tokenizer " + type + " (supported: Split, Digits, ByteLevel, Metaspace, a Sequence of them, or none)");
+  }
+}
+
+void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& pieces) const {
+  if (steps_.empty()) {
+    if (!text.empty()) pieces.push_back(text);
+    return;
+  }
+  const size_t first = pieces.size();
+  steps_[0].split(text, pieces);
+  thread_local std::vector<std::string_view> previous;
+  for (size_t k = 1; k < steps_.size(); ++k) {
+    previous.assign(pieces.begin() + first, pieces.end());
+    pieces.resize(first);
+    for (const std::string_view piece : previous) steps_[k].split(piece, pieces);
+  }
 }
 
 }  // namespace barqtrain::tokenizer

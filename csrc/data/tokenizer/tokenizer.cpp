@@ -7,25 +7,13 @@
 #include <mutex>
 #include <thread>
 
+#include "data/tokenizer/config.h"
+#include "data/tokenizer/regex.h"
 #include "data/tokenizer/thread_pool.h"
 #include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
 namespace {
-
-std::string type_of(const json::Value& component) {
-  const json::Value* type = component.find("type");
-  return type && type->is_string() ? type->as_string() : "(no type)";
-}
-
-bool flag(const json::Value& component, const char* name, bool fallback) {
-  const json::Value* value = component.find(name);
-  return value && !value->is_null() ? value->as_bool() : fallback;
-}
-
-[[noreturn]] void unsupported(const std::string& what) {
-  throw TokenizerError("unsupported tokenizer.json feature: " + what);
-}
 
 // Pre-tokens already encoded by this thread, in an open-addressing table whose pieces and
 // ids live in two arenas: a hit costs one hash over the piece's bytes, one probe or two and
@@ -127,47 +115,6 @@ class PieceCache {
 thread_local PieceCache piece_cache;
 std::atomic<uint64_t> next_serial{1};
 
-// Returns whether the pre-tokenizer is byte-level (then the model is too).
-bool read_pre_tokenizer(const json::Value* pre_tokenizer, std::optional<SplitPattern>* pattern,
-                        bool* add_prefix_space, std::optional<Metaspace>* metaspace) {
-  if (!pre_tokenizer || pre_tokenizer->is_null()) return false;
-  const std::string type = type_of(*pre_tokenizer);
-  if (type == "Metaspace") {
-    *metaspace = Metaspace::read(*pre_tokenizer);
-    return false;
-  }
-  if (type == "ByteLevel") {
-    // ByteLevel alone splits with GPT-2's pattern when use_regex is set.
-    if (flag(*pre_tokenizer, "use_regex", true)) *pattern = SplitPattern::kGpt2;
-    *add_prefix_space = flag(*pre_tokenizer, "add_prefix_space", true);
-    return true;
-  }
-  // Sequence[Split(pattern, Isolated), ByteLevel(use_regex=false)]: Llama-3, Qwen2.
-  const json::Value* steps = pre_tokenizer->find("pretokenizers");
-  if (type != "Sequence" || !steps || !steps->is_array() || steps->as_array().size() != 2 ||
-      type_of(steps->as_array()[0]) != "Split" || type_of(steps->as_array()[1]) != "ByteLevel") {
-    unsupported("pre_tokenizer " + type +
-                " (supported: ByteLevel, Sequence of a regex Split then ByteLevel, Metaspace, or none)");
-  }
-  const json::Value& split = steps->as_array()[0];
-  const json::Value& byte_level = steps->as_array()[1];
-  const json::Value* regex = split.find("pattern") ? split.find("pattern")->find("Regex") : nullptr;
-  if (!regex || !regex->is_string()) unsupported("Split pre-tokenizer without a Regex pattern");
-  *pattern = split_pattern_from_regex(regex->as_string());
-  if (!*pattern) {
-    unsupported("Split pre-tokenizer pattern " + regex->as_string() +
-                " (supported: the patterns of GPT-2, Llama-3 and Qwen2)");
-  }
-  const json::Value* behavior = split.find("behavior");
-  if (!behavior || !behavior->is_string() || behavior->as_string() != "Isolated" || flag(split, "invert", false)) {
-    unsupported("Split pre-tokenizer options other than behavior Isolated, invert false");
-  }
-  if (flag(byte_level, "use_regex", true) || flag(byte_level, "add_prefix_space", true)) {
-    unsupported("ByteLevel after Split with use_regex or add_prefix_space set");
-  }
-  return true;
-}
-
 // TemplateProcessing for a single sequence: the special tokens before and after it.
 void read_template(const json::Value& processor, std::vector<TokenId>* prefix, std::vector<TokenId>* suffix) {
   const json::Value* single = processor.find("single");
@@ -244,7 +191,7 @@ void Tokenizer::AddedTokenMatcher::finish() {
 }
 
 const Tokenizer::AddedToken* Tokenizer::AddedTokenMatcher::find(std::string_view text, size_t from,
-                                                                bool skip_special, size_t* at) const {
+                                                                size_t* at) const {
   if (tokens_.empty()) return nullptr;
   for (size_t pos = from; pos < text.size(); ++pos) {
     if (single_start_ >= 0) {
@@ -256,7 +203,6 @@ const Tokenizer::AddedToken* Tokenizer::AddedTokenMatcher::find(std::string_view
       continue;
     }
     for (const AddedToken& token : tokens_) {
-      if (skip_special && token.special) continue;
       if (text.compare(pos, token.content.size(), token.content) == 0) {
         *at = pos;
         return &token;
@@ -287,8 +233,8 @@ Tokenizer::Tokenizer(const json::Value& config) : serial_(next_serial++) {
   if (!model) throw TokenizerError("tokenizer.json has no model");
   try {
     normalizer_ = Normalizer(config.find("normalizer"));
-    const bool byte_level =
-        read_pre_tokenizer(config.find("pre_tokenizer"), &split_pattern_, &add_prefix_space_, &metaspace_);
+    pre_tokenizer_ = PreTokenizer::read(config.find("pre_tokenizer"));
+    const bool byte_level = pre_tokenizer_.byte_level();
     model_ = std::make_shared<BpeModel>(*model, byte_level);
     PostProcessor post_processor;
     read_post_processor(config.find("post_processor"), &post_processor);
@@ -313,16 +259,18 @@ Tokenizer::Tokenizer(const json::Value& config) : serial_(next_serial++) {
     for (const json::Value& entry : added->as_array()) {
       const std::string& content = entry.find("content") ? entry.find("content")->as_string() : "";
       if (content.empty()) throw TokenizerError("added_tokens: a token without content");
-      for (const char* option : {"single_word", "lstrip", "rstrip"}) {
-        if (flag(entry, option, false)) unsupported(std::string("added token option ") + option + " (on " + content + ")");
-      }
       const int64_t id = entry.find("id") ? entry.find("id")->as_integer() : -1;
       if (id < 0 || id >= (int64_t{1} << 24)) throw TokenizerError("added_tokens: bad id for " + content);
       const bool special = flag(entry, "special", false);
       const bool normalized = flag(entry, "normalized", !special);
       // A normalized token is matched, and decodes, as its normalized form (Hugging Face's
       // normalized_cache): "hello world" is "▁hello▁world" under Prepend and Replace.
-      AddedToken token{content, static_cast<TokenId>(id), special};
+      AddedToken token{content,
+                       static_cast<TokenId>(id),
+                       special,
+                       flag(entry, "single_word", false),
+                       flag(entry, "lstrip", false),
+                       flag(entry, "rstrip", false)};
       if (normalized && !normalizer_.empty()) {
         AlignedText text;
         text.assign(content, 0, false);
@@ -352,14 +300,59 @@ Tokenizer::Tokenizer(const json::Value& config) : serial_(next_serial++) {
 
 size_t Tokenizer::id_bound() const { return std::max(model_->id_bound(), added_token_content_.size()); }
 
+namespace {
+
+// The length of the white space (Unicode's White_Space) that text starts with.
+size_t leading_white_space(std::string_view text) {
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const auto [code_point, length] = unicode::decode_at(text, pos);
+    if (unicode::classify(code_point) != unicode::CodePointClass::kWhiteSpace) break;
+    pos += length;
+  }
+  return pos;
+}
+
+// Where the last character of text (valid UTF-8, not empty) starts.
+size_t last_character_start(std::string_view text) {
+  size_t start = text.size() - 1;
+  while (start > 0 && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+  return start;
+}
+
+// Where the white space that text ends with starts.
+size_t trailing_white_space_start(std::string_view text) {
+  size_t end = text.size();
+  while (end > 0) {
+    const size_t start = last_character_start(text.substr(0, end));
+    if (unicode::classify(unicode::decode_at(text, start).code_point) != unicode::CodePointClass::kWhiteSpace) break;
+    end = start;
+  }
+  return end;
+}
+
+}  // namespace
+
 template <typename Emit>
 void Tokenizer::split_added_tokens(const AddedTokenMatcher& matcher, std::string_view text, bool skip_special,
                                    Emit&& emit) const {
-  size_t done = 0, at = 0;
-  while (const AddedToken* token = matcher.find(text, done, skip_special, &at)) {
-    if (at > done) emit(text.substr(done, at - done), nullptr);
-    emit(text.substr(at, token->content.size()), token);
-    done = at + token->content.size();
+  // Hugging Face's AddedVocabulary::find_matches: the matcher moves on from the end of each
+  // match, skipped or not; a token then takes the white space its lstrip and rstrip ask for,
+  // the text between tokens being what is left.
+  size_t done = 0, search_from = 0, at = 0;
+  while (const AddedToken* token = matcher.find(text, search_from, &at)) {
+    size_t start = at, stop = at + token->content.size();
+    search_from = stop;
+    if (skip_special && token->special) continue;
+    if (token->single_word && ((start > 0 && is_word_character_at(text, last_character_start(text.substr(0, start)))) ||
+                               (stop < text.size() && is_word_character_at(text, stop)))) {
+      continue;
+    }
+    if (token->lstrip) start = std::max(trailing_white_space_start(text.substr(0, start)), done);
+    if (token->rstrip) stop += leading_white_space(text.substr(stop));
+    if (start > done) emit(text.substr(done, start - done), nullptr);
+    emit(text.substr(start, stop - start), token);
+    done = stop;
   }
   if (done < text.size()) emit(text.substr(done), nullptr);
 }
@@ -448,34 +441,30 @@ void Tokenizer::encode_part(std::string_view text, const Span* spans, bool at_in
     edited.tracked = spans != nullptr;
     if (spans) edited.spans.assign(spans, spans + text.size());
   };
-  if (metaspace_) {
+  if (const std::optional<Metaspace>& metaspace = pre_tokenizer_.metaspace()) {
     edit();
-    replace_all(edited, " ", metaspace_->replacement, scratch, scratch_spans);
-    const bool prepend_here = metaspace_->prepend_scheme == Metaspace::PrependScheme::kAlways ||
-                              (metaspace_->prepend_scheme == Metaspace::PrependScheme::kFirst && at_input_start);
-    if (prepend_here && edited.text.compare(0, metaspace_->replacement.size(), metaspace_->replacement) != 0) {
-      prepend(edited, metaspace_->replacement);
+    replace_all(edited, " ", metaspace->replacement, scratch, scratch_spans);
+    const bool prepend_here = metaspace->prepend_scheme == Metaspace::PrependScheme::kAlways ||
+                              (metaspace->prepend_scheme == Metaspace::PrependScheme::kFirst && at_input_start);
+    if (prepend_here && edited.text.compare(0, metaspace->replacement.size(), metaspace->replacement) != 0) {
+      prepend(edited, metaspace->replacement);
     }
     text = edited.text;
     if (spans) spans = edited.spans.data();
-    if (metaspace_->split) {
-      split_before(metaspace_->replacement, text, pieces);
+    if (metaspace->split) {
+      split_before(metaspace->replacement, text, pieces);
     } else {
       pieces.push_back(text);
     }
     return encode_pieces(pieces, text, spans, ids, offsets);
   }
-  if (add_prefix_space_ && text[0] != ' ') {
+  if (pre_tokenizer_.add_prefix_space() && text[0] != ' ') {
     edit();
     prepend(edited, " ");
     text = edited.text;
     if (spans) spans = edited.spans.data();
   }
-  if (split_pattern_) {
-    split(*split_pattern_, text, pieces);
-  } else {
-    pieces.push_back(text);
-  }
+  pre_tokenizer_.split(text, pieces);
   encode_pieces(pieces, text, spans, ids, offsets);
 }
 
@@ -490,16 +479,13 @@ void Tokenizer::encode_pieces(const std::vector<std::string_view>& pre_tokens, s
   }
   const std::vector<std::string_view>& pieces = *split_pieces;
   if (offsets) {
-    // Offsets come from the model's token lengths; the cache, which keeps only ids, is bypassed.
-    thread_local std::vector<uint32_t> lengths;
+    // Offsets come from the model's token ranges; the cache, which keeps only ids, is bypassed.
+    thread_local std::vector<ByteRange> ranges;
     for (const std::string_view piece : pieces) {
-      lengths.clear();
-      model_->encode_piece(piece, ids, &lengths);
-      size_t at = piece.data() - text.data();
-      for (const uint32_t length : lengths) {
-        offsets->push_back({spans[at].start, spans[at + length - 1].end});
-        at += length;
-      }
+      ranges.clear();
+      model_->encode_piece(piece, ids, &ranges);
+      const size_t at = piece.data() - text.data();
+      for (const ByteRange range : ranges) offsets->push_back({spans[at + range.start].start, spans[at + range.end - 1].end});
     }
     return;
   }

@@ -81,9 +81,12 @@ class Tokenizer {
 
  private:
   struct AddedToken {
-    std::string content;
+    std::string content;  // as matched: normalized when the token is
     TokenId id;
     bool special;
+    bool single_word;  // matches only where no word character touches it
+    bool lstrip;       // takes the white space before it
+    bool rstrip;       // takes the white space after it
   };
 
   // Finds added tokens in text, leftmost first and longest among those starting there.
@@ -93,7 +96,7 @@ class Tokenizer {
     void finish();
     bool empty() const { return tokens_.empty(); }
     // The first match at or after `from`, or nullptr; its offset goes to *at.
-    const AddedToken* find(std::string_view text, size_t from, bool skip_special, size_t* at) const;
+    const AddedToken* find(std::string_view text, size_t from, size_t* at) const;
 
    private:
     std::vector<AddedToken> tokens_;
@@ -121,11 +124,7 @@ class Tokenizer {
   std::vector<std::optional<std::string>> added_token_content_;  // by id, as matched (normalized ones normalized)
   std::vector<bool> special_ids_;
   Normalizer normalizer_;
-  // Pre-tokenizer: ByteLevel (a split pattern or none, and add_prefix_space), Metaspace,
-  // or nothing (the SentencePiece-style model sees each normalized run whole).
-  std::optional<SplitPattern> split_pattern_;
-  bool add_prefix_space_ = false;
-  std::optional<Metaspace> metaspace_;
+  PreTokenizer pre_tokenizer_;
   // Decoder: ByteLevel when the model is byte-level, else this chain (or none: join).
   std::optional<DecoderChain> decoder_;
   std::vector<TokenId> prefix_, suffix_;  // from TemplateProcessing

@@ -2,8 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#include "data/tokenizer/error.h"
+#include "data/tokenizer/regex.h"
+#include "data/tokenizer/unicode.h"
 
 namespace barqtrain::tokenizer {
 namespace {
@@ -65,6 +72,214 @@ TEST(Llama3Split, LineBreaksEndWhiteSpaceAndPunctuationRuns) {
 
 TEST(Qwen2Split, OneDigitPerPiece) {
   EXPECT_EQ(pieces_of(SplitPattern::kQwen2, "x 2024"), (Pieces{"x", " ", "2", "0", "2", "4"}));
+}
+
+// ---------------------------------------------------------------- the regex engine
+
+// Texts where the patterns' classes meet: scripts, marks, digits of several kinds, every
+// kind of white space (NEL, the Mongolian vowel separator, which is not white space, line
+// and paragraph separators), contractions in odd cases, line breaks, emoji and long runs.
+std::vector<std::string> varied_texts() {
+  std::vector<std::string> texts = {
+      "Hello world, it's 2024!! they'RE we'LL I'M 'S 'ſx don't",
+      "Привет, мир! Ünïcödé façade naïve résumé",
+      "مرحبا بالعالم ١٢٣ שלום עולם",
+      "नमस्ते दुनिया ५६७ தமிழ் ไทย ภาษา",
+      "日本語のテキスト、カタカナ。한국어 텍스트 ㄱㄴ",
+      "emoji 😀👍🏽👨‍👩‍👧‍👦 🇯🇵 ❤️ ✨",
+      "Ελληνικά Ἀθῆναι ᾅ ǅ Ǆ ǆ ﬁ ﬆ Ⅻ ½ ² ①",
+      "e\u0301 a\u0308\u0304 \u1100\u1161\u11a8 \u0301\u0301 marks",
+      "  \n\n \t\t \r\n\r\n   x   y \u00a0\u3000z\u2028 \u2029 \u0085 \u180e \u200b end ",
+      "1234567890 123 1.5 1,000,000 ٣٤٥٦ 12a34 ⅛⅜",
+      "def f(x):\n\tif x >= 10_000:  # comment\n\t\treturn {\"a\": [1, 2.5e-3]}\r\n    return x**2 // 3\n",
+      "!!!???...\n\n\n;;;   ---\r\r\n",
+      std::string(3000, 'a') + " " + std::string(2000, ' ') + "b" + std::string(500, '\n'),
+      "",
+      " ",
+      "'",
+  };
+  // Random mixtures of the characters above, seeded.
+  std::vector<std::string> characters;
+  for (const std::string& text : texts) {
+    for (size_t pos = 0; pos < text.size() && pos < 200; pos += unicode::decode_at(text, pos).length) {
+      characters.push_back(text.substr(pos, unicode::decode_at(text, pos).length));
+    }
+  }
+  std::mt19937 rng(17);
+  for (int i = 0; i < 300; ++i) {
+    std::string mixture;
+    const size_t length = 1 + rng() % 60;
+    for (size_t k = 0; k < length; ++k) mixture += characters[rng() % characters.size()];
+    texts.push_back(mixture);
+  }
+  return texts;
+}
+
+std::vector<std::pair<size_t, size_t>> regex_matches(const Regex& regex, std::string_view text) {
+  std::vector<std::pair<size_t, size_t>> matches;
+  regex.find_all(text, matches);
+  return matches;
+}
+
+TEST(Regex, EachScannerSplitsAsThePcre2Pattern) {
+  for (const SplitPattern pattern : {SplitPattern::kGpt2, SplitPattern::kLlama3, SplitPattern::kQwen2}) {
+    const Regex regex(regex_of(pattern));
+    EXPECT_TRUE(regex.jit_compiled());
+    for (const std::string& text : varied_texts()) {
+      std::vector<std::string_view> pieces;
+      split(pattern, text, pieces);
+      std::vector<std::pair<size_t, size_t>> scanned;
+      for (const std::string_view piece : pieces) {
+        scanned.emplace_back(piece.data() - text.data(), piece.data() - text.data() + piece.size());
+      }
+      EXPECT_EQ(scanned, regex_matches(regex, text)) << regex_of(pattern) << " on " << text.substr(0, 80);
+    }
+  }
+}
+
+TEST(Regex, OnigurumaClassesAreRewritten) {
+  // Oniguruma's \s is White_Space (NEL yes, U+180E no); \w holds marks, all numbers and
+  // connector punctuation; \h is a hex digit.
+  EXPECT_EQ(regex_matches(Regex(R"(\s+)"), "a\u0085b\u180e c"), (std::vector<std::pair<size_t, size_t>>{{1, 3}, {7, 8}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\w+)"), "a_b\u0301\u00b2-\u203f"),
+            (std::vector<std::pair<size_t, size_t>>{{0, 7}, {8, 11}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\h+)"), "cafe go"), (std::vector<std::pair<size_t, size_t>>{{0, 4}}));
+  EXPECT_EQ(regex_matches(Regex(R"([^\s\w]+)"), "a, b"), (std::vector<std::pair<size_t, size_t>>{{1, 2}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\u00e9)"), "caf\u00e9"), (std::vector<std::pair<size_t, size_t>>{{3, 5}}));
+  EXPECT_EQ(oniguruma_to_pcre2(R"([\]\s](?i:ab)\\s)"),
+            R"([\]\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}](?i:ab)\\s)");
+}
+
+TEST(Regex, EmptyMatchesFollowOnigurumasIteration) {
+  // After a match ending at e, an empty match at e is dropped and the search moves on one
+  // character: `b` at 1 is never matched, as in Hugging Face tokenizers.
+  EXPECT_EQ(regex_matches(Regex("a*|b"), "xbaab"),
+            (std::vector<std::pair<size_t, size_t>>{{0, 0}, {1, 1}, {2, 4}, {5, 5}}));
+  EXPECT_EQ(regex_matches(Regex("(?=é)"), "éé"), (std::vector<std::pair<size_t, size_t>>{{0, 0}, {2, 2}}));
+}
+
+TEST(Regex, WhatMeansSomethingElseInPcre2IsRefusedByName) {
+  auto error_of = [](const char* pattern) -> std::string {
+    try {
+      Regex{pattern};
+    } catch (const TokenizerError& error) {
+      return error.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of(R"(\bword\b)").find("word boundaries"), std::string::npos);
+  EXPECT_NE(error_of("(?m:.+)").find("inline flag m"), std::string::npos);
+  EXPECT_NE(error_of("[a[b]]").find("nested character classes"), std::string::npos);
+  EXPECT_NE(error_of("[a-z&&[^aeiou]]").find("class intersection"), std::string::npos);
+  EXPECT_NE(error_of(R"([^\S])").find("\\S inside [...]"), std::string::npos);
+  EXPECT_NE(error_of("(unclosed").find("Split regex (unclosed: missing closing parenthesis"), std::string::npos);
+}
+
+TEST(Regex, WordCharactersAreTheRustRegexCratesWordClass) {
+  EXPECT_TRUE(is_word_character_at("a", 0));
+  EXPECT_TRUE(is_word_character_at("x\u0301", 1));  // a mark
+  EXPECT_TRUE(is_word_character_at("\u0663", 0));   // ARABIC-INDIC DIGIT THREE
+  EXPECT_TRUE(is_word_character_at("\u24b6", 0));   // CIRCLED LATIN CAPITAL LETTER A: Alphabetic
+  EXPECT_FALSE(is_word_character_at("\u00b2", 0));  // SUPERSCRIPT TWO: No, not Nd
+  EXPECT_FALSE(is_word_character_at(" ", 0));
+  EXPECT_FALSE(is_word_character_at("<", 0));
+}
+
+// ---------------------------------------------------------------- Split steps
+
+Pieces split_with(const std::string& split_config, std::string_view text) {
+  const SplitStep step = SplitStep::read_split(json::parse(split_config));
+  std::vector<std::string_view> views;
+  step.split(text, views);
+  return {views.begin(), views.end()};
+}
+
+std::string split_json(const std::string& pattern, const std::string& behavior, bool invert) {
+  return R"({"type": "Split", "pattern": )" + pattern + R"(, "behavior": ")" + behavior +
+         R"(", "invert": )" + (invert ? "true" : "false") + "}";
+}
+
+TEST(SplitStep, BehaviorsAndInvertAsHuggingFace) {
+  // Expected pieces: Hugging Face tokenizers' Split(Regex("[,; ]"), behavior, invert) on "a, b;; c".
+  const std::string pattern = R"({"Regex": "[,; ]"})";
+  const std::string text = "a, b;; c";
+  const std::vector<std::tuple<std::string, bool, Pieces>> cases = {
+      {"Removed", false, {"a", "b", "c"}},
+      {"Removed", true, {",", " ", ";", ";", " "}},
+      {"Isolated", false, {"a", ",", " ", "b", ";", ";", " ", "c"}},
+      {"Isolated", true, {"a", ",", " ", "b", ";", ";", " ", "c"}},
+      {"MergedWithPrevious", false, {"a,", " ", "b;", ";", " ", "c"}},
+      {"MergedWithPrevious", true, {"a", ",", " b", ";", ";", " c"}},
+      {"MergedWithNext", false, {"a", ",", " b", ";", ";", " c"}},
+      {"MergedWithNext", true, {"a,", " ", "b;", ";", " ", "c"}},
+      {"Contiguous", false, {"a", ", ", "b", ";; ", "c"}},
+      {"Contiguous", true, {"a", ", ", "b", ";; ", "c"}},
+  };
+  for (const auto& [behavior, invert, expected] : cases) {
+    EXPECT_EQ(split_with(split_json(pattern, behavior, invert), text), expected) << behavior << " invert " << invert;
+  }
+}
+
+TEST(SplitStep, LiteralStringPatterns) {
+  const std::string pattern = R"({"String": "ab"})";
+  EXPECT_EQ(split_with(split_json(pattern, "Removed", false), "xabab yab"), (Pieces{"x", " y"}));
+  EXPECT_EQ(split_with(split_json(pattern, "MergedWithPrevious", false), "xabab yab"), (Pieces{"xab", "ab", " yab"}));
+  EXPECT_EQ(split_with(split_json(pattern, "MergedWithNext", false), "xabab yab"), (Pieces{"x", "ab", "ab y", "ab"}));
+  EXPECT_EQ(split_with(split_json(pattern, "Contiguous", false), "xabab yab"), (Pieces{"x", "abab", " y", "ab"}));
+}
+
+TEST(SplitStep, DigitsIsolatedOrContiguous) {
+  auto digits = [](bool individual, std::string_view text) {
+    std::vector<std::string_view> views;
+    SplitStep::digits(individual).split(text, views);
+    return Pieces(views.begin(), views.end());
+  };
+  // Every \p{N} character counts, Arabic-Indic digits included.
+  EXPECT_EQ(digits(true, "a12b345 ٣٤"), (Pieces{"a", "1", "2", "b", "3", "4", "5", " ", "٣", "٤"}));
+  EXPECT_EQ(digits(false, "a12b345 ٣٤"), (Pieces{"a", "12", "b", "345", " ", "٣٤"}));
+}
+
+TEST(SplitStep, MalformedSplitsAreNamed) {
+  auto error_of = [](const std::string& config) -> std::string {
+    try {
+      SplitStep::read_split(json::parse(config));
+    } catch (const TokenizerError& error) {
+      return error.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of(split_json(R"({"String": ""})", "Isolated", false)).find("non-empty"), std::string::npos);
+  EXPECT_NE(error_of(split_json(R"({"Regex": "x"})", "Sideways", false)).find("unknown behavior Sideways"),
+            std::string::npos);
+}
+
+TEST(PreTokenizer, StepsRunInOrderAndByteLevelComesLast) {
+  const json::Value config = json::parse(R"({"type": "Sequence", "pretokenizers": [
+      {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
+      {"type": "Split", "pattern": {"Regex": "[一-龥]+"}, "behavior": "Isolated", "invert": false},
+      {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}]})");
+  const PreTokenizer deepseek_like = PreTokenizer::read(&config);
+  EXPECT_TRUE(deepseek_like.byte_level());
+  std::vector<std::string_view> views;
+  deepseek_like.split("ab12345中文 x", views);
+  EXPECT_EQ(Pieces(views.begin(), views.end()), (Pieces{"ab", "123", "45", "中文", " x"}));
+  auto error_of = [](const char* config) -> std::string {
+    try {
+      const json::Value value = json::parse(config);
+      PreTokenizer::read(&value);
+    } catch (const TokenizerError& error) {
+      return error.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of(R"({"type": "Sequence", "pretokenizers": [{"type": "ByteLevel"}, {"type": "Digits"}]})")
+                .find("ByteLevel before another pre-tokenizer"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"type": "Sequence", "pretokenizers": [{"type": "Digits"},
+                         {"type": "ByteLevel", "add_prefix_space": true}]})")
+                .find("ByteLevel with add_prefix_space after a Split or Digits"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"type": "Whitespace"})").find("pre_tokenizer Whitespace"), std::string::npos);
 }
 
 }  // namespace
