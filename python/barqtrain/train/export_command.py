@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def _run_config(run_dir: Path) -> dict[str, Any] | None:
+def run_config(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return None
@@ -76,7 +76,7 @@ def _run_config(run_dir: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else {}
 
 
-def _base_dir(run_dir: Path, config: dict[str, Any] | None, base: str | None, required: bool) -> Path | None:
+def base_dir_of(run_dir: Path, config: dict[str, Any] | None, base: str | None, required: bool) -> Path | None:
     """The base model directory: --base, else the run's base/ (a random init), else the
     model.path its config.yaml records. None (when not required) if there is none."""
     from barqtrain.train.trainer import BASE
@@ -108,7 +108,7 @@ def _base_dir(run_dir: Path, config: dict[str, Any] | None, base: str | None, re
     return Path(model_path)
 
 
-def _adapter_path(run_dir: Path) -> Path | None:
+def adapter_path(run_dir: Path) -> Path | None:
     if (run_dir / "adapter" / "adapter_config.json").exists():
         return run_dir / "adapter"
     from barqtrain.train.trainer import latest_checkpoint
@@ -161,14 +161,14 @@ def export(
     out = Path(out) if out is not None else run_dir / "merged"
     if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
         raise ExportError(f"--out {out}: must not be the run directory or one that holds it")
-    config = _run_config(run_dir)
+    config = run_config(run_dir)
     base = None if base is None else str(base)
     what: dict[str, Any] = {"barqtrain_version": barqtrain.__version__, "run": str(run_dir.resolve()),
                             "method": (config or {}).get("method")}
 
     if (run_dir / "model" / "config.json").exists():  # full fine-tuning: nothing to merge
         check_out(out, overwrite)
-        base_dir = _base_dir(run_dir, config, base, required=False)
+        base_dir = base_dir_of(run_dir, config, base, required=False)
         what.update(model=str((run_dir / "model").resolve()), base=None if base_dir is None else str(base_dir.resolve()))
         with atomic_directory(out) as directory:
             shutil.copytree(run_dir / "model", directory, dirs_exist_ok=True)
@@ -176,11 +176,11 @@ def export(
         log(f"Full fine-tuning run: copied {run_dir / 'model'} to {out}{extras}.")
         return out
 
-    adapter = _adapter_path(run_dir)
+    adapter = adapter_path(run_dir)
     if adapter is None:
         raise ExportError(f"{run_dir}: no adapter/ and no checkpoint with an adapter, and no model/ (did the run save anything?)")
     check_out(out, overwrite)
-    base_dir = _base_dir(run_dir, config, base, required=True)
+    base_dir = base_dir_of(run_dir, config, base, required=True)
     if adapter.parent != run_dir:
         log(f"No final adapter/ (run unfinished?): using the latest checkpoint's, {adapter}.")
 

@@ -5,11 +5,17 @@ terminal (CI logs, `| tee`), where a bar's carriage returns would only make nois
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean token loss in nats); inf where that overflows a float."""
+    return math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf
 
 
 @contextlib.contextmanager
@@ -91,7 +97,7 @@ class Progress:
     def evaluated(self, step: int, eval_loss: float, accuracy: float | None = None) -> None:
         self.eval_loss = eval_loss
         extra = f", accuracy {100 * accuracy:.0f}%" if accuracy is not None else ""
-        self.message(f"  eval at step {step}: loss {eval_loss:.4f}{extra}")
+        self.message(f"  eval at step {step}: loss {eval_loss:.4f}, perplexity {perplexity(eval_loss):.3f}{extra}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -80,7 +80,7 @@ def test_lines_carry_the_eval_loss_and_resume_counts_from_the_checkpoint():
     progress.step(6, 1.4, 1e-3, 100)  # not at an interval: no line
     progress.step(10, 1.0, 1e-3, 100)
     assert lines[0].split()[:2] == ["step", "5/10"] and "ETA" in lines[0]
-    assert lines[1] == "  eval at step 5: loss 1.2500, accuracy 50%"
+    assert lines[1] == "  eval at step 5: loss 1.2500, perplexity 3.490, accuracy 50%"
     assert lines[2].split()[:2] == ["step", "10/10"] and "eval 1.2500" in lines[2]
     assert len(lines) == 3
 
