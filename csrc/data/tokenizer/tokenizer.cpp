@@ -389,17 +389,27 @@ void Tokenizer::encode_all(std::string_view text, const EncodeOptions& options, 
   add_template(prefix_);
   const size_t first_text_token = ids.size();
   const bool tracked = offsets != nullptr;
+  // With trim_offsets, an added token's offsets are trimmed as it is matched, where its
+  // text (with the white space lstrip and rstrip took) is known; the model's tokens after.
+  thread_local std::vector<size_t> added_positions;
+  added_positions.clear();
+  auto add_token = [&](const AddedToken& token, std::string_view value, Span span) {
+    ids.push_back(token.id);
+    if (!offsets) return;
+    if (trim_offsets_) {
+      span = trimmed(span, value, /*added=*/true, ids.size() - 1 == first_text_token);
+      added_positions.push_back(ids.size() - 1);
+    }
+    offsets->push_back(span);
+  };
   thread_local AlignedText normalized;
   split_added_tokens(raw_added_tokens_, text, options.split_special_tokens,
                      [&](std::string_view segment, const AddedToken* token) {
                        const size_t segment_start = segment.data() - text.data();
                        if (token) {
-                         ids.push_back(token->id);
-                         if (offsets) {
-                           offsets->push_back({static_cast<uint32_t>(segment_start),
-                                               static_cast<uint32_t>(segment_start + segment.size())});
-                         }
-                         return;
+                         return add_token(*token, segment,
+                                          {static_cast<uint32_t>(segment_start),
+                                           static_cast<uint32_t>(segment_start + segment.size())});
                        }
                        std::string_view segment_text = segment;
                        const Span* spans = nullptr;
@@ -414,17 +424,25 @@ void Tokenizer::encode_all(std::string_view text, const EncodeOptions& options, 
                            [&](std::string_view part, const AddedToken* inner) {
                              const size_t part_start = part.data() - segment_text.data();
                              if (inner) {
-                               ids.push_back(inner->id);
-                               if (offsets) {
-                                 offsets->push_back({spans[part_start].start, spans[part_start + part.size() - 1].end});
-                               }
-                               return;
+                               return add_token(*inner, part,
+                                                spans ? Span{spans[part_start].start,
+                                                             spans[part_start + part.size() - 1].end}
+                                                      : Span{0, 0});
                              }
                              encode_part(part, spans ? spans + part_start : nullptr,
                                          segment_start == 0 && part_start == 0, ids, offsets);
                            });
                      });
-  if (offsets && trim_offsets_) trim_offsets(ids, *offsets, first_text_token);
+  if (offsets && trim_offsets_) {
+    size_t next_added = 0;
+    for (size_t i = first_text_token; i < ids.size(); ++i) {
+      if (next_added < added_positions.size() && added_positions[next_added] == i) {
+        ++next_added;
+        continue;
+      }
+      (*offsets)[i] = trimmed((*offsets)[i], model_->token_bytes(ids[i]), /*added=*/false, i == first_text_token);
+    }
+  }
   add_template(suffix_);
 }
 
@@ -512,41 +530,39 @@ void Tokenizer::encode_pieces(const std::vector<std::string_view>& pre_tokens, s
   }
 }
 
-void Tokenizer::trim_offsets(const std::vector<TokenId>& ids, std::vector<Span>& offsets, size_t first) const {
-  // Hugging Face's ByteLevel process_offsets: the spaces ("Ġ", or white space in an added
-  // token) at the ends of a token are dropped from its offsets, except the one space
-  // add_prefix_space put in front of the first token.
-  for (size_t i = first; i < ids.size(); ++i) {
-    const TokenId id = ids[i];
-    const bool added = id < added_token_content_.size() && added_token_content_[id];
-    const std::string& value = added ? *added_token_content_[id] : model_->token_bytes(id);
-    // The bytes of the space characters at the start (or end) of the token's text.
-    auto space_bytes = [&](bool from_end) {
-      size_t bytes = 0, count = 0;
-      std::vector<size_t> starts;
-      for (size_t pos = 0; pos < value.size(); pos += unicode::decode_at(value, pos).length) starts.push_back(pos);
-      for (size_t k = 0; k < starts.size(); ++k) {
-        const size_t index = from_end ? starts.size() - 1 - k : k;
-        const size_t end = index + 1 < starts.size() ? starts[index + 1] : value.size();
-        const char32_t cp = unicode::decode_at(value, starts[index]).code_point;
-        const bool space = added ? (cp == U'\u0120' || unicode::classify(cp) == unicode::CodePointClass::kWhiteSpace)
-                                 : cp == U' ';
-        if (!space) break;
-        bytes += added ? end - starts[index] : 1;
-        ++count;
-      }
-      return std::make_pair(bytes, count);
+Span Tokenizer::trimmed(Span span, std::string_view value, bool added, bool first_token) const {
+  // The bytes and the number of the space characters at the start and at the end of value.
+  size_t leading = 0, leading_count = 0, trailing = 0, trailing_count = 0;
+  if (added) {
+    auto is_space = [&](size_t pos) {
+      const char32_t cp = unicode::decode_at(value, pos).code_point;
+      return cp == U'\u0120' || unicode::classify(cp) == unicode::CodePointClass::kWhiteSpace;
     };
-    auto [leading, leading_count] = space_bytes(false);
-    const auto [trailing, trailing_count] = space_bytes(true);
-    Span& span = offsets[i];
-    if (leading_count > 0) {
-      const bool is_first = i == first || span.start == 0;
-      if (is_first && trim_keeps_prefix_space_ && leading_count == 1) leading = 0;
-      span.start = std::min<uint32_t>(span.start + leading, span.end);
+    while (leading < value.size() && is_space(leading)) {
+      leading += unicode::decode_at(value, leading).length;
+      ++leading_count;
     }
-    if (trailing_count > 0 && span.end >= trailing) span.end = std::max<uint32_t>(span.end - trailing, span.start);
+    for (size_t end = value.size(); end > 0;) {
+      const size_t start = last_character_start(value.substr(0, end));
+      if (!is_space(start)) break;
+      trailing += end - start;
+      ++trailing_count;
+      end = start;
+    }
+  } else {
+    // A model token's bytes: its "Ġ" are spaces, and nothing else in the byte alphabet is.
+    while (leading < value.size() && value[leading] == ' ') ++leading;
+    while (trailing < value.size() && value[value.size() - 1 - trailing] == ' ') ++trailing;
+    leading_count = leading;
+    trailing_count = trailing;
   }
+  if (leading_count > 0) {
+    const bool is_first = first_token || span.start == 0;
+    if (is_first && trim_keeps_prefix_space_ && leading_count == 1) leading = 0;
+    span.start = std::min<uint32_t>(span.start + leading, span.end);
+  }
+  if (trailing_count > 0 && span.end >= trailing) span.end = std::max<uint32_t>(span.end - trailing, span.start);
+  return span;
 }
 
 namespace {

@@ -116,7 +116,11 @@ class Tokenizer {
                    std::vector<Span>* offsets) const;
   void encode_pieces(const std::vector<std::string_view>& pre_tokens, std::string_view text, const Span* spans,
                      std::vector<TokenId>& ids, std::vector<Span>* offsets) const;
-  void trim_offsets(const std::vector<TokenId>& ids, std::vector<Span>& offsets, size_t first) const;
+  // Hugging Face's ByteLevel post-processor with trim_offsets, on the span of one token
+  // whose text is value: the spaces at its ends ("Ġ" in a model token; "Ġ" or any white
+  // space in an added token's matched text) leave the span, except the one space that
+  // add_prefix_space put in front of the first token.
+  Span trimmed(Span span, std::string_view value, bool added, bool first_token) const;
 
   std::shared_ptr<const BpeModel> model_;
   AddedTokenMatcher raw_added_tokens_;         // matched before normalization
