@@ -50,7 +50,7 @@ from barqtrain.train.config import (
 )
 from barqtrain.train.metrics import Metrics, write_plot
 from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
-from barqtrain.train.progress import Progress, duration, is_terminal, without_transformers_bars
+from barqtrain.train.progress import Progress, duration, is_terminal, perplexity, without_transformers_bars
 from barqtrain.train.write_errors import run_write_errors
 
 CHECKPOINTS = "checkpoints"
@@ -534,6 +534,10 @@ def evaluate(model, batches, device, autocast) -> float | None:
     return total / max(count, 1)
 
 
+def _eval_record(step: int, eval_loss: float, accuracy: float | None) -> dict[str, Any]:
+    return {"step": step, "eval_loss": eval_loss, "eval_perplexity": perplexity(eval_loss), "accuracy": accuracy}
+
+
 def task_accuracy(model, batches, device) -> float:
     return float(
         np.mean([task.answer_accuracy(model, b["input_ids"].to(device), b["labels"].to(device)) for b in batches])
@@ -698,7 +702,7 @@ def _train(
         elif result.eval_loss_before is not None:
             log(f"Before training: held-out loss {result.eval_loss_before:.4f}.")
         if result.eval_loss_before is not None:
-            metrics.write({"step": 0, "eval_loss": result.eval_loss_before, "accuracy": result.accuracy_before})
+            metrics.write(_eval_record(0, result.eval_loss_before, result.accuracy_before))
 
     model.train()
     start = time.perf_counter()
@@ -741,7 +745,7 @@ def _train(
             if config.eval_interval and step % config.eval_interval == 0 and step < steps and eval_batches:
                 eval_loss = evaluate(model, eval_batches, device, autocast)
                 accuracy = task_accuracy(model, eval_batches, device) if is_task else None
-                metrics.write({"step": step, "eval_loss": eval_loss, "accuracy": accuracy})
+                metrics.write(_eval_record(step, eval_loss, accuracy))
                 progress.evaluated(step, eval_loss, accuracy)
             if (config.save_interval and step % config.save_interval == 0) or step == steps:
                 save_checkpoint(run_dir, step, model, config, optimizer, scheduler, scaler, data, ranks)
@@ -758,7 +762,7 @@ def _train(
     # Recorded already where this resumes a run whose final save failed (or was killed).
     recorded = any(r["step"] == steps and "eval_loss" in r for r in metrics.records())
     if result.eval_loss_after is not None and not recorded:
-        metrics.write({"step": steps, "eval_loss": result.eval_loss_after, "accuracy": result.accuracy_after})
+        metrics.write(_eval_record(steps, result.eval_loss_after, result.accuracy_after))
     if ranks.is_distributed:
         model_state, _ = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
         if ranks.is_main:
