@@ -1,9 +1,11 @@
-// libFuzzer target: encode and decode on fixed tokenizers (one per split pattern and two
-// SentencePiece-style ones, built here, plus any tokenizer.json named in
-// BARQTRAIN_FUZZ_TOKENIZERS, colon-separated).
+// libFuzzer target: encode and decode on fixed tokenizers (one per hand-written split
+// pattern, regex Splits run by PCRE2 with several behaviors, added tokens with lstrip,
+// rstrip and single_word, two SentencePiece-style ones, built here, plus any tokenizer.json
+// named in BARQTRAIN_FUZZ_TOKENIZERS, colon-separated).
 //
 // Input: one control byte (which tokenizer, which options), then the text. Checks:
 //   - invalid UTF-8 is a TokenizerError, never a crash;
+//   - each hand-written scanner splits the text as PCRE2 runs its pattern;
 //   - decode(encode(x)) == x for valid x when the tokenizer does not normalize;
 //   - encode_with_offsets gives encode's ids, with offsets that are ranges of the text
 //     (start <= end <= size, on character boundaries);
@@ -15,9 +17,12 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "data/json.h"
+#include "data/tokenizer/pre_tokenizer.h"
+#include "data/tokenizer/regex.h"
 #include "data/tokenizer/tokenizer.h"
 #include "data/tokenizer/unicode.h"
 #include "data/utf8.h"
@@ -51,15 +56,28 @@ std::string byte_level_char(int b) {
   return out;
 }
 
-std::string tiny_config(const std::string& pre_tokenizer, const std::string& normalizer, bool ignore_merges) {
+// The added tokens of tiny_config: plain ones, or ones that take white space or match
+// single words only.
+const char* const kPlainAddedTokens = R"(
+    {"id": 300, "content": "<|eot|>", "single_word": false, "lstrip": false, "rstrip": false,
+     "normalized": false, "special": true},
+    {"id": 301, "content": "<|x|>", "single_word": false, "lstrip": false, "rstrip": false,
+     "normalized": true, "special": false})";
+const char* const kStrippingAddedTokens = R"(
+    {"id": 300, "content": "<|eot|>", "single_word": false, "lstrip": true, "rstrip": true,
+     "normalized": false, "special": true},
+    {"id": 301, "content": "<|x|>", "single_word": false, "lstrip": false, "rstrip": true,
+     "normalized": true, "special": false},
+    {"id": 302, "content": "in", "single_word": true, "lstrip": true, "rstrip": false,
+     "normalized": false, "special": false})";
+
+std::string tiny_config(const std::string& pre_tokenizer, const std::string& normalizer, bool ignore_merges,
+                        const char* added_tokens = kPlainAddedTokens) {
   std::string vocab;
   for (int b = 0; b < 256; ++b) vocab += json_string(byte_level_char(b)) + ": " + std::to_string(b) + ", ";
   vocab += R"("Ġt": 256, "he": 257, "Ġthe": 258, "ll": 259, "Ġa": 260, "in": 261, "Ġthell": 262)";
   return R"({"version": "1.0", "truncation": null, "padding": null,
-    "added_tokens": [{"id": 300, "content": "<|eot|>", "single_word": false, "lstrip": false, "rstrip": false,
-                      "normalized": false, "special": true},
-                     {"id": 301, "content": "<|x|>", "single_word": false, "lstrip": false, "rstrip": false,
-                      "normalized": true, "special": false}],
+    "added_tokens": [)" + std::string(added_tokens) + R"(],
     "normalizer": )" + normalizer + R"(, "pre_tokenizer": )" + pre_tokenizer + R"(,
     "post_processor": {"type": "TemplateProcessing",
       "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
@@ -71,11 +89,24 @@ std::string tiny_config(const std::string& pre_tokenizer, const std::string& nor
          R"(}, "merges": ["Ġ t", "h e", "Ġt he", ["l", "l"], "Ġ a", "i n", "Ġthe ll"]}})";
 }
 
-std::string split_pre_tokenizer(tk::SplitPattern pattern) {
-  return R"({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": )" +
-         json_string(tk::regex_of(pattern)) + R"(}, "behavior": "Isolated", "invert": false},
+// Sequence[steps..., ByteLevel without its regex].
+std::string then_byte_level(const std::string& steps) {
+  return R"({"type": "Sequence", "pretokenizers": [)" + steps + R"(,
       {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})";
 }
+
+std::string split_step(std::string_view regex, const char* behavior, bool invert) {
+  return R"({"type": "Split", "pattern": {"Regex": )" + json_string(regex) + R"(}, "behavior": ")" + behavior +
+         R"(", "invert": )" + (invert ? "true" : "false") + "}";
+}
+
+std::string split_pre_tokenizer(tk::SplitPattern pattern) {
+  return then_byte_level(split_step(tk::regex_of(pattern), "Isolated", false));
+}
+
+// Mistral's Tekken pattern, which has no hand-written scanner.
+constexpr std::string_view kTekkenRegex =
+    R"([^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 // A SentencePiece-style BPE over a few characters, with <0xNN> tokens for every byte
 // (ids 3..258) and an unknown token, under the given normalizer / pre-tokenizer / decoder.
@@ -119,6 +150,15 @@ std::vector<Fixture> make_fixtures() {
   add(tiny_config(prefixed, "null", false), false);
   add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kLlama3), "null", true), true);
   add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kQwen2), R"({"type": "NFC"})", false), false);
+  // Regex Splits run by PCRE2: Tekken's; a Split inverted and merged, then Digits; one that
+  // drops what it matches, with an empty-matching alternative.
+  add(tiny_config(then_byte_level(split_step(kTekkenRegex, "Isolated", false)), "null", false), true);
+  add(tiny_config(then_byte_level(split_step(R"(\s+|\p{P}+)", "MergedWithNext", true) +
+                                  R"(, {"type": "Digits", "individual_digits": true})"),
+                  "null", false),
+      true);
+  add(tiny_config(then_byte_level(split_step(R"(\h+|x*|(?=\p{N}))", "Removed", false)), "null", false), false);
+  add(tiny_config(split_pre_tokenizer(tk::SplitPattern::kLlama3), "null", false, kStrippingAddedTokens), false);
   // Llama-2's legacy normalizer and decoder: round-trips text without added tokens only.
   add(sentencepiece_config(
           R"({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
@@ -146,6 +186,27 @@ std::vector<Fixture> make_fixtures() {
   return fixtures;
 }
 
+// Aborts unless each hand-written scanner splits text (valid UTF-8) as PCRE2 matches its
+// regex.
+void check_scanners(std::string_view text) {
+  static const tk::Regex gpt2(tk::regex_of(tk::SplitPattern::kGpt2));
+  static const tk::Regex llama3(tk::regex_of(tk::SplitPattern::kLlama3));
+  static const tk::Regex qwen2(tk::regex_of(tk::SplitPattern::kQwen2));
+  const std::pair<tk::SplitPattern, const tk::Regex*> scanners[] = {
+      {tk::SplitPattern::kGpt2, &gpt2}, {tk::SplitPattern::kLlama3, &llama3}, {tk::SplitPattern::kQwen2, &qwen2}};
+  for (const auto& [pattern, regex] : scanners) {
+    std::vector<std::string_view> pieces;
+    tk::split(pattern, text, pieces);
+    std::vector<std::pair<size_t, size_t>> matches;
+    regex->find_all(text, matches);
+    if (matches.size() != pieces.size()) std::abort();
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const size_t start = pieces[i].data() - text.data();
+      if (matches[i] != std::make_pair(start, start + pieces[i].size())) std::abort();
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -166,6 +227,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } catch (const tk::TokenizerError&) {
     }
   } else {
+    check_scanners(text);
     const std::vector<tk::TokenId> ids = tokenizer.encode(text, options);
     for (const tk::TokenId id : ids) {
       if (id >= tokenizer.id_bound()) std::abort();
