@@ -68,9 +68,9 @@ TORCH_LIBRARY(barqtrain, m) {
   // tables rope_cos/rope_sin [positions, rotary_dim / 2] and int32 positions per row (None:
   // the index within each sequence). lse is fp32 [Hq, rows] (rows = B * S or total).
   // forward_kernel: "auto" (the Hopper kernel on sm_90 where it covers the case), "general"
-  // or "hopper" (AttentionKernel); for the benchmark's side-by-side runs, not barqtrain.ops. The
-  // autograd backward runs the same choice (backward_kernel). (Not named `kernel`: Inductor's
-  // fallback lowering takes a keyword of that name.)
+  // or "hopper" (AttentionKernel), barqtrain.ops.attention's `kernel`; the autograd backward
+  // runs the same choice (backward_kernel). (Not named `kernel`: Inductor's fallback lowering
+  // takes a keyword of that name.)
   m.def(
       "attention_forward(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k,"
       " int max_seqlen_q, int max_seqlen_k, float softmax_scale, float softcap, bool causal, int window_left,"

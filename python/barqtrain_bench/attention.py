@@ -2,8 +2,8 @@
 and cuDNN backends, in the same run (the reference case: causal, B4 H32 S4096 D128; around it:
 causal and full, D 64 and 128, sequences 1K-16K, GQA 32/8).
 
-BarqTrain runs three times, its kernels named per call through the op's `forward_kernel`
-argument, which the autograd backward follows: `barqtrain-general` (the mma.sync kernels of sm_80
+BarqTrain runs three times, its kernels named per call through `barqtrain.ops.attention`'s
+`kernel` argument, which the autograd backward follows: `barqtrain-general` (the mma.sync kernels of sm_80
 and up, forward and backward), `barqtrain-hopper` (the sm_90a
 wgmma/TMA kernels, which `attention` picks on sm_90 for these cases), and `barqtrain-auto+rope`
 (the call the patched models make: the kernels `attention` picks, with RoPE over all of head_dim;
@@ -36,7 +36,7 @@ from barqtrain import _op_library
 from barqtrain_bench.environment import Unavailable, collect_environment, device_name
 from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
 from barqtrain_bench.timing import time_calls
-from barqtrain.ops.attention import attention_rope_tables
+from barqtrain.ops.attention import attention, attention_rope_tables
 
 TOKENS_PER_BATCH = 16384  # batch = tokens / seq: every case does the same amount of attention rows
 
@@ -90,11 +90,7 @@ def _barqtrain(kernel: str, rope: bool = False) -> Attention | Unavailable:
 
     def run(q, k, v, causal):
         cos, sin = rope_tables(q) if rope else (None, None)
-        o, _ = torch.ops.barqtrain.attention_forward(
-            q, k, v, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, 0.0, causal, -1, -1, cos, sin, None,
-            forward_kernel=kernel,
-        )
-        return o
+        return attention(q, k, v, causal=causal, rope_cos=cos, rope_sin=sin, kernel=kernel)
 
     return run
 

@@ -35,6 +35,7 @@ _MAX_HEAD_DIM_FORWARD = 256
 MAX_HEAD_DIM_BACKWARD = 128
 # Looked up once: torch.compile traces `attention` and must not see the dispatcher query.
 _HAS_CUDA_KERNELS = _op_library.has_cuda_kernels("attention_forward")
+ATTENTION_KERNELS = ("auto", "general", "hopper")  # the op's forward_kernel / backward_kernel choices
 _warned_reasons: set[str] = set()  # warning messages already given
 
 
@@ -337,13 +338,21 @@ def attention(
     rope_cos: torch.Tensor | None = None,
     rope_sin: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Differentiable attention; returns o shaped like q (see the module docstring).
 
     softmax_scale defaults to 1 / sqrt(head_dim); softcap 0 means none. For a packed batch,
     max_seqlen_q/_k are the longest sequences (computed from cu_seqlens, one device sync,
-    when not given).
+    when not given). kernel picks the CUDA kernels of the forward and the backward, as
+    torch.nn.attention.sdpa_kernel picks SDPA's: "auto" (the Hopper kernels on an sm_90 GPU
+    where they cover the case, the general ones otherwise), "general" (the mma.sync kernels of
+    every GPU from sm_80 on) or "hopper" (an error where they cannot run); for comparing them
+    side by side, or to step around one. Any choice but "auto" is an error where the kernels
+    cannot run at all (the CPU, float32, a head_dim they do not take) instead of a fallback.
     """
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"barqtrain: attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, rope_cos, rope_sin, position_ids)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if cu_seqlens_q is not None:
@@ -359,12 +368,16 @@ def attention(
         rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     reason = kernel_unsupported_reason(q, None if rope_cos is None else 2 * rope_cos.shape[-1], needs_grad)
+    if kernel != "auto" and (reason is not None or not q.is_cuda):
+        raise ValueError(
+            f"barqtrain: attention kernel={kernel!r} cannot run for {reason or 'a CPU tensor'}; use kernel='auto'"
+        )
     if reason is not None:
         warn_fallback(reason)
         return _fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, softcap, causal, window_left, window_right,
                          rope_cos, rope_sin, positions)
     o, _ = torch.ops.barqtrain.attention_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, float(softcap), causal, window_left,
-        window_right, rope_cos, rope_sin, positions,
+        window_right, rope_cos, rope_sin, positions, forward_kernel=kernel,
     )
     return o

@@ -217,6 +217,14 @@ def test_errors_name_the_problem():
         attention(q, k, v, position_ids=torch.arange(4))
 
 
+def test_a_named_kernel_is_an_error_where_no_kernel_runs():
+    q, k, v = qkv(1, 3, 2, 2, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="kernel='general' cannot run for a CPU tensor; use kernel='auto'"):
+        attention(q, k, v, kernel="general")
+    with pytest.raises(ValueError, match="kernel must be one of auto, general, hopper, got 'flash'"):
+        attention(q, k, v, kernel="flash")
+
+
 def test_cpu_op_refuses_a_named_cuda_kernel():
     q, k, v = qkv(1, 3, 2, 2, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="forward_kernel 'hopper' names a CUDA kernel"):
@@ -397,32 +405,36 @@ def test_cuda_unsupported_head_dim_falls_back_with_one_warning(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_forward_kernel_choice():
-    """The op's forward_kernel argument (bench attn's side-by-side runs): each kernel no worse than SDPA
-    in the same dtype; 'auto' is the Hopper kernel on sm_90;
-    an unknown name, or the Hopper kernel off sm_90, is an error naming it."""
+def test_cuda_kernel_choice():
+    """attention's kernel argument: each kernel no worse than SDPA in the same dtype; 'auto' is the
+    Hopper kernel on sm_90; an unknown name, or the Hopper kernel off sm_90, is an error naming it,
+    in the function and in the op."""
     q, k, v = qkv(2, 1000, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
-    args = (q, k, v, None, None, 1000, 1000, 128 ** -0.5, 0.0, True, -1, -1, None, None, None)
-    exact = attention_reference(q.double(), k.double(), v.double(), softmax_scale=128 ** -0.5)[0]
-    theirs = sdpa(q, k, v, scale=128 ** -0.5)
-    general, _ = torch.ops.barqtrain.attention_forward(*args, forward_kernel="general")
+    scale = 128 ** -0.5
+    exact = attention_reference(q.double(), k.double(), v.double(), softmax_scale=scale)[0]
+    theirs = sdpa(q, k, v, scale=scale)
+    general = attention(q, k, v, softmax_scale=scale, kernel="general")
     assert_no_worse_than_torch("o general", general, theirs, exact)
+    with pytest.raises(ValueError, match="kernel must be one of auto, general, hopper, got 'sm80'"):
+        attention(q, k, v, kernel="sm80")
+    args = (q, k, v, None, None, 1000, 1000, scale, 0.0, True, -1, -1, None, None, None)
     with pytest.raises(RuntimeError, match="forward_kernel must be 'auto', 'general' or 'hopper', got 'sm80'"):
         torch.ops.barqtrain.attention_forward(*args, forward_kernel="sm80")
     if torch.cuda.get_device_capability() != (9, 0):
         with pytest.raises(RuntimeError, match="compute capability 9.0|this build has none"):
-            torch.ops.barqtrain.attention_forward(*args, forward_kernel="hopper")
+            attention(q, k, v, kernel="hopper")
         return
-    hopper, _ = torch.ops.barqtrain.attention_forward(*args, forward_kernel="hopper")
+    hopper = attention(q, k, v, softmax_scale=scale, kernel="hopper")
     assert_no_worse_than_torch("o hopper", hopper, theirs, exact)
-    auto, _ = torch.ops.barqtrain.attention_forward(*args)
-    assert torch.equal(auto, hopper)
+    assert torch.equal(attention(q, k, v, softmax_scale=scale), hopper)
+    with pytest.raises(ValueError, match=r"kernel='hopper' cannot run for dtype torch.float32"):
+        attention(q.float(), k.float(), v.float(), kernel="hopper")
 
 
 @pytest.mark.gpu
 def test_cuda_backward_runs_the_forward_kernel_choice():
-    """The autograd backward of attention_forward(forward_kernel=...) runs that kernel's backward (bench
-    attn's barqtrain-general row is the sm_80 path end to end): gradients no worse than SDPA's in the
+    """The autograd backward of attention(kernel=...) runs that kernel's backward (bench attn's
+    barqtrain-general row is the sm_80 path end to end): gradients no worse than SDPA's in the
     same dtype either way, and on sm_90 the general and Hopper backwards are different kernels (their
     dQ differs in its rounding). An unknown backward_kernel name is an error naming it."""
     q, k, v = qkv(2, 1000, 8, 2, 128, torch.bfloat16, "cuda")
@@ -435,7 +447,7 @@ def test_cuda_backward_runs_the_forward_kernel_choice():
     kernels = ["general", "hopper"] if torch.cuda.get_device_capability() == (9, 0) else ["general"]
     gradients = {}
     for kernel in kernels:
-        out, _ = torch.ops.barqtrain.attention_forward(q, k, v, *args, forward_kernel=kernel)
+        out = attention(q, k, v, softmax_scale=scale, kernel=kernel)
         gradients[kernel] = torch.autograd.grad(out, (q, k, v), d_o)
         for name, mine, torch_same_dtype, reference in zip(("dq", "dk", "dv"), gradients[kernel], theirs[1:],
                                                            exact[1:]):
