@@ -10,7 +10,8 @@
 #
 # Wheels the machine lacks (e.g. liger-kernel, nvidia-cutlass for the CUTLASS headers) are
 # installed from .whl/ when present; GoogleTest is built from .deps/googletest when no
-# installed copy is found. On an sm_90 GPU both builds must include the Hopper kernels
+# installed copy is found; PCRE2 (the tokenizer's regex engine) is linked from .deps/pcre2,
+# which scripts/fetch_pcre2.sh fills on a machine with apt, when the machine lacks libpcre2-dev. On an sm_90 GPU both builds must include the Hopper kernels
 # (sm_90 runs them by default): a build without them fails here instead of passing the
 # check on the sm_80 path alone.
 set -uo pipefail
