@@ -93,6 +93,13 @@ SENTENCEPIECE_VARIANTS = {
         {"type": "NFC"}, metaspace("never", True), {"type": "Sequence", "decoders": [
             {"type": "ByteFallback"}, metaspace("never", True), {"type": "Fuse"}]}, True, True, False),
     "gemma": ({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}, None, GEMMA_DECODER, True, True, True),
+    # Splits before a SentencePiece model: at each "▁" (as Metaspace's split), and around digits.
+    "split-before-metaspace-digits": (
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"String": "▁"}, "behavior": "MergedWithNext", "invert": False},
+            {"type": "Digits", "individual_digits": True}]},
+        GEMMA_DECODER, True, True, True),
     "unk-fused": (LEGACY_NORMALIZER, None, LLAMA2_DECODER, False, True, False),
     "unk-unfused": (LEGACY_NORMALIZER, None, LLAMA2_DECODER, False, False, False),
 }
