@@ -7,10 +7,12 @@
 // saves a [tokens x intermediate] activation per layer.
 //
 // Bytes at 16384 x 14336 bf16: forward reads gate, up and writes h (3 passes, 1.41 GB);
-// backward reads dh, gate, up and writes dgate, dup (5 passes, 2.35 GB).
+// backward reads dh, gate, up and writes dgate, dup (5 passes, 2.35 GB), and h too where asked
+// (6 passes instead of the forward's 3 again).
 #include "kernels/glu.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/device_utils.cuh"
 
@@ -64,12 +66,12 @@ __global__ void __launch_bounds__(kThreads) glu_forward_kernel(const GluForwardP
   }
 }
 
-template <typename T, int kVec, GluActivation kAct>
+template <typename T, int kVec, GluActivation kAct, bool kWriteH>
 __global__ void __launch_bounds__(kThreads) glu_backward_kernel(const GluBackwardParams p) {
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
   if (col >= p.cols) return;
   for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    float dh[kVec], g[kVec], u[kVec], dg[kVec], du[kVec];
+    float dh[kVec], g[kVec], u[kVec], dg[kVec], du[kVec], h[kVec];
     load_as_float<T, kVec>(static_cast<const T*>(p.dh) + row * p.dh_row_stride + col, dh);
     load_as_float<T, kVec>(static_cast<const T*>(p.gate) + row * p.gate_row_stride + col, g);
     load_as_float<T, kVec>(static_cast<const T*>(p.up) + row * p.up_row_stride + col, u);
@@ -79,9 +81,13 @@ __global__ void __launch_bounds__(kThreads) glu_backward_kernel(const GluBackwar
       Activation<kAct>::value_and_derivative(g[e], a, da);
       dg[e] = dh[e] * u[e] * da;
       du[e] = dh[e] * a;
+      // The forward's expression, not a * u: value() may round differently from
+      // value_and_derivative()'s a, and h must be the forward's to the bit.
+      if constexpr (kWriteH) h[e] = Activation<kAct>::value(g[e]) * u[e];
     }
     store_from_float<T, kVec>(static_cast<T*>(p.dgate) + row * p.dgate_row_stride + col, dg);
     store_from_float<T, kVec>(static_cast<T*>(p.dup) + row * p.dup_row_stride + col, du);
+    if constexpr (kWriteH) store_from_float<T, kVec>(static_cast<T*>(p.h) + row * p.h_row_stride + col, h);
   }
 }
 
@@ -124,21 +130,34 @@ void glu_forward(const GluForwardParams& p, cudaStream_t stream) {
 }
 
 void glu_backward(const GluBackwardParams& p, cudaStream_t stream) {
+  const bool write_h = p.h != nullptr;
   check_shape(p.rows, p.cols,
-              {p.dh_row_stride, p.gate_row_stride, p.up_row_stride, p.dgate_row_stride, p.dup_row_stride});
+              {p.dh_row_stride, p.gate_row_stride, p.up_row_stride, p.dgate_row_stride, p.dup_row_stride,
+               write_h ? p.h_row_stride : p.cols});
   require(p.dh != nullptr && p.gate != nullptr && p.up != nullptr && p.dgate != nullptr && p.dup != nullptr,
           "dh, gate, up, dgate and dup must be set");
   if (p.rows == 0) return;
   dispatch_dtype(p.dtype, [&](auto type_tag) {
     using T = decltype(type_tag);
     dispatch_activation(p.activation, [&](auto act) {
-      if (rows_vectorizable<T>({p.dh, p.gate, p.up, p.dgate, p.dup},
-                          {p.dh_row_stride, p.gate_row_stride, p.up_row_stride, p.dgate_row_stride,
-                           p.dup_row_stride},
-                          p.cols)) {
-        glu_backward_kernel<T, kVec16<T>, act><<<grid_for(p.rows, p.cols, kVec16<T>), kThreads, 0, stream>>>(p);
+      const bool vectorizable =
+          rows_vectorizable<T>({p.dh, p.gate, p.up, p.dgate, p.dup, p.h},
+                               {p.dh_row_stride, p.gate_row_stride, p.up_row_stride, p.dgate_row_stride,
+                                p.dup_row_stride, p.h_row_stride},
+                               p.cols);
+      auto launch = [&](auto write_h_tag) {
+        constexpr bool kWriteH = decltype(write_h_tag)::value;
+        if (vectorizable) {
+          glu_backward_kernel<T, kVec16<T>, act, kWriteH>
+              <<<grid_for(p.rows, p.cols, kVec16<T>), kThreads, 0, stream>>>(p);
+        } else {
+          glu_backward_kernel<T, 1, act, kWriteH><<<grid_for(p.rows, p.cols, 1), kThreads, 0, stream>>>(p);
+        }
+      };
+      if (write_h) {
+        launch(std::true_type{});
       } else {
-        glu_backward_kernel<T, 1, act><<<grid_for(p.rows, p.cols, 1), kThreads, 0, stream>>>(p);
+        launch(std::false_type{});
       }
     });
   });

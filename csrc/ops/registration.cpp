@@ -46,7 +46,11 @@ TORCH_LIBRARY(barqtrain, m) {
   // h = act(gate) * up with act "silu" (SwiGLU) or "gelu_tanh" (GeGLU); gate and up may be
   // strided views (the halves of a fused gate_up projection).
   m.def("glu_forward(Tensor gate, Tensor up, str activation) -> Tensor");
-  m.def("glu_backward(Tensor dh, Tensor gate, Tensor up, str activation) -> (Tensor dgate, Tensor dup)");
+  // compute_h: h = act(gate) * up too, bit for bit glu_forward's (empty otherwise), from the same
+  // reads of gate and up: for a caller that recomputes the forward's output in its backward.
+  m.def(
+      "glu_backward(Tensor dh, Tensor gate, Tensor up, str activation, bool compute_h=False)"
+      " -> (Tensor dgate, Tensor dup, Tensor h)");
   // Rotary embedding of q and k ([B, H, S, D] with heads_dim=1, [B, S, H, D] with heads_dim=2)
   // by the tables cos, sin ([B or 1, S, rotary_dim]); inverse rotates back (the backward).
   m.def(
@@ -356,8 +360,9 @@ at::Tensor glu_forward_cuda(const at::Tensor& gate, const at::Tensor& up, c10::s
   return h;
 }
 
-std::tuple<at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const at::Tensor& gate,
-                                                     const at::Tensor& up, c10::string_view activation) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const at::Tensor& gate,
+                                                                 const at::Tensor& up, c10::string_view activation,
+                                                                 bool compute_h) {
   TORCH_CHECK(gate.dim() >= 1 && gate.numel() > 0, "barqtrain: gate must be a non-empty tensor");
   check_glu_operand(up, "up", gate);
   check_glu_operand(dh, "dh", gate);
@@ -368,6 +373,7 @@ std::tuple<at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const
   const at::Tensor up_rows = as_rows(up, cols);
   at::Tensor dgate = at::empty(gate.sizes(), gate.options());
   at::Tensor dup = at::empty(gate.sizes(), gate.options());
+  at::Tensor h = compute_h ? at::empty(gate.sizes(), gate.options()) : at::empty({0}, gate.options());
 
   k::GluBackwardParams p;
   p.dh = dh_rows.data_ptr();
@@ -382,10 +388,14 @@ std::tuple<at::Tensor, at::Tensor> glu_backward_cuda(const at::Tensor& dh, const
   p.up_row_stride = row_stride(up_rows);
   p.dgate_row_stride = cols;
   p.dup_row_stride = cols;
+  if (compute_h) {
+    p.h = h.data_ptr();
+    p.h_row_stride = cols;
+  }
   p.activation = parse_activation(activation);
   p.dtype = kernel_dtype(gate, "gate");
   k::glu_backward(p, c10::cuda::getCurrentCUDAStream(gate.device().index()).stream());
-  return {dgate, dup};
+  return {dgate, dup, h};
 }
 
 k::HeadStrides head_strides(const at::Tensor& t, int64_t heads_dim) {

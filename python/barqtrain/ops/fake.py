@@ -49,9 +49,10 @@ def glu_forward(gate, up, activation):
 
 
 @torch.library.register_fake("barqtrain::glu_backward")
-def glu_backward(dh, gate, up, activation):
+def glu_backward(dh, gate, up, activation, compute_h=False):
+    h = torch.empty_like(gate, memory_format=torch.contiguous_format) if compute_h else gate.new_empty(0)
     return (torch.empty_like(gate, memory_format=torch.contiguous_format),
-            torch.empty_like(up, memory_format=torch.contiguous_format))
+            torch.empty_like(up, memory_format=torch.contiguous_format), h)
 
 
 @torch.library.register_fake("barqtrain::rope_forward")

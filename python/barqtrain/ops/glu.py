@@ -66,10 +66,11 @@ def _forward_cpu(gate, up, activation):
 
 
 @torch.library.impl("barqtrain::glu_backward", "CPU")
-def _backward_cpu(dh, gate, up, activation):
+def _backward_cpu(dh, gate, up, activation, compute_h=False):
     _check_inputs(gate, up)
     dgate, dup = glu_backward_reference(dh, gate, up, activation)
-    return dgate.contiguous(), dup.contiguous()
+    h = glu_reference(gate, up, activation).contiguous() if compute_h else gate.new_empty(0)
+    return dgate.contiguous(), dup.contiguous(), h
 
 
 def _setup_context(ctx, inputs, output):
@@ -80,7 +81,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dh):
     gate, up = ctx.saved_tensors
-    dgate, dup = torch.ops.barqtrain.glu_backward(dh, gate, up, ctx.activation)
+    dgate, dup, _ = torch.ops.barqtrain.glu_backward(dh, gate, up, ctx.activation)
     return dgate, dup, None
 
 

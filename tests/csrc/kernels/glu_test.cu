@@ -2,6 +2,7 @@
 // strided gate/up (the halves of a fused gate_up projection) and unaligned columns.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 
 #include "kernels/glu.h"
@@ -89,12 +90,26 @@ class GluKernel : public ::testing::TestWithParam<GluCase> {
     bwd.activation = c.activation;
     bwd.dtype = c.dtype;
     k::glu_backward(bwd, nullptr);
+
+    // Again, writing h too: the same gradients, and the forward's h to the bit.
+    DeviceBuffer d_h_again(n * sizeof(T)), d_dgate_again(n * sizeof(T)), d_dup_again(n * sizeof(T));
+    k::GluBackwardParams with_h = bwd;
+    with_h.dgate = d_dgate_again.get();
+    with_h.dup = d_dup_again.get();
+    with_h.h = d_h_again.get();
+    with_h.h_row_stride = c.cols;
+    k::glu_backward(with_h, nullptr);
     CUDA_OK(cudaDeviceSynchronize());
 
     const double tol = storage_tolerance(c.dtype);
-    EXPECT_LE(relative_error(d_h.to_host<T>(n), h_ref), tol) << "h";
-    EXPECT_LE(relative_error(d_dgate.to_host<T>(n), dgate_ref), tol) << "dgate";
-    EXPECT_LE(relative_error(d_dup.to_host<T>(n), dup_ref), tol) << "dup";
+    const std::vector<T> h = d_h.to_host<T>(n), dgate = d_dgate.to_host<T>(n), dup = d_dup.to_host<T>(n);
+    EXPECT_LE(relative_error(h, h_ref), tol) << "h";
+    EXPECT_LE(relative_error(dgate, dgate_ref), tol) << "dgate";
+    EXPECT_LE(relative_error(dup, dup_ref), tol) << "dup";
+    const size_t bytes = n * sizeof(T);
+    EXPECT_EQ(std::memcmp(d_h_again.to_host<T>(n).data(), h.data(), bytes), 0) << "h from the backward";
+    EXPECT_EQ(std::memcmp(d_dgate_again.to_host<T>(n).data(), dgate.data(), bytes), 0) << "dgate with h";
+    EXPECT_EQ(std::memcmp(d_dup_again.to_host<T>(n).data(), dup.data(), bytes), 0) << "dup with h";
   }
 };
 

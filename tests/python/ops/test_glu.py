@@ -63,8 +63,14 @@ def test_opcheck_cpu(activation, fused):
     gate, up, _ = random_gate_up((2, 5, 24), torch.float32, "cpu", fused)
     torch.library.opcheck(torch.ops.barqtrain.glu_forward.default, (gate, up, activation))
     dh = torch.randn(gate.shape)
-    torch.library.opcheck(torch.ops.barqtrain.glu_backward.default,
-                          (dh, gate.detach(), up.detach(), activation))
+    for compute_h in (False, True):
+        torch.library.opcheck(torch.ops.barqtrain.glu_backward.default,
+                              (dh, gate.detach(), up.detach(), activation, compute_h))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_backward_makes_the_forward_output_again(activation):
+    _check_backward_makes_the_forward_output("cpu", activation, fused=True)
 
 
 def test_compiles_fullgraph():
@@ -107,6 +113,24 @@ def test_cuda_matches_float64_no_worse_than_torch(dtype, shape, activation, fuse
     assert_no_worse_than_torch("h", h, torch_h, h64)
     assert_no_worse_than_torch("dgate", dg, torch_dg, dg64)
     assert_no_worse_than_torch("dup", du, torch_du, du64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_backward_makes_the_forward_output_again_to_the_bit(activation, fused):
+    _check_backward_makes_the_forward_output("cuda", activation, fused)
+
+
+def _check_backward_makes_the_forward_output(device, activation, fused):
+    torch.manual_seed(11)
+    gate, up, _ = random_gate_up((4, 33, 4864), torch.bfloat16, device, fused)
+    dh = torch.randn(gate.shape, device=device).to(gate.dtype)
+    dgate, dup, empty = torch.ops.barqtrain.glu_backward(dh, gate.detach(), up.detach(), activation)
+    assert empty.numel() == 0
+    dgate_again, dup_again, h = torch.ops.barqtrain.glu_backward(dh, gate.detach(), up.detach(), activation, True)
+    assert torch.equal(h, torch.ops.barqtrain.glu_forward(gate.detach(), up.detach(), activation))
+    assert torch.equal(dgate_again, dgate) and torch.equal(dup_again, dup)
 
 
 @pytest.mark.gpu
