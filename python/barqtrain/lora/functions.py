@@ -13,7 +13,7 @@ quantized base weight (barqtrain.quant) brings its own GEMM: its LoRA term is ad
 Projections of one input (q, k and v; gate and up) are one autograd function: x is saved
 once, and the A matrices of the LoRA projections are stacked, so that x is read once for
 every x Aᵀ and every (s · dy B) A is one GEMM into dx. The gated MLP is one function too,
-which stores x, gate and up and recomputes act(gate) · up in the backward.
+which stores x, gate and up; act(gate) · up comes again from the activation's backward kernel.
 
 Precision: each adapter names the dtype its products are computed in (LoraAdapter.compute_dtype).
 Mixed precision, as torch.autocast defines it, computes them in the activations' dtype: fp32
@@ -206,6 +206,106 @@ def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[t
     return [F.linear(x, p.weight, p.bias) if y is None else y for p, y in zip(projections, outputs, strict=True)], saved
 
 
+@dataclass
+class _FromDy:
+    """The part of a projections' backward that dy alone gives: dx, the gradients of the B
+    matrices (in grads), and per _Group the mask and s · dy B that dA needs with x."""
+
+    dx: torch.Tensor | None
+    grads: list[torch.Tensor | None]
+    lora: list[tuple[_Group, torch.Tensor | None, torch.Tensor]]
+
+
+def _backward_from_dy(
+    projections: Sequence[Projection],
+    saved: Sequence[torch.Tensor],
+    dys: Sequence[torch.Tensor],
+    needs_dx: bool,
+    needs_grads: Sequence[bool],
+) -> _FromDy:
+    grads: list[torch.Tensor | None] = [None] * len(needs_grads)
+    # dx's products, summed by one matmul_sum, the rank-r ones first (see _project). LoRA terms
+    # with dropout or in another dtype (PEFT's arithmetic) are rounded and added last, as PEFT
+    # adds them.
+    products: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rounded_lora_dx: list[torch.Tensor] = []
+    lora = []
+    position = 0
+    for group in _groups(projections):
+        mask = saved[position] if group.dropout else None
+        xa = saved[position + group.saved_count() - 1]
+        position += group.saved_count()
+        dxa_parts = []
+        for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
+            scaling = projections[index].lora.scaling
+            dy = dys[index].to(group.dtype)
+            if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
+                dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
+                grads[index * _TENSORS_PER_PROJECTION + 3] = dB
+            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
+        dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
+        lora.append((group, mask, dxa))
+        if needs_dx:
+            stacked_A = group.stacked_A(projections)
+            if group.dtype == dys[0].dtype and mask is None:
+                products.append((dxa, stacked_A))
+            else:
+                lora_dx = dxa @ stacked_A
+                if mask is not None:
+                    lora_dx = _dropped(lora_dx, mask, group.dropout)
+                rounded_lora_dx.append(lora_dx.to(dys[0].dtype))
+    if not needs_dx:
+        return _FromDy(None, grads, lora)
+
+    products += [(dy, p.weight) for p, dy in zip(projections, dys, strict=True) if _is_dense(p.weight)]
+    dx = None
+    if products:
+        dx = matmul_sum([a for a, _ in products], [b for _, b in products], [1.0] * len(products))
+    for projection, dy in zip(projections, dys, strict=True):
+        if not _is_dense(projection.weight):
+            dx = dy @ projection.weight if dx is None else dx.addmm_(dy, projection.weight)
+    for lora_dx in rounded_lora_dx:
+        dx.add_(lora_dx)
+    return _FromDy(dx, grads, lora)
+
+
+def _backward_from_x(
+    x: torch.Tensor | None,
+    projections: Sequence[Projection],
+    dys: Sequence[torch.Tensor],
+    from_dy: _FromDy,
+    needs_grads: Sequence[bool],
+) -> list[torch.Tensor | None]:
+    """The gradients that need x too, added to from_dy.grads: the weights', the biases' and
+    the A matrices'. `x` may be None when none of them is asked for."""
+    grads = from_dy.grads
+    for index, dy in enumerate(dys):
+        needs_weight, needs_bias = needs_grads[index * _TENSORS_PER_PROJECTION : index * _TENSORS_PER_PROJECTION + 2]
+        if needs_weight:
+            grads[index * _TENSORS_PER_PROJECTION] = dy.T @ x
+        if needs_bias:
+            grads[index * _TENSORS_PER_PROJECTION + 1] = dy.sum(0)
+    for group, mask, dxa in from_dy.lora:
+        if not any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
+            continue
+        lora_input = x.to(group.dtype)
+        if mask is not None:
+            lora_input = _dropped(lora_input, mask, group.dropout)
+        dA = _gradient_mm(dxa.T, lora_input, 1.0, group.adapter_dtype)
+        for index, dA_part in zip(group.indices, dA.split(group.ranks(projections)), strict=True):
+            if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
+                grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
+    return grads
+
+
+def _needs_x(projections: Sequence[Projection], needs_grads: Sequence[bool]) -> bool:
+    """Whether the backward reads the projections' input: a trainable weight or an adapter's A."""
+    return any(
+        needs_grads[index * _TENSORS_PER_PROJECTION] or needs_grads[index * _TENSORS_PER_PROJECTION + 2]
+        for index in range(len(projections))
+    )
+
+
 def _project_backward(
     x: torch.Tensor | None,
     projections: Sequence[Projection],
@@ -217,66 +317,8 @@ def _project_backward(
     """dx and, for each projection's (weight, bias, lora_A, lora_B), its gradient where
     needs_grads asks for it. `x` may be None when no projection has an adapter or a
     trainable weight."""
-    grads: list[torch.Tensor | None] = [None] * len(needs_grads)
-    for index, (projection, dy) in enumerate(zip(projections, dys, strict=True)):
-        needs_weight, needs_bias = needs_grads[index * _TENSORS_PER_PROJECTION : index * _TENSORS_PER_PROJECTION + 2]
-        if needs_weight:
-            grads[index * _TENSORS_PER_PROJECTION] = dy.T @ x
-        if needs_bias:
-            grads[index * _TENSORS_PER_PROJECTION + 1] = dy.sum(0)
-
-    # dx's products, summed by one matmul_sum, the rank-r ones first (see _project). LoRA terms
-    # with dropout or in another dtype (PEFT's arithmetic) are rounded and added last, as PEFT
-    # adds them.
-    products: list[tuple[torch.Tensor, torch.Tensor]] = []
-    rounded_lora_dx: list[torch.Tensor] = []
-
-    position = 0
-    for group in _groups(projections):
-        mask = saved[position] if group.dropout else None
-        xa = saved[position + group.saved_count() - 1]
-        position += group.saved_count()
-        ranks = group.ranks(projections)
-        dxa_parts = []
-        for index, xa_part in zip(group.indices, xa.split(ranks, dim=1), strict=True):
-            scaling = projections[index].lora.scaling
-            dy = dys[index].to(group.dtype)
-            if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
-                dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
-                grads[index * _TENSORS_PER_PROJECTION + 3] = dB
-            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
-        dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
-
-        if any(needs_grads[i * _TENSORS_PER_PROJECTION + 2] for i in group.indices):
-            lora_input = x.to(group.dtype)
-            if mask is not None:
-                lora_input = _dropped(lora_input, mask, group.dropout)
-            dA = _gradient_mm(dxa.T, lora_input, 1.0, group.adapter_dtype)
-            for index, dA_part in zip(group.indices, dA.split(ranks), strict=True):
-                if needs_grads[index * _TENSORS_PER_PROJECTION + 2]:
-                    grads[index * _TENSORS_PER_PROJECTION + 2] = dA_part
-        if needs_dx:
-            stacked_A = group.stacked_A(projections)
-            if group.dtype == dys[0].dtype and mask is None:
-                products.append((dxa, stacked_A))
-            else:
-                lora_dx = dxa @ stacked_A
-                if mask is not None:
-                    lora_dx = _dropped(lora_dx, mask, group.dropout)
-                rounded_lora_dx.append(lora_dx.to(dys[0].dtype))
-    if not needs_dx:
-        return None, grads
-
-    products += [(dy, p.weight) for p, dy in zip(projections, dys, strict=True) if _is_dense(p.weight)]
-    dx = None
-    if products:
-        dx = matmul_sum([a for a, _ in products], [b for _, b in products], [1.0] * len(products))
-    for projection, dy in zip(projections, dys, strict=True):
-        if not _is_dense(projection.weight):
-            dx = dy @ projection.weight if dx is None else dx.addmm_(dy, projection.weight)
-    for lora_dx in rounded_lora_dx:
-        dx.add_(lora_dx)
-    return dx, grads
+    from_dy = _backward_from_dy(projections, saved, dys, needs_dx, needs_grads)
+    return from_dy.dx, _backward_from_x(x, projections, dys, from_dy, needs_grads)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -350,13 +392,13 @@ class _GatedMLP(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         down_needs = needs[-_TENSORS_PER_PROJECTION:]
         gate, up = _gate_and_up(projected)
-        # act(gate) · up was not stored: recomputed only where the down projection's
-        # adapter or trainable weight needs its input.
-        hidden = None
-        if down.lora is not None or down_needs[0]:
-            hidden = torch.ops.barqtrain.glu_forward(gate, up, ctx.activation)
-        dhidden, down_grads = _project_backward(hidden, [down], saved_down, [_rows(dy)], True, down_needs)
-        dgate, dup = torch.ops.barqtrain.glu_backward(dhidden, gate, up, ctx.activation)
+        dys_down = [_rows(dy)]
+        from_dy = _backward_from_dy([down], saved_down, dys_down, True, down_needs)
+        # act(gate) · up was not stored: where the down projection's adapter or trainable weight
+        # needs its input, the activation's backward makes it again from the same reads.
+        needs_hidden = _needs_x([down], down_needs)
+        dgate, dup, hidden = torch.ops.barqtrain.glu_backward(from_dy.dx, gate, up, ctx.activation, needs_hidden)
+        down_grads = _backward_from_x(hidden if needs_hidden else None, [down], dys_down, from_dy, down_needs)
         dys = [dgate, dup] if len(input_projections) == 2 else [torch.cat([dgate, dup], dim=-1)]
         dx, in_grads = _project_backward(
             rows, input_projections, saved_in, dys, ctx.needs_input_grad[0], needs[:-_TENSORS_PER_PROJECTION]
