@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "data/tokenizer/unicode.h"
@@ -197,6 +198,31 @@ TEST(Tokenizer, UnsupportedFeaturesAreNamed) {
                 .find("post_processor BertProcessing"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("Ġt he")", R"("Ġt hx")")).find("merges[2]"), std::string::npos);
+}
+
+TEST(Tokenizer, AddedTokensTakeWhiteSpaceAndMatchSingleWords) {
+  // <|eot|> with lstrip and rstrip; "ab" with single_word. The expected ids and offsets are
+  // Hugging Face tokenizers' on the same file (its offsets turned into bytes).
+  std::string config = tiny_tokenizer_json();
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {R"("lstrip": false)", R"("lstrip": true)"},
+           {R"("rstrip": false)", R"("rstrip": true)"},
+           {R"("added_tokens": [)", R"("added_tokens": [{"id": 301, "content": "ab", "single_word": true,
+                                      "special": false, "normalized": false}, )"}}) {
+    config.replace(config.find(from), from.size(), to);
+  }
+  const Tokenizer tokenizer{json::parse(config)};
+  auto encoded = [&](std::string_view text) {
+    const auto encoding = tokenizer.encode_with_offsets(text);
+    std::vector<std::pair<uint32_t, uint32_t>> offsets;
+    for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
+    return std::make_pair(encoding.ids, offsets);
+  };
+  using Offsets = std::vector<std::pair<uint32_t, uint32_t>>;
+  EXPECT_EQ(encoded("a  <|eot|>\n b"), std::make_pair(Ids{97, 300, 98}, Offsets{{0, 1}, {1, 12}, {12, 13}}));
+  EXPECT_EQ(encoded("  <|eot|><|eot|> "), std::make_pair(Ids{300, 300}, Offsets{{0, 9}, {9, 17}}));
+  EXPECT_EQ(encoded("ab cab ab_ (ab)\xC3\xA9 ab").first,
+            (Ids{301, 32, 99, 97, 98, 32, 97, 98, 95, 32, 40, 301, 41, 195, 169, 32, 301}));
 }
 
 TEST(Tokenizer, OffsetsAreByteRangesOfTheInput) {
