@@ -9,13 +9,18 @@ copied as trained. The export is written to a temporary sibling directory and re
 place; an existing non-empty DIR is refused unless --overwrite, which replaces only an
 earlier `barqtrain export` (it holds barqtrain_export.json). The token the run's data ends
 each response with (EOS, or the chat template's end-of-turn token) is added to the exported
-generation config's eos_token_id when missing, so that generation stops after a response."""
+generation config's eos_token_id when missing, so that generation stops after a response.
+
+`--gguf f16|bf16|q8_0|q4_k_m` writes that model as one GGUF file for llama.cpp instead
+(default RUN_DIR/model-TYPE.gguf; RUN_DIR may also be a model directory):
+barqtrain.train.gguf_export says what it holds."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ from barqtrain.train.export import (
     trained_end_token,
     write_marker,
 )
+from barqtrain.train.gguf_export import GGUF_TYPES, write_gguf
 from barqtrain.train.progress import without_transformers_bars
 
 __all__ = ["ExportError", "export", "register"]
@@ -50,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write a run's model, its adapter merged in (safetensors, HF format)", description=DESCRIPTION,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a `barqtrain train` output directory")
-    parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or empty")
+    parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or empty; "
+                        "with --gguf, the file to write (default: RUN_DIR/model-TYPE.gguf)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace DIR when it holds an earlier `barqtrain export` (nothing else)"
     )
@@ -58,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--base", metavar="DIR",
         help="the base model directory, when the one recorded in RUN_DIR/config.yaml (model.path) has moved",
     )
+    parser.add_argument("--gguf", metavar="TYPE", choices=GGUF_TYPES,
+                        help=f"write one GGUF file for llama.cpp instead, weights in {', '.join(GGUF_TYPES)}")
     parser.add_argument(
         "--merge", action="store_true",
         help="accepted for compatibility: export always merges a LoRA or QLoRA run's adapter",
@@ -207,8 +216,42 @@ def export(
     return out
 
 
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def export_gguf(
+    run_dir: str | Path, gguf_type: str, out: str | Path | None = None, log=print, *, overwrite: bool = False,
+    base: str | Path | None = None,
+) -> Path:
+    """Writes run_dir's exported model (or run_dir itself, a model directory) to out as GGUF of
+    gguf_type (default run_dir/model-TYPE.gguf); returns out. A run is merged into a temporary
+    directory beside out first, removed afterwards."""
+    run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / f"model-{gguf_type}.gguf"
+    if out.is_dir():
+        raise ExportError(f"--out {out}: is a directory; give the path of the .gguf file to write")
+    if out.exists() and not overwrite:
+        raise ExportError(f"--out {out}: exists; give a new file, or pass --overwrite to replace it")
+    if out.exists() and not _is_gguf(out):
+        raise ExportError(f"--out {out}: not a GGUF file, so --overwrite leaves it alone; give a new file")
+    if (run_dir / "config.json").is_file():
+        written = write_gguf(run_dir, out, gguf_type, log)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.merge-") as temporary:
+            merged = export(run_dir, Path(temporary) / "merged", log=log, base=base)
+            written = write_gguf(merged, out, gguf_type, log, name=run_dir.resolve().name)
+    log(f"Wrote {written} ({gguf_type}, {written.stat().st_size / 2**20:.1f} MiB) from {run_dir}.")
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.gguf is not None:
+            export_gguf(args.run_dir, args.gguf, args.out, overwrite=args.overwrite, base=args.base)
+            return 0
         export(args.run_dir, args.out, overwrite=args.overwrite, base=args.base)
     except ExportError as error:
         print(f"barqtrain export: {error}", file=sys.stderr)

@@ -1,0 +1,405 @@
+"""A Hugging Face model directory (an export's merged model) as one GGUF file that llama.cpp
+loads, written with the gguf package (llama.cpp's own writer); no llama.cpp checkout or build.
+
+What llama.cpp needs besides the weights, as its converter (convert_hf_to_gguf.py) writes it:
+- the architecture's hyperparameters under llama.cpp's names, per family (softcaps, sliding
+  window, rope base and linear scaling, head sizes);
+- the weights renamed to llama.cpp's tensor names (gguf.TensorNameMap), with two layout
+  changes: Llama and Mistral's q/k rows permuted from Hugging Face's rotate-half RoPE to
+  llama.cpp's interleaved one, and Gemma's norms stored as 1 + weight (llama.cpp multiplies
+  by the stored weight);
+- the tokenizer: a SentencePiece-style vocabulary (BPE with byte fallback, a "▁" word prefix)
+  as llama.cpp's "llama" model, whose merges follow the token scores (the negated rank of the
+  merge that makes each token), or a byte-level BPE as its "gpt2" model with the merges and
+  the pre-tokenizer named by its split pattern; special tokens, whether BOS/EOS are added, the
+  chat template, and the end-of-turn token the exported generation config stops at.
+
+Types: f16 and bf16 (2-D weights; norms and biases stay f32), q8_0 (blocks of 32 by the gguf
+package's quantizer: a 2-D weight whose rows are not a multiple of 32 stays f16, and the log
+says which), q4_k_m (BarqTrain's Q4_K and Q6_K quantizers, barqtrain.train.kquants, with
+llama.cpp's Q4_K_M choice of Q6_K tensors; every 2-D weight's rows must be a multiple of 256,
+so small models are refused with the tensor named)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from barqtrain.train.export import GENERATION_CONFIG, ExportError
+from barqtrain.train.kquants import SUPER_BLOCK, quantize_q4_k, quantize_q6_k
+
+GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+Q8_0_BLOCK = 32
+
+# The pre-tokenizer llama.cpp applies before byte-level BPE, told by the split pattern of
+# tokenizer.json (convert_hf_to_gguf.py tells it by hashing a tokenization; the pattern is
+# what that hash stands for).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe", _QWEN2_PATTERN: "qwen2"}
+
+
+@dataclass(frozen=True)
+class _Family:
+    arch: str  # gguf.MODEL_ARCH member name
+    permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+    softcaps: bool = False  # attention and final logit softcapping (Gemma 2)
+    query_scale_checked: bool = False  # llama.cpp scales queries by 1/sqrt(head_dim) (by size for the 27B)
+    large_layer_count: int | None = None  # the 27B's layer count, where llama.cpp scales by hidden/heads
+
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _Family("LLAMA", permute_qk=True),
+    "mistral": _Family("LLAMA", permute_qk=True),  # llama.cpp runs Mistral as its llama architecture
+    "qwen2": _Family("QWEN2"),
+    "qwen3": _Family("QWEN3"),
+    "phi3": _Family("PHI3"),
+    "gemma": _Family("GEMMA", norm_offset=1.0),
+    "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46),
+    "gemma3_text": _Family("GEMMA3", norm_offset=1.0, query_scale_checked=True, large_layer_count=62),
+}
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ExportError("--gguf needs the gguf package (llama.cpp's GGUF writer): pip install gguf, or install "
+                          "barqtrain with the [gguf] extra") from None
+    return gguf
+
+
+def write_gguf(
+    model_dir: str | Path, out: str | Path, gguf_type: str, log: Callable[..., None] = print, *, name: str | None = None
+) -> Path:
+    """Writes model_dir (a Hugging Face model directory with its tokenizer) to out as GGUF of
+    gguf_type, through a temporary sibling renamed into place; returns out. name (default: the
+    directory's) is the file's general.name, which llama.cpp also reads to tell some models apart."""
+    gguf = _gguf()
+    from transformers import AutoConfig
+
+    if gguf_type not in GGUF_TYPES:
+        raise ExportError(f"--gguf {gguf_type}: not a GGUF type BarqTrain writes; give one of {', '.join(GGUF_TYPES)}")
+    model_dir, out = Path(model_dir), Path(out)
+    config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ExportError(f"{model_dir}: model_type {config.model_type!r} has no GGUF export; the families exported "
+                          f"are {', '.join(sorted(FAMILIES))}")
+    arch = gguf.MODEL_ARCH[family.arch]
+    tensors = _Tensors(model_dir, config, family, gguf)
+    if gguf_type == "q4_k_m":
+        tensors.check_k_quant_rows()
+
+    temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(temporary), gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        writer.add_name(name or model_dir.resolve().name)
+        writer.add_file_type(_FILE_TYPES[gguf_type](gguf))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _write_hyperparameters(writer, config, family, gguf)
+        _write_tokenizer(writer, model_dir, config.vocab_size, gguf)
+        kept_f16 = []
+        for name, data in tensors:
+            array, quant = _encode(name, data, gguf_type, tensors.more_bits(name), gguf)
+            if gguf_type == "q8_0" and data.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
+                kept_f16.append(name)
+            writer.add_tensor(name, array, raw_dtype=quant)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(temporary, out)
+    except BaseException:
+        writer.close()
+        temporary.unlink(missing_ok=True)
+        raise
+    if kept_f16:
+        log(f"q8_0: {len(kept_f16)} weights whose rows are not a multiple of {Q8_0_BLOCK} values stay f16 "
+            f"({', '.join(kept_f16[:4])}{', ...' if len(kept_f16) > 4 else ''}).")
+    return out
+
+
+def _file_type(name: str):
+    return lambda gguf: getattr(gguf.LlamaFileType, name)
+
+
+_FILE_TYPES = {"f16": _file_type("MOSTLY_F16"), "bf16": _file_type("MOSTLY_BF16"), "q8_0": _file_type("MOSTLY_Q8_0"),
+               "q4_k_m": _file_type("MOSTLY_Q4_K_M")}
+
+
+# ---------------------------------------------------------------------- hyperparameters
+
+
+def _rope_parameters(config) -> dict[str, Any]:
+    """The RoPE parameters of the full-attention layers (Transformers 5's rope_parameters, per
+    layer type for Gemma 3; rope_scaling and rope_theta in older configs)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "full_attention" in parameters:
+        parameters = parameters["full_attention"]
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return {**parameters, "rope_theta": theta}
+
+
+def _write_hyperparameters(writer, config, family: _Family, gguf) -> None:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+    rope = _rope_parameters(config)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor",
+                                                             getattr(config, "partial_rotary_factor", 1.0))))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope_type != "default":
+        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export yet (default and linear do)")
+
+    if family.softcaps:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    sliding_window = getattr(config, "sliding_window", None)
+    if sliding_window and config.model_type in ("gemma2", "gemma3_text", "phi3"):
+        writer.add_sliding_window(sliding_window)
+    if family.query_scale_checked:
+        _check_query_scale(config, family, head_dim)
+
+
+def _check_query_scale(config, family: _Family, head_dim: int) -> None:
+    """llama.cpp scales Gemma 2/3 queries by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for
+    the 27B (told by its layer count); a config that wants another scale would run wrong."""
+    expected = head_dim
+    if config.num_hidden_layers == family.large_layer_count:
+        expected = config.hidden_size // config.num_attention_heads
+    if config.query_pre_attn_scalar != expected:
+        raise ExportError(f"config.json: query_pre_attn_scalar {config.query_pre_attn_scalar} is not the {expected} "
+                          f"llama.cpp uses for a {config.num_hidden_layers}-layer {config.model_type}; no GGUF export")
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def _write_tokenizer(writer, model_dir: Path, vocab_size: int, gguf) -> None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"{model_dir}: no tokenizer.json (the fast tokenizer); GGUF export reads the vocabulary "
+                          "from it: save the tokenizer with AutoTokenizer.save_pretrained into the base model directory")
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    model = tokenizer["model"]
+    if model.get("type") != "BPE":
+        raise ExportError(f"{path}: a {model.get('type')} tokenizer; GGUF export writes BPE tokenizers (SentencePiece-"
+                          "style with byte fallback, or byte-level)")
+    token_count = max([*model["vocab"].values(), *(t["id"] for t in tokenizer.get("added_tokens", []))]) + 1
+    if token_count > vocab_size:
+        raise ExportError(f"{path}: {token_count} tokens for a model of {vocab_size} embeddings")
+    sentencepiece_style = bool(model.get("byte_fallback"))
+    tokens, types, scores = _vocabulary(tokenizer, vocab_size, sentencepiece_style, gguf)
+    if sentencepiece_style:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_add_space_prefix(_adds_space_prefix(tokenizer))
+        writer.add_token_scores(scores)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(_byte_level_pre_tokenizer(tokenizer, path))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    vocab_log = logging.getLogger("gguf.vocab")
+    level = vocab_log.level
+    vocab_log.setLevel(logging.ERROR)  # its notes on post-processor templates llama.cpp does not use
+    try:
+        special = gguf.SpecialVocab(model_dir, load_merges=not sentencepiece_style, n_vocab=vocab_size)
+    finally:
+        vocab_log.setLevel(level)
+    special.add_to_gguf(writer, quiet=True)
+    end_of_turn = _generation_end_of_turn(model_dir, special.special_token_ids.get("eos"))
+    if end_of_turn is not None:
+        writer.add_eot_token_id(end_of_turn)
+
+
+def _vocabulary(tokenizer: dict, vocab_size: int, sentencepiece_style: bool, gguf):
+    """The token texts, types and scores by id, padded to the embedding count with unused tokens."""
+    TokenType = gguf.TokenType
+    texts: list[str | None] = [None] * vocab_size
+    types = [TokenType.NORMAL] * vocab_size
+    for text, token_id in tokenizer["model"]["vocab"].items():
+        texts[token_id] = text
+        if sentencepiece_style and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text):
+            types[token_id] = TokenType.BYTE
+    for added in tokenizer.get("added_tokens", []):
+        texts[added["id"]] = added["content"]
+        types[added["id"]] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+    unknown = tokenizer["model"].get("unk_token")
+    for token_id, text in enumerate(texts):
+        if text is None:
+            texts[token_id], types[token_id] = f"[PAD{token_id}]", TokenType.UNUSED
+        elif text == unknown:
+            types[token_id] = TokenType.UNKNOWN
+    scores = [0.0] * vocab_size
+    if sentencepiece_style:  # llama.cpp's SentencePiece tokenizer merges the pair whose token scores highest
+        vocab = tokenizer["model"]["vocab"]
+        for rank, merge in enumerate(tokenizer["model"].get("merges", [])):
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            token_id = vocab.get(left + right)
+            if token_id is not None and scores[token_id] == 0.0:
+                scores[token_id] = -float(rank + 1)
+    return texts, types, scores
+
+
+def _adds_space_prefix(tokenizer: dict) -> bool:
+    """Whether the tokenizer prefixes the text with "▁" (a Prepend normalizer, or a Metaspace
+    pre-tokenizer that prepends), as Llama 2's does and Gemma's does not."""
+    normalizer = tokenizer.get("normalizer") or {}
+    pre_tokenizer = tokenizer.get("pre_tokenizer") or {}
+    return any(step.get("type") == "Prepend" and step.get("prepend") == "▁"
+               for step in normalizer.get("normalizers", [normalizer])) or any(
+        step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never"
+        for step in pre_tokenizer.get("pretokenizers", [pre_tokenizer]))
+
+
+def _byte_level_pre_tokenizer(tokenizer: dict, path: Path) -> str:
+    section = tokenizer.get("pre_tokenizer") or {}
+    steps = section.get("pretokenizers", [section])
+    patterns = [step["pattern"].get("Regex") for step in steps if step.get("type") == "Split"]
+    if any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps) and not patterns:
+        return "gpt2"
+    for pattern in patterns:
+        if pattern in _PRE_TOKENIZERS:
+            return _PRE_TOKENIZERS[pattern]
+    raise ExportError(f"{path}: its pre-tokenizer's split pattern is not one llama.cpp is known to apply (Llama 3's, "
+                      "Qwen 2's or GPT-2's); a GGUF of it would tokenize differently from the model's tokenizer")
+
+
+def _generation_end_of_turn(model_dir: Path, eos: int | None) -> int | None:
+    """The generation config's stop token other than EOS (the end-of-turn token the run's
+    data ends responses with, which `barqtrain export` adds there), if any."""
+    try:
+        ids = json.loads((model_dir / GENERATION_CONFIG).read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    others = [token_id for token_id in ids if token_id != eos]
+    return others[-1] if others else None
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+class _Tensors:
+    """The model's weights under llama.cpp's names, in its layout, as float32 numpy arrays."""
+
+    def __init__(self, model_dir: Path, config, family: _Family, gguf) -> None:
+        self.model_dir, self.config, self.family = model_dir, config, family
+        self.names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.arch], config.num_hidden_layers)
+        self.files = sorted(model_dir.glob("*.safetensors"))
+        if not self.files:
+            raise ExportError(f"{model_dir}: no *.safetensors weights")
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def _hf_tensors(self) -> Iterator[tuple[str, Any]]:
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def _shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if self._gguf_name(name) is not None:
+                        yield self._gguf_name(name), tuple(f.get_slice(name).get_shape())
+
+    def _gguf_name(self, hf_name: str) -> str | None:
+        if hf_name == "lm_head.weight" and self.tied:
+            return None  # llama.cpp reads the output projection from token_embd
+        if re.search(r"rotary_emb\.inv_freq$", hf_name):
+            return None
+        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ExportError(f"{self.model_dir}: tensor {hf_name} has no llama.cpp name for {self.config.model_type}")
+        return name
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        import torch
+
+        heads = self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or heads
+        for hf_name, tensor in self._hf_tensors():
+            name = self._gguf_name(hf_name)
+            if name is None:
+                continue
+            data = tensor.to(torch.float32)
+            if self.family.permute_qk and name.endswith(("attn_q.weight", "attn_k.weight")):
+                data = _interleave_rope_rows(data, heads if "attn_q" in name else kv_heads)
+            if self.family.norm_offset and hf_name.endswith("norm.weight"):
+                data = data + self.family.norm_offset
+            yield name, data.numpy()
+
+    def check_k_quant_rows(self) -> None:
+        for name, shape in self._shapes():
+            if len(shape) == 2 and shape[1] % SUPER_BLOCK:
+                raise ExportError(
+                    f"--gguf q4_k_m: weight {name} {list(shape)} has rows of {shape[1]} values, not a multiple of the "
+                    f"{SUPER_BLOCK} a K-quant block holds; export this model as q8_0 (or f16/bf16)"
+                )
+
+    def more_bits(self, name: str) -> bool:
+        """llama.cpp's Q4_K_M keeps these in Q6_K: the output projection, and attn_v and ffn_down
+        in the first and last eighth of the layers and every third layer between."""
+        if name in ("output.weight",) or (self.tied and name == "token_embd.weight"):
+            return True
+        match = re.match(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight$", name)
+        if match is None:
+            return False
+        layer, layers = int(match.group(1)), self.config.num_hidden_layers
+        return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _interleave_rope_rows(weight, heads: int):
+    """q/k projection rows from Hugging Face's rotate-half order (each head's first half then
+    its second) to the interleaved pairs llama.cpp's llama RoPE rotates."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _encode(name: str, data: np.ndarray, gguf_type: str, more_bits: bool, gguf) -> tuple[np.ndarray, Any]:
+    """(array to write, its GGML type): 1-D tensors f32, 2-D weights in gguf_type."""
+    Type = gguf.GGMLQuantizationType
+    if data.ndim < 2:
+        return data.astype(np.float32), Type.F32
+    if gguf_type == "bf16":
+        return gguf.quants.quantize(data, Type.BF16), Type.BF16
+    if gguf_type == "q8_0" and data.shape[-1] % Q8_0_BLOCK == 0:
+        return gguf.quants.quantize(data, Type.Q8_0), Type.Q8_0
+    if gguf_type == "q4_k_m":
+        return (quantize_q6_k(data), Type.Q6_K) if more_bits else (quantize_q4_k(data), Type.Q4_K)
+    return data.astype(np.float16), Type.F16
