@@ -21,10 +21,13 @@ from types import ModuleType
 
 import barqtrain
 from barqtrain.data import tokenize_command
+from barqtrain.memory import estimate_command
 from barqtrain.train import command as train_command
 from barqtrain.train import config_command, eval_command, export_command, generate_command
 
-COMMANDS = (train_command, config_command, export_command, eval_command, generate_command, tokenize_command)
+COMMANDS = (
+    train_command, config_command, export_command, eval_command, generate_command, tokenize_command, estimate_command
+)
 COMMAND_ENTRY_POINTS = "barqtrain.commands"
 
 

@@ -1,0 +1,750 @@
+"""Peak GPU memory, pinned host memory and step time of a training config, before any model is
+loaded: `barqtrain estimate CONFIG.yaml`, and what `barqtrain train` prints before it builds
+the model.
+
+Everything is counted from the model's config.json (or a named shape) and the TrainConfig:
+
+- weights by dtype and format (16-bit, NF4/FP4 with their absmax and double-quantization
+  state, int8 with a row absmax); LoRA adapters (fp32 masters), their gradients, AdamW's
+  m and v (fp32, or bitsandbytes' 8-bit blocks);
+- the tensors each decoder layer keeps for the backward pass, op by op, as BarqTrain's autograd
+  functions save them (`layer_activations` names each one and the module that keeps it), under
+  the checkpointing policy: all of them (off), only each layer's input (on: one layer's worth
+  is recomputed at a time) or a few layer inputs on the GPU and all of them in pinned host
+  memory (offload);
+- the transient working memory of the largest backward op of a layer, of the fused linear +
+  cross-entropy's chunks, and cuBLAS's workspaces.
+
+The peak is the largest of three moments of a steady-state step (the optimizer states exist,
+as they do from the second step on): the end of the forward pass (all kept activations and the
+loss's chunks), the backward pass of the last decoder layer (kept activations, the layer's
+recomputed ones and its backward workspace), and the end of the backward pass (every gradient).
+Sizes are what the caching allocator hands out (`torch.cuda.max_memory_allocated`); what it
+reserves beyond that (rounding, fragmentation) is `Estimate.reserved_bytes`. The GPU test
+(tests/python/memory/test_estimate_gpu.py) holds the peak within 5% of the measured one.
+
+A planner can call `layer_activations` and `layer_backward_workspace` per layer to price keep,
+recompute or offload for each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from barqtrain.train.config import ADAPTER_METHODS, NAMED_MODELS, ConfigError, TrainConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# The decoder layers estimated: pre-norm, separate q/k/v and gate/up/down projections, RoPE
+# (Llama's layer). Gemma's sandwich norms and Phi-3's fused projections keep other tensors.
+ESTIMATED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+
+# The fused linear + cross-entropy makes its logits this many bytes of rows at a time
+# (csrc/ops/registration.cpp, cross_entropy_chunk_rows): fp32 logits and their 16-bit gradient.
+CROSS_ENTROPY_CHUNK_BYTES = 384 * MIB
+CROSS_ENTROPY_DWEIGHT_CHUNKS = 4  # chunks of the logits' gradient per dW GEMM with a trainable head
+# cuBLAS's workspace, one per thread that runs GEMMs (the training loop's and autograd's backward
+# thread), allocated through PyTorch's caching allocator: 32 MiB each on Hopper.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
+# The caching allocator reserves more than it hands out (block rounding, fragmentation): the
+# largest fraction of the allocated peak that `torch.cuda.max_memory_reserved` added in the GPU
+# test's matrix, per checkpointing policy (a recompute allocates and frees in more sizes).
+RESERVED_SLACK: dict[str, float] = {"off": 0.04, "on": 0.12, "offload": 0.16}
+# bitsandbytes' 8-bit AdamW: one byte per state element, an fp32 absmax per block of 256; tensors
+# under 4096 elements keep fp32 states.
+ADAMW_8BIT_BLOCK = 256
+ADAMW_8BIT_MIN_SIZE = 4096
+
+# Step-time ceilings of one H200 (SPEC section 4) and the fractions of them BarqTrain's steps
+# reach, fitted to the steps the GPU test of this module times (its 20 configurations; the step
+# estimate is within about 15% of them, root mean square): dense GEMMs at 44% of the bf16 peak
+# for a 2048-wide model and 60% for a 4096-wide one (larger GEMMs run closer to the peak), flash
+# attention at 82%, the 4-bit dequant-GEMMs 1.1 x the time of 16-bit ones, and the memory-bound
+# ops (norms, RoPE, SwiGLU, adds: each kept activation written and read once) at 80% of copy.
+PEAK_BF16_FLOPS = 790e12
+PEAK_FP32_FLOPS = 67e12  # fp32 GEMMs without TF32, for precision: fp32
+PEAK_COPY_BYTES_PER_S = 4.3e12
+GEMM_FRACTION = {2048: 0.44, 4096: 0.60}
+ATTENTION_FRACTION = 0.82
+QUANTIZED_GEMM_SLOWDOWN = 1.1
+COPY_FRACTION = 0.8
+
+Policy = Literal["off", "on", "offload"]
+
+# The moments of a step whose memory the estimate compares.
+FORWARD_END = "the end of the forward pass"
+LAST_LAYER_BACKWARD = "the last layer's backward pass"
+BACKWARD_END = "the end of the backward pass"
+# Layer inputs' worth of GPU memory the offloaded checkpoint holds during a layer's backward:
+# the restored input being recomputed and the one prefetched for the layer before it, and, as
+# the GPU test measures, two more (the recompute's input gradient, a leaf's .grad there, and
+# buffers whose copies on the side stream hold them until the copies end).
+OFFLOADED_BACKWARD_INPUTS = 4
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-like decoder, read from its config (no weights)."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool  # q, k, v (and o, for Llama's attention_bias) have biases
+    output_bias: bool  # o_proj has a bias (Llama's attention_bias covers it, Qwen2's does not)
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over each head's q and k
+
+    @classmethod
+    def from_hf_config(cls, config: Any, where: str = "model") -> ModelShape:
+        """From a transformers PretrainedConfig; `where` names it in errors."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = text.model_type
+        if model_type not in ESTIMATED_MODEL_TYPES:
+            raise ConfigError(
+                f"{where}: model_type {model_type!r} is not one `barqtrain estimate` models (it models the decoder "
+                f"layers of {', '.join(ESTIMATED_MODEL_TYPES)})"
+            )
+        heads = text.num_attention_heads
+        qwen2 = model_type == "qwen2"
+        llama_bias = bool(getattr(text, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            hidden=text.hidden_size,
+            intermediate=text.intermediate_size,
+            layers=text.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab=text.vocab_size,
+            tied_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+            attention_bias=qwen2 or llama_bias,
+            output_bias=llama_bias,
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def projections(self) -> dict[str, tuple[int, int, bool]]:
+        """Each decoder-layer projection: (out_features, in_features, has a bias)."""
+        h, q, kv, i = self.hidden, self.q_size, self.kv_size, self.intermediate
+        return {
+            "q_proj": (q, h, self.attention_bias),
+            "k_proj": (kv, h, self.attention_bias),
+            "v_proj": (kv, h, self.attention_bias),
+            "o_proj": (h, q, self.output_bias),
+            "gate_proj": (i, h, self.mlp_bias),
+            "up_proj": (i, h, self.mlp_bias),
+            "down_proj": (h, i, self.mlp_bias),
+        }
+
+    def layer_norm_parameters(self) -> int:
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    def embedding_parameters(self) -> int:
+        """The input embedding and, untied, the output head."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def parameter_count(self) -> int:
+        per_layer = sum(out * inp + (out if bias else 0) for out, inp, bias in self.projections().values())
+        per_layer += self.layer_norm_parameters()
+        return self.layers * per_layer + self.hidden + self.embedding_parameters()
+
+
+def model_shape(config: TrainConfig) -> ModelShape:
+    """The shape of the model `config` trains: model.path's config.json, or the named shape."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if config.model.path is None:
+        return ModelShape.from_hf_config(LlamaConfig(**NAMED_MODELS[config.model.name]), "model.name")
+    config_json = os.path.join(config.model.path, "config.json")
+    if not os.path.isfile(config_json):
+        raise ConfigError(f"model.path: {config.model.path!r} is not a Hugging Face model directory (no config.json in it)")
+    try:
+        hf_config = AutoConfig.from_pretrained(config.model.path)
+    except (ValueError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"model.path: {config_json} cannot be read by transformers ({first})") from None
+    return ModelShape.from_hf_config(hf_config, "model.path")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a training step computes, as far as memory goes."""
+
+    batch: int
+    seq: int
+    method: str  # lora, qlora, full
+    policy: Policy
+    # Bytes of an element of: the residual stream (the embedding's dtype), the inputs and outputs
+    # of the GEMMs (autocast's dtype in full fine-tuning), the LoRA products.
+    residual_bytes: int
+    compute_bytes: int
+    lora_product_bytes: int
+    lora_ranks: dict[str, int]  # projection -> rank of its adapter (absent: none)
+    lora_dropout: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def autocast(self) -> bool:
+        """Full fine-tuning of fp32 master weights computes in 16 bits through autocast."""
+        return self.method == "full" and self.compute_bytes < self.residual_bytes
+
+
+def checkpointing_policy(config: TrainConfig) -> Policy:
+    if config.gradient_checkpointing == "offload":
+        return "offload"
+    return "on" if config.gradient_checkpointing else "off"
+
+
+def _compute_precision(config: TrainConfig) -> str:
+    """The precision on a CUDA GPU with bf16 (what `precision: auto` picks on an H100/H200)."""
+    return "bf16" if config.precision == "auto" else config.precision
+
+
+def lora_targets(config: TrainConfig) -> tuple[str, ...]:
+    """The decoder-layer projections PEFT gives an adapter (all-linear: every one; the output
+    head is never a target of all-linear)."""
+    targets = config.lora.target_modules
+    if targets == "all-linear":
+        return PROJECTIONS
+    names = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [name for name in names if name not in PROJECTIONS]
+    if unknown:
+        raise ConfigError(
+            f"lora.target_modules: {', '.join(map(repr, unknown))} is not a projection name the estimator models "
+            f"(all-linear, or a list of {', '.join(PROJECTIONS)})"
+        )
+    return tuple(name for name in PROJECTIONS if name in names)
+
+
+def run_shape(config: TrainConfig, seq: int | None = None) -> RunShape:
+    precision = _compute_precision(config)
+    compute = _DTYPE_BYTES[precision]
+    adapters = config.method in ADAPTER_METHODS
+    ranks = {name: config.lora.r for name in lora_targets(config)} if adapters else {}
+    # Mixed precision computes the LoRA products in the activations' dtype; PEFT's arithmetic
+    # in the adapters' fp32.
+    product = 4 if config.lora.precision == "peft" else compute
+    return RunShape(
+        batch=config.batch_size,
+        seq=config.data.seq_length if seq is None else seq,
+        method=config.method,
+        policy=checkpointing_policy(config),
+        residual_bytes=compute if adapters else 4,
+        compute_bytes=compute,
+        lora_product_bytes=product,
+        lora_ranks=ranks,
+        lora_dropout=adapters and config.lora.dropout > 0,
+    )
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A tensor kept for the backward pass: the module whose forward first keeps it (a decoder
+    layer's input_layernorm, self_attn, mlp, or the layer itself for the fused residual add +
+    RMSNorm), what it is, and its bytes."""
+
+    module: str
+    what: str
+    bytes: int
+
+
+def first_layer_input_needs_no_gradient(run: RunShape) -> bool:
+    """LoRA without checkpointing: the frozen embedding's output needs no gradient, so the first
+    layer's RMSNorm is not recorded by autograd and keeps nothing (checkpointing makes that
+    output require grad, Hugging Face's enable_input_require_grads)."""
+    return run.method in ADAPTER_METHODS and run.policy == "off"
+
+
+def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> list[Kept]:
+    """What one decoder layer (`first`: the first one) keeps for its backward pass, op by op,
+    without checkpointing.
+
+    The first entry is the layer's input (the previous layer's output, kept by input_layernorm's
+    RMSNorm): checkpointing keeps that one only."""
+    t, h, i = run.tokens, model.hidden, model.intermediate
+    q, kv = model.q_size, model.kv_size
+    res, c, p = run.residual_bytes, run.compute_bytes, run.lora_product_bytes
+    rank = run.lora_ranks.get
+    kept = [
+        Kept("input_layernorm", "layer input (RMSNorm x)", res * h * t),
+        Kept("input_layernorm", "RMSNorm rstd (fp32)", 4 * t),
+    ]
+    if first and first_layer_input_needs_no_gradient(run):
+        kept = [Kept("input_layernorm", "nothing: its input needs no gradient", 0)]
+
+    def adapters(module: str, names: tuple[str, ...], what: str) -> None:
+        """barqtrain.lora's functions keep x Aᵀ of every adapter (the group's ranks side by side)
+        and, with dropout, each adapter's mask (one byte an input element)."""
+        ranks = sum(rank(n, 0) for n in names)
+        if ranks:
+            kept.append(Kept(module, f"x Aᵀ of {what}", p * ranks * t))
+        if run.lora_dropout:
+            inputs = sum(model.projections()[n][1] for n in names if rank(n, 0))
+            kept.append(Kept(module, f"LoRA dropout masks of {what}", inputs * t))
+
+    qkv = ("q_proj", "k_proj", "v_proj")
+    if run.method == "full":
+        # nn.Linear keeps its input for the weight's gradient; under autocast each projection
+        # casts the fp32 normed input to 16 bits on its own (autocast caches only weights).
+        copies = 3 if run.autocast else 1
+        kept.append(Kept("self_attn", "normed input, as the q/k/v projections' input", copies * c * h * t))
+    elif any(rank(n, 0) for n in qkv):
+        # lora_projections keeps x once for q, k and v (a frozen nn.Linear keeps only its weight).
+        kept.append(Kept("self_attn", "normed input (the q/k/v LoRA function's x)", c * h * t))
+        adapters("self_attn", qkv, "q, k, v")
+    if model.qk_norm:
+        kept.append(Kept("self_attn", "q and k before their RMSNorms", c * (q + kv) * t))
+        kept.append(Kept("self_attn", "q/k RMSNorm rstd (fp32)", 4 * (model.heads + model.kv_heads) * t))
+    # RoPE keeps only the shared cos/sin; SDPA's flash kernel keeps q and k after RoPE (cast to
+    # 16 bits by autocast where RoPE computed them in fp32), v, its output and the fp32
+    # log-sum-exp of every head and row.
+    kept.append(Kept("self_attn", "q and k after RoPE (SDPA's inputs)", c * (q + kv) * t))
+    kept.append(Kept("self_attn", "v (SDPA's input)", c * kv * t))
+    kept.append(Kept("self_attn", "attention output (SDPA's, o_proj's input)", c * q * t))
+    kept.append(Kept("self_attn", "attention log-sum-exp (fp32)", 4 * model.heads * t))
+    adapters("self_attn", ("o_proj",), "o_proj")
+    if run.autocast:
+        weights = c * _weights(model, ATTENTION_PROJECTIONS)
+        kept.append(Kept("self_attn", "q/k/v/o weights cast to 16 bits (autocast's cache)", weights))
+    # ops.add_rms_norm keeps the sum (not its two inputs) and rstd.
+    kept.append(Kept("decoder_layer", "residual after attention (add + RMSNorm's sum)", res * h * t))
+    kept.append(Kept("decoder_layer", "its RMSNorm rstd (fp32)", 4 * t))
+    mlp_adapters = any(rank(n, 0) for n in MLP_PROJECTIONS)
+    if run.method == "full":
+        copies = 2 if run.autocast else 1
+        kept.append(Kept("mlp", "normed input, as gate_proj's and up_proj's input", copies * c * h * t))
+        kept.append(Kept("mlp", "gate and up (the SwiGLU's inputs)", 2 * c * i * t))
+        kept.append(Kept("mlp", "act(gate) · up (down_proj's input)", c * i * t))
+        if run.autocast:
+            weights = c * _weights(model, MLP_PROJECTIONS)
+            kept.append(Kept("mlp", "gate/up/down weights cast to 16 bits (autocast's cache)", weights))
+    elif mlp_adapters:
+        # lora_gated_mlp keeps x, gate and up, and recomputes act(gate) · up in the backward.
+        kept.append(Kept("mlp", "normed input (the gated-MLP LoRA function's x)", c * h * t))
+        kept.append(Kept("mlp", "gate and up", 2 * c * i * t))
+        adapters("mlp", ("gate_proj", "up_proj"), "gate, up")
+        adapters("mlp", ("down_proj",), "down_proj")
+    else:
+        kept.append(Kept("mlp", "gate and up (the SwiGLU's inputs)", 2 * c * i * t))
+    return kept
+
+
+def _weights(model: ModelShape, names: tuple[str, ...]) -> int:
+    shapes = model.projections()
+    return sum(shapes[n][0] * shapes[n][1] for n in names)
+
+
+def autocast_weight_copies(model: ModelShape, run: RunShape) -> int:
+    """Bytes of one layer's projection weights as autocast's cache holds them (full fine-tuning)."""
+    return run.compute_bytes * _weights(model, PROJECTIONS) if run.autocast else 0
+
+
+def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
+    """The most working memory a decoder layer's backward pass adds to what it kept: the
+    gradient flowing in and the residual stream's, plus the larger of the MLP's and the
+    attention's transients."""
+    t, h, i, c = run.tokens, model.hidden, model.intermediate, run.compute_bytes
+    flowing = 2 * run.residual_bytes * h * t
+    if run.method != "full" and any(run.lora_ranks.get(n, 0) for n in MLP_PROJECTIONS):
+        # lora_gated_mlp's backward: act(gate) · up recomputed, its gradient, d gate, d up, and dx.
+        mlp = 4 * c * i * t + c * h * t
+    else:
+        # down_proj's input gradient, then the SwiGLU's d gate and d up, and dx.
+        mlp = 3 * c * i * t + c * h * t
+    if run.method == "full":
+        # 16-bit weight gradients before autocast's cast to the fp32 .grad (the largest projection).
+        out, inp, _ = max(model.projections().values(), key=lambda s: s[0] * s[1])
+        mlp += (c + 4) * out * inp
+    # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
+    # query head before GQA sums them.
+    attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
+    return flowing + max(mlp, attention)
+
+
+def _cross_entropy_chunk_rows(tokens: int, vocab: int, compute_bytes: int) -> int:
+    return max(1, min(CROSS_ENTROPY_CHUNK_BYTES // (vocab * (4 + compute_bytes)), tokens))
+
+
+def loss_activations(model: ModelShape, run: RunShape) -> list[Kept]:
+    """What the final RMSNorm and the fused linear + cross-entropy keep, the RoPE tables the
+    layers share, and the batch (alive through the step, though not kept by autograd)."""
+    t, h, c = run.tokens, model.hidden, run.compute_bytes
+    kept = [
+        Kept("batch", "input_ids, labels, position_ids (int64)", 3 * 8 * t),
+        Kept("rope", "RoPE cos and sin (shared by the layers)", 2 * run.residual_bytes * model.head_dim * t),
+        Kept("norm", "last layer's output (the final RMSNorm's x)", run.residual_bytes * h * t),
+        Kept("norm", "RMSNorm rstd (fp32)", 4 * t),
+        Kept("loss", "normed hidden states (the loss's h)", c * h * t),
+        Kept("loss", "dh, made in the forward pass", c * h * t),
+        Kept("loss", "shifted labels (int64; a view of the labels padded by one a row)", 8 * (t + run.batch)),
+    ]
+    if run.method == "full":
+        head = model.vocab * h
+        if run.autocast:
+            kept.append(Kept("loss", "the output head cast to 16 bits", c * head))
+        kept.append(Kept("loss", "the output head's gradient, made in the forward pass", c * head))
+    return kept
+
+
+def loss_workspace(model: ModelShape, run: RunShape) -> int:
+    """The fused linear + cross-entropy's transient memory in the forward: a chunk of fp32
+    logits, their 16-bit gradient (groups of chunks with a trainable head), per-row losses and,
+    with a trainable head, dW's fp32 accumulator and its cast."""
+    t, c, vocab = run.tokens, run.compute_bytes, model.vocab
+    chunk = _cross_entropy_chunk_rows(t, vocab, c)
+    trainable_head = run.method == "full"
+    group = min(CROSS_ENTROPY_DWEIGHT_CHUNKS * chunk, t) if trainable_head else chunk
+    workspace = 4 * chunk * vocab + c * group * vocab + 4 * t
+    if trainable_head:
+        workspace += 4 * vocab * model.hidden
+    return workspace
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    """An estimate; `components` add up to `peak_bytes` (GPU, allocated)."""
+
+    model: ModelShape
+    run: RunShape
+    components: list[Component]
+    peak_moment: str  # which moment of the step the peak is
+    pinned_host_bytes: int
+    step_seconds: float  # an optimizer step: every micro-batch's forward and backward
+    step_flops: float
+    micro_batches: int  # per optimizer step (grad_accum)
+    layer: list[Kept] = field(default_factory=list)  # one decoder layer's kept tensors, op by op
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.micro_batches * self.run.tokens / self.step_seconds
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(c.bytes for c in self.components)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the caching allocator is expected to reserve at the peak (allocated + slack)."""
+        return round(self.peak_bytes * (1 + RESERVED_SLACK[self.run.policy]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_gib": self.peak_bytes / GIB,
+            "reserved_gib": self.reserved_bytes / GIB,
+            "peak_moment": self.peak_moment,
+            "pinned_host_gib": self.pinned_host_bytes / GIB,
+            "step_seconds": self.step_seconds,
+            "tokens_per_s": self.tokens_per_second,
+            "step_tflop": self.step_flops / 1e12,
+            "components": [{"name": c.name, "gib": c.bytes / GIB, "note": c.note} for c in self.components],
+            "layer_activations": [{"module": k.module, "what": k.what, "mib": k.bytes / MIB} for k in self.layer],
+            "model": dataclasses.asdict(self.model),
+            "run": dataclasses.asdict(self.run),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """Readable: one line per component, the totals, the step time."""
+        labels = [c.name for c in self.components] + ["peak GPU memory (allocated)", "with allocator slack (reserved)"]
+        width = max(map(len, labels))
+        run, parameters = self.run, self.model.parameter_count()
+        size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+        lines = [
+            f"Estimate: {self.model.model_type} ({size} parameters), {run.method}, {run.batch} x {run.seq} tokens "
+            f"a micro-batch, checkpointing {run.policy}",
+            f"  {'component':<{width}}  {'GiB':>8}",
+        ]
+        for c in self.components:
+            note = f"  {c.note}" if c.note else ""
+            lines.append(f"  {c.name:<{width}}  {c.bytes / GIB:8.3f}{note}")
+        lines.append(f"  {labels[-2]:<{width}}  {self.peak_bytes / GIB:8.3f}  at {self.peak_moment}")
+        lines.append(f"  {labels[-1]:<{width}}  {self.reserved_bytes / GIB:8.3f}")
+        if self.pinned_host_bytes:
+            lines.append(f"  {'pinned host memory':<{width}}  {self.pinned_host_bytes / GIB:8.3f}  offloaded layer inputs")
+        lines.append(
+            f"  step: {self.step_flops / 1e12:,.1f} TFLOP, about {self.step_seconds:.3f} s "
+            f"({self.tokens_per_second:,.0f} tokens/s on an H200)"
+        )
+        return "\n".join(lines)
+
+
+def weight_bytes(model: ModelShape, config: TrainConfig) -> tuple[int, str]:
+    """The model's weights on the GPU and how they are stored."""
+    compute = _DTYPE_BYTES[_compute_precision(config)]
+    if config.method == "full":
+        return 4 * model.parameter_count(), "fp32 master weights"
+    if config.method == "lora":
+        return compute * model.parameter_count(), _compute_precision(config)
+    # QLoRA: the decoder-layer projections quantized (those the format takes), the rest 16-bit.
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE
+
+    quant_type, double_quant = config.qlora.quant_type, config.qlora.double_quant
+    total, kept_16bit = 0, 0
+    for out, inp, bias in model.projections().values():
+        numel = out * inp
+        if inp % IN_FEATURES_MULTIPLE[quant_type] or out % OUT_FEATURES_MULTIPLE:
+            total += compute * numel
+            kept_16bit += 1
+        else:
+            total += quantized_bytes(out, inp, quant_type, double_quant)
+        total += compute * out if bias else 0
+    total *= model.layers
+    total += compute * (model.layers * model.layer_norm_parameters() + model.hidden + model.embedding_parameters())
+    how = quant_type + (" + double-quantized absmax" if double_quant and quant_type != "int8" else "")
+    if kept_16bit:
+        how += f"; {kept_16bit} projections a layer stay 16-bit (shape)"
+    return total, f"{how}, embeddings and head {_compute_precision(config)}"
+
+
+def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool) -> int:
+    """Bytes of one quantized weight [out, inp] and its quantization state, as barqtrain.quant
+    stores them (each tensor rounded up to the allocator's 512-byte blocks)."""
+    from barqtrain.ops.quant import ABSMAX_BLOCK, BLOCK
+
+    numel = out * inp
+    if quant_type == "int8":
+        return _allocated(numel) + _allocated(4 * out)  # int8 codes, fp32 row absmax
+    blocks = numel // BLOCK
+    packed = _allocated(numel // 2)  # two 4-bit codes a byte
+    if not double_quant:
+        return packed + _allocated(4 * blocks)  # fp32 absmax per block
+    # uint8 absmax codes, bitsandbytes' 256-entry fp32 code, an fp32 absmax per 256 blocks, the offset
+    absmax = _allocated(blocks) + _allocated(4 * 256) + _allocated(4 * math.ceil(blocks / ABSMAX_BLOCK)) + _allocated(4)
+    return packed + absmax
+
+
+def _allocated(size: int) -> int:
+    """What PyTorch's CUDA caching allocator hands out for `size` bytes (512-byte blocks)."""
+    return max(512, -(-size // 512) * 512)
+
+
+def adapter_parameters(model: ModelShape, run: RunShape) -> int:
+    shapes = model.projections()
+    return model.layers * sum(rank * (shapes[name][0] + shapes[name][1]) for name, rank in run.lora_ranks.items())
+
+
+def trainable_tensors(model: ModelShape, run: RunShape) -> list[int]:
+    """The element counts of the trainable parameters, one entry per tensor kind of one layer
+    repeated over the layers (what the 8-bit optimizer's size rule needs)."""
+    shapes = model.projections()
+    if run.method in ADAPTER_METHODS:
+        per_layer = [n for name, rank in run.lora_ranks.items() for n in (rank * shapes[name][1], shapes[name][0] * rank)]
+        return per_layer * model.layers
+    per_layer = [out * inp for out, inp, _ in shapes.values()] + [out for out, _, bias in shapes.values() if bias]
+    per_layer += [model.hidden, model.hidden] + ([model.head_dim] * 2 if model.qk_norm else [])
+    head = [model.vocab * model.hidden] * (1 if model.tied_embeddings else 2)
+    return per_layer * model.layers + [model.hidden] + head
+
+
+def optimizer_state_bytes(config: TrainConfig, tensors: list[int]) -> tuple[int, str]:
+    if config.optim.name == "adamw_8bit":
+        total = 0
+        for numel in tensors:
+            if numel < ADAMW_8BIT_MIN_SIZE:
+                total += 2 * 4 * numel
+            else:
+                total += 2 * (numel + 4 * math.ceil(numel / ADAMW_8BIT_BLOCK))
+        return total, "AdamW 8-bit m and v (bitsandbytes)"
+    return 2 * 4 * sum(tensors), "AdamW m and v, fp32"
+
+
+def _sum(kept: list[Kept]) -> int:
+    return sum(k.bytes for k in kept)
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one micro-batch's forward and backward passes, recompute included."""
+
+    gemm: float  # dense 16-bit GEMMs (the base, the adapters, the head)
+    quantized: float  # GEMMs of a quantized base (QLoRA), dequantized in the GEMM
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.quantized + self.attention
+
+
+def step_flops(model: ModelShape, run: RunShape) -> StepFlops:
+    t = run.tokens
+    shapes = model.projections()
+    base = 2 * t * sum(out * inp for out, inp, _ in shapes.values())
+    lora = 2 * t * sum(rank * (shapes[n][0] + shapes[n][1]) for n, rank in run.lora_ranks.items())
+    # Causal attention: QKᵀ and PV (2 FLOPs a multiply-add) over half the keys on average.
+    attention = 2 * 2 * model.q_size * run.seq / 2 * t
+    forwards = 2 if run.policy != "off" else 1  # the recompute runs each layer's forward again
+    # Backward: the input's gradient of every base GEMM (and the weight's in full fine-tuning),
+    # the adapters' two gradients and input gradient, attention's 2.5 x its forward.
+    base_total = model.layers * base * (forwards + (2 if run.method == "full" else 1))
+    lora_total = model.layers * lora * (forwards + 2)
+    attention_total = model.layers * attention * (forwards + 2.5)
+    # The head: logits and dh in the forward pass, dW too when it trains.
+    head = 2 * t * model.vocab * model.hidden * (3 if run.method == "full" else 2)
+    if run.method == "qlora":
+        return StepFlops(gemm=lora_total + head, quantized=base_total, attention=attention_total)
+    return StepFlops(gemm=base_total + lora_total + head, quantized=0.0, attention=attention_total)
+
+
+def gemm_fraction(hidden: int) -> float:
+    """The fraction of the peak the GEMMs reach, log-interpolated in the model's width."""
+    (narrow, low), (wide, high) = sorted(GEMM_FRACTION.items())
+    position = min(max(math.log2(hidden / narrow) / math.log2(wide / narrow), 0.0), 1.0)
+    return low + position * (high - low)
+
+
+def step_seconds(model: ModelShape, run: RunShape, flops: StepFlops, kept_per_layer: int) -> float:
+    """One micro-batch's forward and backward on an H200."""
+    peak = PEAK_BF16_FLOPS if run.compute_bytes == 2 else PEAK_FP32_FLOPS
+    seconds = (flops.gemm + QUANTIZED_GEMM_SLOWDOWN * flops.quantized) / (peak * gemm_fraction(model.hidden))
+    seconds += flops.attention / (peak * ATTENTION_FRACTION)
+    forwards = 2 if run.policy != "off" else 1
+    seconds += 2 * model.layers * kept_per_layer * forwards / (PEAK_COPY_BYTES_PER_S * COPY_FRACTION)
+    return seconds
+
+
+def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | None = None) -> Estimate:
+    """The estimate of training `config` (its model's shape read from config.json or the named
+    shape unless given; seq: rows of this many tokens instead of data.seq_length)."""
+    model = model_shape(config) if model is None else model
+    run = run_shape(config, seq)
+    components: list[Component] = []
+    weights, how = weight_bytes(model, config)
+    components.append(Component("weights", weights, how))
+    tensors = trainable_tensors(model, run)
+    trainable = sum(tensors)
+    if run.method in ADAPTER_METHODS:
+        components.append(Component("LoRA adapters (fp32)", 4 * trainable, f"{trainable:,} parameters"))
+    states, states_note = optimizer_state_bytes(config, tensors)
+    components.append(Component("optimizer states", states, states_note))
+    gradients = 4 * trainable
+    components.append(Component("CUDA library workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS, one per GEMM thread"))
+
+    layer = layer_activations(model, run)
+    layer_input = layer[0].bytes
+    per_layer = _sum(layer)
+    loss = loss_activations(model, run)
+    loss_kept = _sum(loss)
+    batch_kept = _sum([k for k in loss if k.module in ("batch", "rope")])
+    backward_work = layer_backward_workspace(model, run)
+    loss_work = loss_workspace(model, run)
+    layers = model.layers
+
+    # What the decoder layers keep at the end of the forward pass, and during the last layer's
+    # backward (its activations recomputed where checkpointed; its input is the one kept).
+    if run.policy == "off":
+        kept_forward = kept_backward = (layers - 1) * per_layer + _sum(layer_activations(model, run, first=True))
+        forward_note = backward_note = f"{layers} layers x {per_layer / MIB:,.1f} MiB"
+    elif run.policy == "on":
+        # Torch's checkpoint runs the layers' forward with autograd on, so autocast's cache keeps
+        # every layer's 16-bit weights until the forward pass ends.
+        kept_forward = layers * (layer_input + autocast_weight_copies(model, run))
+        forward_note = f"{layers} layer inputs x {layer_input / MIB:,.1f} MiB"
+        kept_backward = layers * layer_input + per_layer - layer_input
+        backward_note = forward_note + f", the last layer's activations recomputed ({per_layer / MIB:,.1f} MiB)"
+    else:
+        kept_forward = layer_input
+        forward_note = f"one layer input on its way to pinned memory ({layer_input / MIB:,.1f} MiB)"
+        # Besides the layer's recomputed activations, OFFLOADED_BACKWARD_INPUTS layer inputs' worth.
+        kept_backward = OFFLOADED_BACKWARD_INPUTS * layer_input + per_layer - layer_input
+        backward_note = (
+            f"{OFFLOADED_BACKWARD_INPUTS} layer inputs' worth and one layer's recomputed activations "
+            f"({per_layer / MIB:,.1f} MiB)"
+        )
+    # Gradients that exist during the backward pass: those of the step's earlier micro-batches,
+    # and in full fine-tuning the output head's, made by the loss first.
+    accumulated = gradients if config.grad_accum > 1 else 0
+    head = model.vocab * model.hidden
+    head_gradient = 4 * head if run.method == "full" else 0
+    # Tied embeddings in full fine-tuning: the embedding's dense gradient, made last, before it
+    # is added to the head's.
+    embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
+    # A checkpointed layer's forward holds its activations until it ends.
+    forward_layer = per_layer - layer_input if run.policy != "off" else 0
+    moments = {
+        FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer),
+        LAST_LAYER_BACKWARD: kept_backward + batch_kept + backward_work + accumulated + head_gradient,
+        BACKWARD_END: batch_kept + gradients + embedding_gradient,
+    }
+    moment = max(moments, key=moments.get)
+    if moment == FORWARD_END:
+        components.append(Component("saved activations, decoder layers", kept_forward, forward_note))
+        components.append(Component("batch, final norm and loss's kept tensors", loss_kept))
+        if forward_layer > loss_work:
+            components.append(Component("a checkpointed layer's forward", forward_layer))
+        else:
+            components.append(Component("loss workspace (logit chunks)", loss_work))
+    elif moment == LAST_LAYER_BACKWARD:
+        components.append(Component("saved activations, decoder layers", kept_backward, backward_note))
+        components.append(Component("batch", batch_kept))
+        components.append(Component("backward workspace of a layer", backward_work, "gradients in flight, MLP/attention"))
+        if accumulated:
+            components.append(Component("gradients (fp32), accumulating", accumulated))
+        if head_gradient:
+            components.append(Component("output head's gradient (fp32)", head_gradient))
+    else:
+        components.append(Component("gradients (fp32)", gradients))
+        if embedding_gradient:
+            components.append(Component("embedding's gradient before it joins the head's", embedding_gradient))
+        components.append(Component("batch", batch_kept))
+
+    pinned = layers * layer_input if run.policy == "offload" else 0
+    flops = step_flops(model, run)
+    return Estimate(
+        model=model, run=run, components=components, peak_moment=moment, pinned_host_bytes=pinned,
+        step_seconds=config.grad_accum * step_seconds(model, run, flops, per_layer),
+        step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer,
+    )
+
+
+def log_estimate(config: TrainConfig, log: Callable[..., None]) -> None:
+    """The short block `barqtrain train` logs before it builds the model: the estimated peak and
+    its largest parts, or why there is no estimate (a model the estimator does not cover)."""
+    try:
+        result = estimate(config)
+    except ConfigError as error:
+        log(f"No memory estimate: {error}.")
+        return
+    largest = sorted(result.components, key=lambda c: c.bytes, reverse=True)[:4]
+    parts = ", ".join(f"{c.name} {c.bytes / GIB:.2f}" for c in largest)
+    pinned = f", {result.pinned_host_bytes / GIB:.2f} GiB pinned host memory" if result.pinned_host_bytes else ""
+    log(
+        f"Estimate (`barqtrain estimate` for all of it): peak {result.peak_bytes / GIB:.2f} GiB of GPU memory at "
+        f"{result.peak_moment} ({parts} GiB){pinned}; about {result.step_seconds:.2f} s a step on an H200."
+    )
