@@ -80,14 +80,17 @@ std::string oniguruma_to_pcre2(std::string_view pattern) {
     if (c == '\\') {
       if (i + 1 == pattern.size()) refuse(pattern, "ends with a lone backslash");
       const char escaped = pattern[++i];
+      // The class as items inside brackets, or as a bracketed class of its own.
       auto class_of = [&](std::string_view items, bool negated) {
-        if (in_class && negated) {
+        if (!in_class) {
+          out += negated ? "[^" : "[";
+          out.append(items);
+          out += ']';
+        } else if (!negated) {
+          out.append(items);
+        } else {
           refuse(pattern, std::string("\\") + escaped + " inside [...] (write the class out)");
         }
-        if (in_class) return out.append(items), void();
-        out += negated ? "[^" : "[";
-        out.append(items);
-        out += ']';
       };
       switch (escaped) {
         case 's': class_of(kWhiteSpaceItems, false); continue;
@@ -151,11 +154,18 @@ std::string oniguruma_to_pcre2(std::string_view pattern) {
 }
 
 Regex::Regex(std::string_view pattern) : pattern_(pattern), pcre2_pattern_(oniguruma_to_pcre2(pattern)) {
+  // Oniguruma's Ruby syntax: ^ and $ at every \n (and only there), \R any Unicode line break,
+  // whatever defaults this PCRE2 was built with.
+  pcre2_compile_context* context = pcre2_compile_context_create(nullptr);
+  if (!context) throw TokenizerError("out of memory for PCRE2's compile context");
+  pcre2_set_newline(context, PCRE2_NEWLINE_LF);
+  pcre2_set_bsr(context, PCRE2_BSR_UNICODE);
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   pcre2_code* code =
       pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pcre2_pattern_.data()), pcre2_pattern_.size(),
-                    PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE | PCRE2_NEVER_BACKSLASH_C, &error_code, &error_offset, nullptr);
+                    PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE | PCRE2_NEVER_BACKSLASH_C, &error_code, &error_offset, context);
+  pcre2_compile_context_free(context);
   if (!code) {
     refuse(pattern_, pcre2_message(error_code) + " (at offset " + std::to_string(error_offset) + " of " +
                          pcre2_pattern_ + ")");

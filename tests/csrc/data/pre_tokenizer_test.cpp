@@ -150,6 +150,15 @@ TEST(Regex, OnigurumaClassesAreRewritten) {
             R"([\]\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}](?i:ab)\\s)");
 }
 
+TEST(Regex, LinesAreOnigurumas) {
+  // Expected: Hugging Face tokenizers' matches (Oniguruma's Ruby syntax): ^ and $ at every
+  // \n, . stops at \n only, \R is any line break.
+  using Matches = std::vector<std::pair<size_t, size_t>>;
+  EXPECT_EQ(regex_matches(Regex("^a|b$"), "a\nab\nb"), (Matches{{0, 1}, {2, 3}, {3, 4}, {5, 6}}));
+  EXPECT_EQ(regex_matches(Regex(".+"), "ab\ncd\r\nef"), (Matches{{0, 2}, {3, 6}, {7, 9}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\R)"), "x\r\ny\u2028z\u0085w"), (Matches{{1, 3}, {4, 7}, {8, 10}}));
+}
+
 TEST(Regex, EmptyMatchesFollowOnigurumasIteration) {
   // After a match ending at e, an empty match at e is dropped and the search moves on one
   // character: `b` at 1 is never matched, as in Hugging Face tokenizers.
