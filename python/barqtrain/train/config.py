@@ -47,6 +47,35 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
+class RopeScalingConfig:
+    type: Literal["linear", "dynamic", "yarn", "llama3"] = _doc(
+        "linear (position interpolation), dynamic (NTK-aware, theta stretched past the context), yarn, or llama3",
+        "linear",
+    )
+    factor: float = _doc("how many times longer than the model's pretraining context the training context is", 2.0)
+    original_max_position_embeddings: int | None = _doc(
+        "yarn, llama3: the pretraining context; null: the checkpoint's (its rope_parameters' or max_position_embeddings)",
+        None,
+    )
+    low_freq_factor: float | None = _doc("llama3: wavelengths above context / low_freq_factor are interpolated (1.0)", None)
+    high_freq_factor: float | None = _doc("llama3: wavelengths below context / high_freq_factor are kept (4.0)", None)
+    beta_fast: float | None = _doc("yarn: rotations over the context above which a frequency is kept (32)", None)
+    beta_slow: float | None = _doc("yarn: rotations over the context below which a frequency is interpolated (1)", None)
+    attention_factor: float | None = _doc("yarn: the cos/sin scale; null: 0.1 ln(factor) + 1", None)
+
+
+# The fields of model.rope_scaling that only some types take, and those types.
+ROPE_SCALING_FIELDS = {
+    "original_max_position_embeddings": ("yarn", "llama3"),
+    "low_freq_factor": ("llama3",),
+    "high_freq_factor": ("llama3",),
+    "beta_fast": ("yarn",),
+    "beta_slow": ("yarn",),
+    "attention_factor": ("yarn",),
+}
+
+
+@dataclass
 class ModelConfig:
     name: str = _doc(
         "a named config for random init: tiny-llama, llama-1b-shape (Llama-3.2-1B), llama-8b-shape (Llama-3.1-8B); "
@@ -55,6 +84,10 @@ class ModelConfig:
     )
     path: str | None = _doc("a local Hugging Face model directory (config.json + weights)", None)
     patch: bool = _doc("swap in BarqTrain's fused ops with barqtrain.patch_model", True)
+    rope_scaling: RopeScalingConfig | None = _doc(
+        "RoPE scaling to train past the checkpoint's context (replaces the checkpoint's own); null: as the checkpoint has it",
+        None,
+    )
     compile: Literal["none", "regional"] = _doc(
         "regional: torch.compile each decoder layer, one compiled graph shared by all layers (the first steps "
         "include its compilation; the same shapes each step, or it compiles again); none: run eagerly",
@@ -209,10 +242,14 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:  # before a mapping's, which would read null as {}
+            return None
+        mapping_types = [option for option in options if dataclasses.is_dataclass(option)]
+        if isinstance(value, dict) and mapping_types:  # its own errors name the key inside it
+            return _convert(value, mapping_types[0], path)
+        for option in options:
             if option is type(None):
-                if value is None:
-                    return None
                 continue
             try:
                 return _convert(value, option, path)
@@ -333,6 +370,8 @@ def _check(config: TrainConfig) -> None:
                 f"data.seq_length: without packing, the built-in task's rows are its {SEQUENCE_LENGTH}-token "
                 f"sequences; set {SEQUENCE_LENGTH} or packing: true, got {config.data.seq_length}"
             )
+    if config.model.rope_scaling is not None:
+        _check_rope_scaling(config.model.rope_scaling)
     if not 0 <= config.data.eval_split < 1:
         raise ConfigError(f"data.eval_split: must be at least 0 and below 1, got {config.data.eval_split}")
     if (
@@ -340,6 +379,34 @@ def _check(config: TrainConfig) -> None:
         and config.model.path is None
     ):
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
+
+
+def _check_rope_scaling(scaling: RopeScalingConfig) -> None:
+    if not scaling.factor >= 1:
+        raise ConfigError(
+            f"model.rope_scaling.factor: how many times the pretraining context to train on, at least 1, got {scaling.factor}"
+        )
+    for name, types in ROPE_SCALING_FIELDS.items():
+        if getattr(scaling, name) is not None and scaling.type not in types:
+            raise ConfigError(f"model.rope_scaling.{name}: applies to type {' and '.join(types)}, not {scaling.type}")
+    if scaling.original_max_position_embeddings is not None and scaling.original_max_position_embeddings < 1:
+        raise ConfigError(
+            "model.rope_scaling.original_max_position_embeddings: must be at least 1, "
+            f"got {scaling.original_max_position_embeddings}"
+        )
+    low, high = scaling.low_freq_factor or 1.0, scaling.high_freq_factor or 4.0
+    if scaling.type == "llama3" and not 0 < low < high:
+        raise ConfigError(
+            f"model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor (1.0 and 4.0 are Llama 3.1's), "
+            f"got {low} and {high}"
+        )
+    fast, slow = scaling.beta_fast or 32.0, scaling.beta_slow or 1.0
+    if scaling.type == "yarn" and not 0 < slow < fast:
+        raise ConfigError(
+            f"model.rope_scaling: yarn needs 0 < beta_slow < beta_fast (1 and 32 are the YaRN paper's), got {slow} and {fast}"
+        )
+    if scaling.attention_factor is not None and not scaling.attention_factor > 0:
+        raise ConfigError(f"model.rope_scaling.attention_factor: must be positive, got {scaling.attention_factor}")
 
 
 def config_warnings(config: TrainConfig) -> list[str]:

@@ -133,6 +133,10 @@ def build_model(
         if run_dir is not None and not (run_dir / BASE / "config.json").exists():
             save_base(model, run_dir / BASE)  # in the dtype trained on, so a merge adds to those weights
     model.config.use_cache = False
+    if config.model.rope_scaling is not None:
+        from barqtrain.train.rope_scaling import apply_rope_scaling
+
+        log(apply_rope_scaling(model, config.model.rope_scaling))
     if config.method == "qlora":
         if not quantized:
             quantize_base(model, config)
@@ -554,6 +558,10 @@ def _check_context(config: TrainConfig, log: Callable[..., None]) -> None:
         context = model_config.get("max_position_embeddings")
         if context is None and isinstance(model_config.get("text_config"), dict):
             context = model_config["text_config"].get("max_position_embeddings")
+    if isinstance(context, int) and config.model.rope_scaling is not None:
+        from barqtrain.train.rope_scaling import scaled_context
+
+        context = scaled_context(context, None, config.model.rope_scaling)
     if isinstance(context, int) and config.data.seq_length > context:
         log(
             f"Warning: data.seq_length ({config.data.seq_length}) is above the model's context "
@@ -629,6 +637,10 @@ def _train(
     for warning in config_warnings(config):
         log(f"Warning: {warning}.")
     _check_context(config, log)
+    if device.type == "cuda" and not ranks.is_distributed:
+        from barqtrain.memory.estimate import log_estimate
+
+        log_estimate(config, log)
     run_dir = Path(config.output_dir)
     source = Path(resume_from) if resume and resume_from is not None else run_dir
     _check_output_dir(run_dir, continuing=resume and source == run_dir, overwrite=overwrite)
