@@ -68,6 +68,18 @@ bool is_word_character_at(std::string_view text, size_t pos) {
   return word_character.matches_at(text, pos);
 }
 
+// Whether name is a Unicode script for PCRE2 (Han, Greek, ...), as opposed to a general
+// category (L, Lu, ...) or a binary property (Alphabetic, ...).
+bool is_script(std::string_view name) {
+  const std::string probe = "\\p{sc:" + std::string(name) + "}";
+  int error_code = 0;
+  PCRE2_SIZE error_offset = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(probe.data()), probe.size(), PCRE2_UTF | PCRE2_UCP,
+                                   &error_code, &error_offset, nullptr);
+  pcre2_code_free(code);
+  return code != nullptr;
+}
+
 std::string oniguruma_to_pcre2(std::string_view pattern) {
   std::string out;
   out.reserve(pattern.size() + 64);
@@ -103,6 +115,27 @@ std::string oniguruma_to_pcre2(std::string_view pattern) {
         case 'B':
           if (!in_class) refuse(pattern, "word boundaries (\\b, \\B) are not supported");
           break;  // \b in a class is backspace in both
+        case 'p':
+        case 'P': {
+          // A script is its Script property in Oniguruma, its Script_Extensions in PCRE2's
+          // \p{Name}: written \p{sc:Name}. \p{^Name} is the negation, as \P{Name}.
+          const size_t close = pattern.find('}', i);
+          if (i + 1 >= pattern.size() || pattern[i + 1] != '{' || close == std::string_view::npos) {
+            refuse(pattern, std::string("\\") + escaped + " needs a {name}");
+          }
+          std::string_view name = pattern.substr(i + 2, close - i - 2);
+          bool negated = escaped == 'P';
+          if (!name.empty() && name[0] == '^') {
+            negated = !negated;
+            name.remove_prefix(1);
+          }
+          out += negated ? "\\P{" : "\\p{";
+          if (is_script(name)) out += "sc:";
+          out.append(name);
+          out += '}';
+          i = close;
+          continue;
+        }
         case 'u': {
           // \uHHHH, a code point in Oniguruma's Ruby syntax.
           if (i + 4 >= pattern.size() || !is_hex_digit(pattern[i + 1]) || !is_hex_digit(pattern[i + 2]) ||
@@ -124,7 +157,9 @@ std::string oniguruma_to_pcre2(std::string_view pattern) {
     if (in_class) {
       if (c == ']' && !at_class_start) {
         in_class = false;
-      } else if (c == '[' && pattern.compare(i, 2, "[:") != 0) {
+      } else if (c == '[' && pattern.compare(i, 2, "[:") == 0) {
+        refuse(pattern, "POSIX bracket classes ([:punct:], ...) are not supported (Oniguruma's differ from PCRE2's)");
+      } else if (c == '[') {
         refuse(pattern, "nested character classes are not supported");
       } else if (c == '&' && pattern.compare(i, 2, "&&") == 0) {
         refuse(pattern, "class intersection (&&) is not supported");

@@ -146,6 +146,9 @@ TEST(Regex, OnigurumaClassesAreRewritten) {
   EXPECT_EQ(regex_matches(Regex(R"(\h+)"), "cafe go"), (std::vector<std::pair<size_t, size_t>>{{0, 4}}));
   EXPECT_EQ(regex_matches(Regex(R"([^\s\w]+)"), "a, b"), (std::vector<std::pair<size_t, size_t>>{{1, 2}}));
   EXPECT_EQ(regex_matches(Regex(R"(\u00e9)"), "caf\u00e9"), (std::vector<std::pair<size_t, size_t>>{{3, 5}}));
+  // A script is the Script property, not Script_Extensions: U+30FC (Common) is not Katakana.
+  EXPECT_EQ(regex_matches(Regex(R"(\p{Katakana}+)"), "カナー"), (std::vector<std::pair<size_t, size_t>>{{0, 6}}));
+  EXPECT_EQ(oniguruma_to_pcre2(R"(\p{Han}\P{L}\p{^Greek})"), R"(\p{sc:Han}\P{L}\P{sc:Greek})");
   EXPECT_EQ(oniguruma_to_pcre2(R"([\]\s](?i:ab)\\s)"),
             R"([\]\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}](?i:ab)\\s)");
 }
@@ -180,6 +183,7 @@ TEST(Regex, WhatMeansSomethingElseInPcre2IsRefusedByName) {
   EXPECT_NE(error_of("(?m:.+)").find("inline flag m"), std::string::npos);
   EXPECT_NE(error_of("[a[b]]").find("nested character classes"), std::string::npos);
   EXPECT_NE(error_of("[a-z&&[^aeiou]]").find("class intersection"), std::string::npos);
+  EXPECT_NE(error_of("[[:punct:]]").find("POSIX bracket classes"), std::string::npos);
   EXPECT_NE(error_of(R"([^\S])").find("\\S inside [...]"), std::string::npos);
   EXPECT_NE(error_of("(unclosed").find("Split regex (unclosed: missing closing parenthesis"), std::string::npos);
 }
