@@ -328,3 +328,27 @@ def test_sentencepiece_errors_name_the_feature(tmp_path, sentencepiece_model):
         path.write_text(json.dumps(config | change), encoding="utf-8")
         with pytest.raises(TokenizerError, match=message):
             Tokenizer.from_file(path)
+
+
+# Regexes beyond the families': Oniguruma's classes, scripts, look-around, back-references,
+# possessive and lazy repetition, anchors, empty matches.
+ANY_REGEXES = [
+    r"\s+", r"\S+", r"\w+|[^\w\s]+", r"\d{2,}|\D", r"\h+", r"(?i:the|and)|\p{Lu}\p{Ll}*",
+    r"(?<=\s)\p{L}+", r"\p{L}+(?=\d)", r"[\p{Han}\p{Hiragana}\p{Katakana}]+", r"\p{Greek}+|\p{Cyrillic}+|\p{Arabic}+",
+    r"a*", r"(?=\p{L})", r".{1,3}", r"(\p{L})\1", r"\p{L}++\p{M}*", r"\p{N}+?", r"^\s+|\s+$", r"\p{^Han}+|\P{Latin}",
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}", r"\R", r"[^\s\p{P}]+", r"\u00e9|\x{1F600}",
+]
+
+
+@pytest.mark.parametrize("regex", ANY_REGEXES)
+def test_any_split_regex_matches_hugging_face(regex, tmp_path, byte_level_models):
+    for behavior, invert in (("Isolated", False), ("Removed", True)):
+        pre_tokenizer = then_byte_level(split(regex, behavior, invert))
+        config = byte_level_config(byte_level_models["llama3"], None, pre_tokenizer, False, False, False)
+        path = tmp_path / "tokenizer.json"
+        path.write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+        ours, theirs = Tokenizer.from_file(path), hf.Tokenizer.from_file(str(path))
+        for text in texts():
+            expected = theirs.encode(text)
+            ids, offsets = ours.encode(text, offsets=True)
+            assert (ids, offsets) == (expected.ids, hf_offsets(expected)), (regex, behavior, repr(text[:80]))
