@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from barqtrain.memory.estimate import estimate
+    from barqtrain.memory.estimator import estimate
 
     if args.seq_length is not None and args.seq_length < 1:
         raise ConfigError(f"--seq-length: must be at least 1, got {args.seq_length}")

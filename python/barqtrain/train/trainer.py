@@ -638,7 +638,7 @@ def _train(
         log(f"Warning: {warning}.")
     _check_context(config, log)
     if device.type == "cuda" and not ranks.is_distributed:
-        from barqtrain.memory.estimate import log_estimate
+        from barqtrain.memory.estimator import log_estimate
 
         log_estimate(config, log)
     run_dir = Path(config.output_dir)

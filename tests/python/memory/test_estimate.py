@@ -16,13 +16,14 @@ import pytest
 import torch
 import transformers
 from barqtrain.cli import main
-from barqtrain.memory.estimate import (
+from barqtrain.memory.estimator import (
     GIB,
     ModelShape,
     RunShape,
     adapter_parameters,
     estimate,
     layer_activations,
+    log_estimate,
     loss_activations,
     optimizer_state_bytes,
     quantized_bytes,
@@ -266,3 +267,27 @@ def test_estimate_command_names_what_it_cannot_estimate(tmp_path, capsys):
     assert error.startswith("barqtrain estimate: model.path: model_type 'gemma'") and len(error.splitlines()) == 1
     with pytest.raises(ConfigError, match=r"lora.target_modules: 'lm_head'"):
         estimate(_config(lora={"target_modules": ["q_proj", "lm_head"]}))
+
+
+def test_train_logs_one_line_or_says_why_there_is_no_estimate(tmp_path):
+    logged = []
+    log_estimate(config_from_dict({"model": {"name": "llama-1b-shape"}, "data": {"seq_length": 2048}}), logged.append)
+    assert len(logged) == 1 and logged[0].startswith("Estimate (`barqtrain estimate` for all of it): peak ")
+    model_dir = tmp_path / "gemma"
+    transformers.GemmaConfig(num_hidden_layers=1, vocab_size=128).save_pretrained(model_dir)
+    logged.clear()
+    log_estimate(config_from_dict({"model": {"path": str(model_dir)}, "data": {"tokenizer": str(model_dir)}}), logged.append)
+    assert logged == [f"No memory estimate: model.path: model_type 'gemma' is not one `barqtrain estimate` models (it "
+                      "models the decoder layers of llama, mistral, qwen2, qwen3)."]  # fmt: skip
+
+
+def test_offloading_more_than_the_host_can_pin_is_a_warning(monkeypatch):
+    config = config_from_dict(
+        {"model": {"name": "llama-8b-shape"}, "data": {"seq_length": 65536}, "batch_size": 1,
+         "gradient_checkpointing": "offload"}  # fmt: skip
+    )
+    monkeypatch.setattr("barqtrain.memory.estimator.host_memory_bytes", lambda: 16 * GIB)  # 16 GiB of inputs
+    result = estimate(config)
+    assert result.pinned_exceeds_host() and "Warning: the offloaded layer inputs need more pinned" in result.table()
+    monkeypatch.setattr("barqtrain.memory.estimator.host_memory_bytes", lambda: 128 * GIB)
+    assert not estimate(config).pinned_exceeds_host()

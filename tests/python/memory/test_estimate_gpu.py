@@ -103,7 +103,7 @@ def _measured_peak(model: torch.nn.Module, config, device: torch.device) -> tupl
 
 @pytest.mark.gpu
 def test_estimate_within_5_percent_of_measured_peaks():
-    from barqtrain.memory.estimate import GIB, estimate
+    from barqtrain.memory.estimator import GIB, estimate
     from barqtrain.train.trainer import build_model
 
     device = torch.device("cuda")

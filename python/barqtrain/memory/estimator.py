@@ -79,6 +79,14 @@ ATTENTION_FRACTION = 0.82
 QUANTIZED_GEMM_SLOWDOWN = 1.1
 COPY_FRACTION = 0.8
 
+# Pinned memory cannot be paged out: offloaded inputs beyond this fraction of the host's RAM
+# leave too little for the process, its data loader and the system.
+PINNABLE_HOST_FRACTION = 0.8
+PINNED_WARNING = (
+    "the offloaded layer inputs need more pinned host memory than this machine can spare (80% of its RAM); "
+    "use gradient_checkpointing: true, or a shorter data.seq_length or batch_size"
+)
+
 Policy = Literal["off", "on", "offload"]
 
 # The moments of a step whose memory the estimate compares.
@@ -457,6 +465,10 @@ class Estimate:
     def peak_bytes(self) -> int:
         return sum(c.bytes for c in self.components)
 
+    def pinned_exceeds_host(self) -> bool:
+        """Whether the offloaded inputs would take more than this machine's RAM can pin."""
+        return self.pinned_host_bytes > PINNABLE_HOST_FRACTION * host_memory_bytes()
+
     @property
     def reserved_bytes(self) -> int:
         """What the caching allocator is expected to reserve at the peak (allocated + slack)."""
@@ -468,6 +480,7 @@ class Estimate:
             "reserved_gib": self.reserved_bytes / GIB,
             "peak_moment": self.peak_moment,
             "pinned_host_gib": self.pinned_host_bytes / GIB,
+            "host_memory_gib": host_memory_bytes() / GIB,
             "step_seconds": self.step_seconds,
             "tokens_per_s": self.tokens_per_second,
             "step_tflop": self.step_flops / 1e12,
@@ -497,7 +510,10 @@ class Estimate:
         lines.append(f"  {labels[-2]:<{width}}  {self.peak_bytes / GIB:8.3f}  at {self.peak_moment}")
         lines.append(f"  {labels[-1]:<{width}}  {self.reserved_bytes / GIB:8.3f}")
         if self.pinned_host_bytes:
-            lines.append(f"  {'pinned host memory':<{width}}  {self.pinned_host_bytes / GIB:8.3f}  offloaded layer inputs")
+            host = f"offloaded layer inputs, of this machine's {host_memory_bytes() / GIB:,.0f} GiB of RAM"
+            lines.append(f"  {'pinned host memory':<{width}}  {self.pinned_host_bytes / GIB:8.3f}  {host}")
+        if self.pinned_exceeds_host():
+            lines.append(f"  Warning: {PINNED_WARNING}")
         lines.append(
             f"  step: {self.step_flops / 1e12:,.1f} TFLOP, about {self.step_seconds:.3f} s "
             f"({self.tokens_per_second:,.0f} tokens/s on an H200)"
@@ -548,6 +564,11 @@ def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool) -> 
     # uint8 absmax codes, bitsandbytes' 256-entry fp32 code, an fp32 absmax per 256 blocks, the offset
     absmax = _allocated(blocks) + _allocated(4 * 256) + _allocated(4 * math.ceil(blocks / ABSMAX_BLOCK)) + _allocated(4)
     return packed + absmax
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _allocated(size: int) -> int:
@@ -748,3 +769,5 @@ def log_estimate(config: TrainConfig, log: Callable[..., None]) -> None:
         f"Estimate (`barqtrain estimate` for all of it): peak {result.peak_bytes / GIB:.2f} GiB of GPU memory at "
         f"{result.peak_moment} ({parts} GiB){pinned}; about {result.step_seconds:.2f} s a step on an H200."
     )
+    if result.pinned_exceeds_host():
+        log(f"Warning: {PINNED_WARNING}.")
