@@ -7,15 +7,29 @@ the peak GPU memory and step time of a config before the model is loaded (estima
 """
 
 from barqtrain.memory.checkpoint import OffloadedCheckpoint, enable_gradient_checkpointing, offloaded_checkpoint_of
-from barqtrain.memory.estimator import Estimate, ModelShape, estimate, layer_activations, layer_backward_workspace
+from barqtrain.memory.estimator import (
+    Estimate,
+    LayerChoice,
+    ModelShape,
+    estimate,
+    layer_activations,
+    layer_backward_bytes,
+    layer_backward_workspace,
+    layer_forward_bytes,
+    layer_held_bytes,
+)
 
 __all__ = [
     "Estimate",
+    "LayerChoice",
     "ModelShape",
     "OffloadedCheckpoint",
     "enable_gradient_checkpointing",
     "estimate",
     "layer_activations",
+    "layer_backward_bytes",
     "layer_backward_workspace",
+    "layer_forward_bytes",
+    "layer_held_bytes",
     "offloaded_checkpoint_of",
 ]

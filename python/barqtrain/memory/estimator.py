@@ -23,8 +23,10 @@ Sizes are what the caching allocator hands out (`torch.cuda.max_memory_allocated
 reserves beyond that (rounding, fragmentation) is `Estimate.reserved_bytes`. The GPU test
 (tests/python/memory/test_estimate_gpu.py) holds the peak within 5% of the measured one.
 
-A planner can call `layer_activations` and `layer_backward_workspace` per layer to price keep,
-recompute or offload for each.
+Per decoder layer, a planner prices its choice (LayerChoice: keep, recompute, offload) with
+`layer_held_bytes` (held from its forward to its backward), `layer_forward_bytes`,
+`layer_backward_bytes` and `layer_backward_workspace`; `estimate` sums them over the layers
+with the one choice the checkpointing policy makes for all.
 """
 
 from __future__ import annotations
@@ -365,6 +367,35 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
     return kept
 
 
+# What a planner picks per decoder layer: keep its tensors, keep only its input and recompute
+# the rest in the backward pass, or recompute with its input in pinned host memory. The
+# checkpointing policies pick one for every layer.
+LayerChoice = Literal["keep", "recompute", "offload"]
+POLICY_CHOICE: dict[str, LayerChoice] = {"off": "keep", "on": "recompute", "offload": "offload"}
+
+
+def layer_held_bytes(model: ModelShape, run: RunShape, choice: LayerChoice, first: bool = False) -> int:
+    """GPU bytes a decoder layer holds from the end of its forward until its backward: every
+    kept tensor, its input alone, or nothing (offloaded: the input is in pinned host memory)."""
+    if choice == "keep":
+        return _sum(layer_activations(model, run, first))
+    return layer_activations(model, run)[0].bytes if choice == "recompute" else 0
+
+
+def layer_forward_bytes(model: ModelShape, run: RunShape, choice: LayerChoice) -> int:
+    """GPU bytes a recomputed layer holds besides its input while its forward runs (torch's
+    checkpoint also keeps autocast's 16-bit weights till the forward pass ends: see estimate)."""
+    return 0 if choice == "keep" else _sum(layer_activations(model, run)) - layer_activations(model, run)[0].bytes
+
+
+def layer_backward_bytes(model: ModelShape, run: RunShape, choice: LayerChoice) -> int:
+    """GPU bytes of a layer's own tensors while its backward runs (its workspace aside): kept or
+    recomputed, the same tensors; offloaded, OFFLOADED_BACKWARD_INPUTS inputs' worth with them."""
+    kept = layer_activations(model, run)
+    extra_inputs = OFFLOADED_BACKWARD_INPUTS - 1 if choice == "offload" else 0
+    return _sum(kept) + extra_inputs * kept[0].bytes
+
+
 def _weights(model: ModelShape, names: tuple[str, ...]) -> int:
     shapes = model.projections()
     return sum(shapes[n][0] * shapes[n][1] for n in names)
@@ -687,27 +718,32 @@ def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | No
     loss_work = loss_workspace(model, run)
     layers = model.layers
 
-    # What the decoder layers keep at the end of the forward pass, and during the last layer's
-    # backward (its activations recomputed where checkpointed; its input is the one kept).
-    if run.policy == "off":
-        kept_forward = kept_backward = (layers - 1) * per_layer + _sum(layer_activations(model, run, first=True))
-        forward_note = backward_note = f"{layers} layers x {per_layer / MIB:,.1f} MiB"
-    elif run.policy == "on":
+    # What the decoder layers hold at the end of the forward pass and during the last layer's
+    # backward, from each layer's choice (one for all, from the checkpointing policy).
+    choices = [POLICY_CHOICE[run.policy]] * layers
+    held = [layer_held_bytes(model, run, choice, first=index == 0) for index, choice in enumerate(choices)]
+    kept_forward = sum(held)
+    if "offload" in choices:
+        kept_forward += layer_input  # one input on its way to pinned memory
+    if run.policy == "on":
         # Torch's checkpoint runs the layers' forward with autograd on, so autocast's cache keeps
-        # every layer's 16-bit weights until the forward pass ends.
-        kept_forward = layers * (layer_input + autocast_weight_copies(model, run))
-        forward_note = f"{layers} layer inputs x {layer_input / MIB:,.1f} MiB"
-        kept_backward = layers * layer_input + per_layer - layer_input
-        backward_note = forward_note + f", the last layer's activations recomputed ({per_layer / MIB:,.1f} MiB)"
-    else:
-        kept_forward = layer_input
-        forward_note = f"one layer input on its way to pinned memory ({layer_input / MIB:,.1f} MiB)"
-        # Besides the layer's recomputed activations, OFFLOADED_BACKWARD_INPUTS layer inputs' worth.
-        kept_backward = OFFLOADED_BACKWARD_INPUTS * layer_input + per_layer - layer_input
-        backward_note = (
-            f"{OFFLOADED_BACKWARD_INPUTS} layer inputs' worth and one layer's recomputed activations "
-            f"({per_layer / MIB:,.1f} MiB)"
-        )
+        # every layer's 16-bit weights until the forward pass ends (the offloaded layers' forward
+        # runs inside an autograd Function, without it).
+        kept_forward += layers * autocast_weight_copies(model, run)
+    kept_backward = sum(held[:-1]) + layer_backward_bytes(model, run, choices[-1])
+    forward_layer = max(layer_forward_bytes(model, run, choice) for choice in choices)
+    choice = choices[-1]
+    forward_note = {
+        "keep": f"{layers} layers x {per_layer / MIB:,.1f} MiB",
+        "recompute": f"{layers} layer inputs x {layer_input / MIB:,.1f} MiB",
+        "offload": f"one layer input on its way to pinned memory ({layer_input / MIB:,.1f} MiB)",
+    }[choice]
+    backward_note = {
+        "keep": forward_note,
+        "recompute": f"{forward_note}, the last layer's activations recomputed ({per_layer / MIB:,.1f} MiB)",
+        "offload": f"{OFFLOADED_BACKWARD_INPUTS} layer inputs' worth and one layer's recomputed activations "
+        f"({per_layer / MIB:,.1f} MiB)",
+    }[choice]
     # Gradients that exist during the backward pass: those of the step's earlier micro-batches,
     # and in full fine-tuning the output head's, made by the loss first.
     accumulated = gradients if config.grad_accum > 1 else 0
@@ -716,8 +752,6 @@ def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | No
     # Tied embeddings in full fine-tuning: the embedding's dense gradient, made last, before it
     # is added to the head's.
     embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
-    # A checkpointed layer's forward holds its activations until it ends.
-    forward_layer = per_layer - layer_input if run.policy != "off" else 0
     moments = {
         FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer),
         LAST_LAYER_BACKWARD: kept_backward + batch_kept + backward_work + accumulated + head_gradient,
