@@ -236,10 +236,26 @@ def _write_tokenizer(writer, model_dir: Path, vocab_size: int, gguf) -> None:
         special = gguf.SpecialVocab(model_dir, load_merges=not sentencepiece_style, n_vocab=vocab_size)
     finally:
         vocab_log.setLevel(level)
+    # What the tokenizer adds, as Transformers applies it (tokenizer_config.json's flags or the
+    # post-processor); llama.cpp's defaults differ by pre-tokenizer, so both are always written.
+    special.add_special_token.update(_added_special_tokens(model_dir))
     special.add_to_gguf(writer, quiet=True)
     end_of_turn = _generation_end_of_turn(model_dir, special.special_token_ids.get("eos"))
     if end_of_turn is not None:
         writer.add_eot_token_id(end_of_turn)
+
+
+def _added_special_tokens(model_dir: Path) -> dict[str, bool]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plain = tokenizer("a", add_special_tokens=False).input_ids
+    full = tokenizer("a").input_ids
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+    if start is None:
+        raise ExportError(f"{model_dir}: its tokenizer encodes 'a' differently with its special tokens, so whether "
+                          "it adds BOS/EOS cannot be told for the GGUF")
+    return {"bos": start > 0, "eos": len(full) > start + len(plain)}
 
 
 def _vocabulary(tokenizer: dict, vocab_size: int, sentencepiece_style: bool, gguf):
@@ -287,7 +303,7 @@ def _byte_level_pre_tokenizer(tokenizer: dict, path: Path) -> str:
     steps = section.get("pretokenizers", [section])
     patterns = [step["pattern"].get("Regex") for step in steps if step.get("type") == "Split"]
     if any(step.get("type") == "ByteLevel" and step.get("use_regex", True) for step in steps) and not patterns:
-        return "gpt2"
+        return "gpt-2"
     for pattern in patterns:
         if pattern in _PRE_TOKENIZERS:
             return _PRE_TOKENIZERS[pattern]
