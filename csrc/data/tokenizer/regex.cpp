@@ -16,8 +16,23 @@ constexpr std::string_view kWhiteSpaceItems =
 constexpr std::string_view kWordItems = R"(\p{L}\p{M}\p{N}\p{Pc})";
 constexpr std::string_view kHexDigitItems = "0-9A-Fa-f";
 
+// The pattern on one line: its control characters (DeepSeek's holds CR and LF) escaped.
+std::string printable(std::string_view pattern) {
+  static const char* const kHex = "0123456789ABCDEF";
+  std::string out;
+  for (const char c : pattern) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (byte < 0x20 || byte == 0x7F) out += std::string("\\x") + kHex[byte >> 4] + kHex[byte & 15];
+    else out += c;
+  }
+  return out;
+}
+
 [[noreturn]] void refuse(std::string_view pattern, const std::string& what) {
-  throw TokenizerError("Split regex " + std::string(pattern) + ": " + what);
+  throw TokenizerError("Split regex " + printable(pattern) + ": " + what);
 }
 
 bool is_hex_digit(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
@@ -203,7 +218,7 @@ Regex::Regex(std::string_view pattern) : pattern_(pattern), pcre2_pattern_(onigu
   pcre2_compile_context_free(context);
   if (!code) {
     refuse(pattern_, pcre2_message(error_code) + " (at offset " + std::to_string(error_offset) + " of " +
-                         pcre2_pattern_ + ")");
+                         printable(pcre2_pattern_) + ")");
   }
   code_ = code;
   jit_compiled_ = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;

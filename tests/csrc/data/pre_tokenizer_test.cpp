@@ -186,6 +186,9 @@ TEST(Regex, WhatMeansSomethingElseInPcre2IsRefusedByName) {
   EXPECT_NE(error_of("[[:punct:]]").find("POSIX bracket classes"), std::string::npos);
   EXPECT_NE(error_of(R"([^\S])").find("\\S inside [...]"), std::string::npos);
   EXPECT_NE(error_of("(unclosed").find("Split regex (unclosed: missing closing parenthesis"), std::string::npos);
+  // One line, whatever the pattern holds.
+  EXPECT_EQ(error_of("[\r\n]\\b").find('\n'), std::string::npos);
+  EXPECT_NE(error_of("[\r\n]\\b").find(R"(Split regex [\r\n]\b: word boundaries)"), std::string::npos);
 }
 
 TEST(Regex, WordCharactersAreTheRustRegexCratesWordClass) {
