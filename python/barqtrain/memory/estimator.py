@@ -694,6 +694,16 @@ def step_seconds(model: ModelShape, run: RunShape, flops: StepFlops, kept_per_la
 def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | None = None) -> Estimate:
     """The estimate of training `config` (its model's shape read from config.json or the named
     shape unless given; seq: rows of this many tokens instead of data.seq_length)."""
+    if not config.model.patch:
+        raise ConfigError(
+            "model.patch: false trains with Hugging Face's and PEFT's modules, which keep other tensors (the logits "
+            "among them); the estimate models BarqTrain's patched model"
+        )
+    if config.model.compile != "none":
+        raise ConfigError(
+            f"model.compile: {config.model.compile}: torch.compile's graphs choose for themselves what to keep for the "
+            "backward pass; the estimate models the eager model (model.compile: none)"
+        )
     model = model_shape(config) if model is None else model
     run = run_shape(config, seq)
     components: list[Component] = []

@@ -267,6 +267,10 @@ def test_estimate_command_names_what_it_cannot_estimate(tmp_path, capsys):
     assert error.startswith("barqtrain estimate: model.path: model_type 'gemma'") and len(error.splitlines()) == 1
     with pytest.raises(ConfigError, match=r"lora.target_modules: 'lm_head'"):
         estimate(_config(lora={"target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(ConfigError, match=r"^model.patch: false trains with Hugging Face's"):
+        estimate(_config(model={"name": "tiny-llama", "patch": False}))
+    with pytest.raises(ConfigError, match=r"^model.compile: regional: torch.compile's graphs"):
+        estimate(_config(model={"name": "tiny-llama", "compile": "regional"}))
 
 
 def test_train_logs_one_line_or_says_why_there_is_no_estimate(tmp_path):
