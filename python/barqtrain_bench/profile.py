@@ -95,14 +95,18 @@ def profile_steps(
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     plan = schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=PROFILED_STEPS, repeat=1)
     # acc_events: one recording cycle, so nothing to accumulate; it only keeps a warning quiet.
+    first_profiled = PROFILER_WARMUP_STEPS
     with profile(activities=[activity], schedule=plan, acc_events=True) as profiler:
         for index, input_ids in enumerate(batches):
-            if index == PROFILER_WARMUP_STEPS:  # profiler.step() has just started the recording
-                _synchronize(device)
+            if index == first_profiled:
                 start = time.perf_counter()
             run_step(input_ids)
-            if index == len(batches) - 1:
+            if index in (first_profiled - 1, len(batches) - 1):
+                # The next profiler.step() starts or stops the recording: no kernel of a step
+                # outside the profiled ones may still be running then (a warm-up step's backward
+                # would be counted as the first profiled step's).
                 _synchronize(device)
+            if index == len(batches) - 1:
                 wall_s = time.perf_counter() - start
             profiler.step()  # after the last step: stops the recording and collects it
     summary = summarize_kernels(kernel_times(profiler.events(), device), wall_s * 1e6, PROFILED_STEPS)
