@@ -37,6 +37,7 @@ from barqtrain.train.export import GENERATION_CONFIG, ExportError
 from barqtrain.train.kquants import SUPER_BLOCK, quantize_q4_k, quantize_q6_k
 
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
+_FILE_TYPES = {"f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}  # gguf.LlamaFileType
 Q8_0_BLOCK = 32
 
 # The pre-tokenizer llama.cpp applies before byte-level BPE, told by the split pattern of
@@ -58,6 +59,7 @@ class _Family:
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     softcaps: bool = False  # attention and final logit softcapping (Gemma 2)
     query_scale_checked: bool = False  # llama.cpp scales queries by 1/sqrt(head_dim) (by size for the 27B)
+    sliding_window_layers: bool = False  # llama.cpp applies the window to the layers the file names
     large_layer_count: int | None = None  # the 27B's layer count, where llama.cpp scales by hidden/heads
 
 
@@ -68,8 +70,10 @@ FAMILIES: dict[str, _Family] = {
     "qwen3": _Family("QWEN3"),
     "phi3": _Family("PHI3"),
     "gemma": _Family("GEMMA", norm_offset=1.0),
-    "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46),
-    "gemma3_text": _Family("GEMMA3", norm_offset=1.0, query_scale_checked=True, large_layer_count=62),
+    "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46,
+                      sliding_window_layers=True),
+    "gemma3_text": _Family("GEMMA3", norm_offset=1.0, query_scale_checked=True, large_layer_count=62,
+                           sliding_window_layers=True),
 }
 
 
@@ -108,16 +112,16 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(temporary), gguf.MODEL_ARCH_NAMES[arch])
     try:
         writer.add_name(name or model_dir.resolve().name)
-        writer.add_file_type(_FILE_TYPES[gguf_type](gguf))
+        writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[gguf_type]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_hyperparameters(writer, config, family, gguf)
+        _write_hyperparameters(writer, config, family, gguf, log)
         _write_tokenizer(writer, model_dir, config.vocab_size, gguf)
         kept_f16 = []
-        for name, data in tensors:
-            array, quant = _encode(name, data, gguf_type, tensors.more_bits(name), gguf)
+        for tensor_name, data in tensors:
+            array, quant = _encode(tensor_name, data, gguf_type, tensors.more_bits(tensor_name), gguf)
             if gguf_type == "q8_0" and data.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
-                kept_f16.append(name)
-            writer.add_tensor(name, array, raw_dtype=quant)
+                kept_f16.append(tensor_name)
+            writer.add_tensor(tensor_name, array, raw_dtype=quant)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -133,14 +137,6 @@ def write_gguf(
     return out
 
 
-def _file_type(name: str):
-    return lambda gguf: getattr(gguf.LlamaFileType, name)
-
-
-_FILE_TYPES = {"f16": _file_type("MOSTLY_F16"), "bf16": _file_type("MOSTLY_BF16"), "q8_0": _file_type("MOSTLY_Q8_0"),
-               "q4_k_m": _file_type("MOSTLY_Q4_K_M")}
-
-
 # ---------------------------------------------------------------------- hyperparameters
 
 
@@ -154,7 +150,7 @@ def _rope_parameters(config) -> dict[str, Any]:
     return {**parameters, "rope_theta": theta}
 
 
-def _write_hyperparameters(writer, config, family: _Family, gguf) -> None:
+def _write_hyperparameters(writer, config, family: _Family, gguf, log: Callable[..., None]) -> None:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_context_length(config.max_position_embeddings)
@@ -183,11 +179,27 @@ def _write_hyperparameters(writer, config, family: _Family, gguf) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    sliding_window = getattr(config, "sliding_window", None)
-    if sliding_window and config.model_type in ("gemma2", "gemma3_text", "phi3"):
-        writer.add_sliding_window(sliding_window)
+    _write_sliding_window(writer, config, family, log)
     if family.query_scale_checked:
         _check_query_scale(config, family, head_dim)
+
+
+def _write_sliding_window(writer, config, family: _Family, log: Callable[..., None]) -> None:
+    """Gemma 2/3's window and which layers have it (llama.cpp reads both, and Gemma 3's local
+    RoPE base); the other families' llama.cpp graphs attend over the whole context, said in the log."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if family.sliding_window_layers:
+        writer.add_sliding_window(window)
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+        local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention")
+        if local is not None:
+            writer.add_rope_freq_base_swa(float(local["rope_theta"]))
+        return
+    uses_window = window and (getattr(config, "use_sliding_window", True) or "sliding_attention" in layer_types)
+    if uses_window:
+        log(f"Note: llama.cpp runs {config.model_type} with attention over the whole context, not the config's sliding "
+            f"window of {window} tokens: on longer inputs its outputs differ from the model's.")
 
 
 def _check_query_scale(config, family: _Family, head_dim: int) -> None:
@@ -350,9 +362,10 @@ class _Tensors:
 
         for file in self.files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if self._gguf_name(name) is not None:
-                        yield self._gguf_name(name), tuple(f.get_slice(name).get_shape())
+                for hf_name in f.keys():
+                    name = self._gguf_name(hf_name)
+                    if name is not None:
+                        yield name, tuple(f.get_slice(hf_name).get_shape())
 
     def _gguf_name(self, hf_name: str) -> str | None:
         if hf_name == "lm_head.weight" and self.tied:

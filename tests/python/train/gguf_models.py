@@ -17,11 +17,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "ge
 DIMENSIONS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0)
-# Per family: what its config needs beside the dimensions (Gemma 2/3 scale queries by
-# 1/sqrt(head_dim) in llama.cpp; their window is longer than the prompts).
+# Per family: what its config needs beside the dimensions. Gemma 2/3 scale queries by
+# 1/sqrt(head_dim) in llama.cpp; their sliding window (on layer 0) is shorter than the prompts.
 _EXTRA = {
-    "gemma2": dict(query_pre_attn_scalar=64, sliding_window=128),
-    "gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=128),
+    "gemma2": dict(query_pre_attn_scalar=64, sliding_window=4),
+    "gemma3_text": dict(query_pre_attn_scalar=64, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 # llama.cpp tells Phi-3 by its name and then expects Phi-3's special tokens in the vocabulary.
 _PHI3_TOKENS = ("<|endoftext|>", "<|end|>")
