@@ -27,7 +27,7 @@ enum class SplitPattern {
   kQwen2,
 };
 
-// The pattern whose regex is exactly `regex`, or nothing when it is not one we implement.
+// The pattern whose regex is exactly `regex`, or nothing when no scanner implements it.
 std::optional<SplitPattern> split_pattern_from_regex(std::string_view regex);
 
 // The regex string of a pattern (GPT-2's is implied by ByteLevel's use_regex).

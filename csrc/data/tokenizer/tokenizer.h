@@ -1,6 +1,7 @@
 // A Hugging Face tokenizer.json tokenizer for BPE models, byte-level (GPT-2, Llama-3,
-// Qwen2/2.5) or SentencePiece-style (Llama-2, Mistral, Gemma), whose output is identical
-// to Hugging Face tokenizers'.
+// Qwen2/2.5, SmolLM, Mistral's Tekken, DeepSeek-V3: any Split regex) or SentencePiece-style
+// (Llama-2, Mistral, Gemma, Phi-3), whose output is identical to Hugging Face tokenizers'.
+// docs/tokenizer.md lists what it reads.
 //
 //   auto tokenizer = barqtrain::tokenizer::Tokenizer::from_file("tokenizer.json");
 //   std::vector<TokenId> ids = tokenizer.encode("Hello world");
