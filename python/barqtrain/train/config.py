@@ -48,11 +48,11 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class RopeScalingConfig:
-    type: Literal["linear", "dynamic", "yarn", "llama3"] = _doc(
+    type: Literal["linear", "dynamic", "yarn", "llama3"] | None = _doc(
         "linear (position interpolation), dynamic (NTK-aware, theta stretched past the context), yarn, or llama3",
-        "linear",
+        None,
     )
-    factor: float = _doc("how many times longer than the model's pretraining context the training context is", 2.0)
+    factor: float | None = _doc("how many times longer than the model's pretraining context the training context is", None)
     original_max_position_embeddings: int | None = _doc(
         "yarn, llama3: the pretraining context; null: the checkpoint's (its rope_parameters' or max_position_embeddings)",
         None,
@@ -382,6 +382,9 @@ def _check(config: TrainConfig) -> None:
 
 
 def _check_rope_scaling(scaling: RopeScalingConfig) -> None:
+    for key in ("type", "factor"):
+        if getattr(scaling, key) is None:
+            raise ConfigError(f"model.rope_scaling.{key}: required, e.g. rope_scaling: {{type: yarn, factor: 4.0}}")
     if not scaling.factor >= 1:
         raise ConfigError(
             f"model.rope_scaling.factor: how many times the pretraining context to train on, at least 1, got {scaling.factor}"

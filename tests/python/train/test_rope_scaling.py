@@ -108,6 +108,8 @@ def test_the_trainer_applies_it_before_the_adapter():
         ({"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}, r"^model.rope_scaling: llama3 needs 0 < low_freq_factor"),
         ({"type": "yarn", "factor": 2.0, "beta_slow": 64.0}, r"^model.rope_scaling: yarn needs 0 < beta_slow < beta_fast"),
         ({"type": "yarn", "factor": 2.0, "scale": 1.0}, r"^model.rope_scaling.scale: unknown key"),
+        ({"factor": 2.0}, r"^model.rope_scaling.type: required, e.g. rope_scaling: \{type: yarn, factor: 4.0\}$"),
+        ({"type": "yarn"}, r"^model.rope_scaling.factor: required"),
     ],
 )  # fmt: skip
 def test_a_wrong_scaling_is_one_line_naming_the_key(scaling, message):
