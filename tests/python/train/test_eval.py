@@ -153,3 +153,14 @@ def test_missing_model_is_one_line(tmp_path, text_file):
     (tmp_path / "empty-run").mkdir()
     with pytest.raises(UsageError, match="neither a model directory"):
         load_model(tmp_path / "empty-run", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("context", "stride"), [(128, 128), (128, 48)])
+def test_perplexity_on_the_gpu_with_barqtrains_kernels(text_file, hf_model, context, stride):
+    (document,) = _sequences(text_file, "document")
+    patched = load_model(STORIES, torch.device("cuda"), log=lambda *a: None).model
+    result = evaluate(patched, [document], context, stride)
+    total, count = transformers_recipe(hf_model, document["input_ids"], context, stride)
+    assert result.tokens == count
+    assert result.loss == pytest.approx(total / count, rel=1e-4)  # fp32 kernels against the CPU's fp32

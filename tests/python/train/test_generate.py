@@ -124,3 +124,15 @@ def test_errors_are_one_line(capsys, arguments, message):
     assert main(["generate", str(STORIES), "--prompt", "Hi", *arguments]) == 2
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_patched_model_on_the_gpu_generates_the_unpatched_models_greedy_tokens(hf_model, prompt):
+    """BarqTrain's CUDA kernels compute the prompt (fp32, stories260K's dtype), the KV cache the steps after it."""
+    gpu = torch.device("cuda")
+    patched_gpu = load_model(STORIES, gpu, log=lambda *a: None).model
+    assert patched_gpu.device.type == "cuda"
+    ids = _encode(prompt)
+    expected = _argmax_without_cache(hf_model, ids, 48)[len(ids):]
+    assert generate(patched_gpu, ids, [], Sampling(max_new_tokens=48)) == expected
