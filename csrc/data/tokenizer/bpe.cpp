@@ -51,6 +51,10 @@ bool byte_level_to_bytes(std::string_view token, std::string& bytes) {
   return true;
 }
 
+// The UTF-8 length of a byte's character in the byte-level string: printable ASCII stands
+// for itself, every other byte for a character from U+00A1 on.
+uint32_t byte_level_width(char byte) { return byte >= '!' && byte <= '~' ? 1 : 2; }
+
 void require_empty_or_null(const json::Value& model, const char* field) {
   const json::Value* value = model.find(field);
   if (value && !value->is_null() && !(value->is_string() && value->as_string().empty())) {
@@ -253,21 +257,48 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, s
     }
   }
   thread_local std::vector<TokenId> parts;
-  thread_local std::vector<ByteRange> part_ranges;
+  thread_local std::vector<uint32_t> lengths;
   parts.clear();
-  part_ranges.clear();
-  std::vector<ByteRange>* tracked = ranges ? &part_ranges : nullptr;
+  lengths.clear();
+  std::vector<uint32_t>* tracked = ranges ? &lengths : nullptr;
   if (byte_level_ && every_byte_has_token_) {
     for (const char c : piece) parts.push_back(byte_tokens_[static_cast<uint8_t>(c)]);
-    if (tracked) {
-      for (uint32_t i = 0; i < piece.size(); ++i) tracked->push_back({i, i + 1});
-    }
+    if (tracked) tracked->assign(parts.size(), 1);
   } else {
     split_characters(piece, parts, tracked);
   }
   merge(parts, tracked);
   out.insert(out.end(), parts.begin(), parts.end());
-  if (ranges) ranges->insert(ranges->end(), part_ranges.begin(), part_ranges.end());
+  if (ranges) lay_out(piece, lengths, *ranges);
+}
+
+void BpeModel::lay_out(std::string_view piece, const std::vector<uint32_t>& lengths, std::vector<ByteRange>& ranges) const {
+  if (!byte_level_ || every_byte_has_token_) {
+    // The lengths are in the piece's bytes.
+    uint32_t at = 0;
+    for (const uint32_t length : lengths) {
+      ranges.push_back({at, at + length});
+      at += length;
+    }
+    return;
+  }
+  // The lengths are in the byte-level string, where a byte is one character of one or two
+  // UTF-8 bytes: a token covers the bytes whose characters its span touches.
+  size_t byte = 0;
+  uint32_t byte_start = 0;  // where byte's character starts in the byte-level string
+  auto byte_at = [&](uint32_t position) {
+    while (byte + 1 < piece.size() && byte_start + byte_level_width(piece[byte]) <= position) {
+      byte_start += byte_level_width(piece[byte]);
+      ++byte;
+    }
+    return static_cast<uint32_t>(byte);
+  };
+  uint32_t at = 0;
+  for (const uint32_t length : lengths) {
+    const uint32_t start = byte_at(at);
+    ranges.push_back({start, byte_at(at + length - 1) + 1});
+    at += length;
+  }
 }
 
 bool BpeModel::is_character_token(std::string_view text, size_t pos, uint32_t* length) const {
@@ -299,21 +330,22 @@ void BpeModel::split_words(std::string_view piece, std::vector<std::string_view>
 }
 
 void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& parts,
-                                std::vector<ByteRange>* ranges) const {
+                                std::vector<uint32_t>* lengths) const {
   // As Hugging Face's BPE::merge_word: an unknown character is held back (and fused with
   // the next unknown ones under fuse_unk) until a known character or the end comes, so it
   // lands after byte fallbacks that follow it.
   TokenId pending_unknown = kNoToken;
-  ByteRange pending_range{0, 0};
-  auto add = [&](TokenId id, ByteRange range) {
+  uint32_t pending_length = 0;
+  auto add = [&](TokenId id, uint32_t length) {
     parts.push_back(id);
-    if (ranges) ranges->push_back(range);
+    if (lengths) lengths->push_back(length);
   };
-  for (uint32_t pos = 0; pos < piece.size();) {
+  for (size_t pos = 0; pos < piece.size();) {
     const auto byte = static_cast<unsigned char>(piece[pos]);
-    // A byte-level piece's characters are its bytes.
-    const uint32_t length = byte < 0x80 || byte_level_ ? 1 : unicode::decode_at(piece, pos).length;
-    const ByteRange range{pos, pos + length};
+    // A byte-level piece's characters are its bytes, each measured as Hugging Face does, by
+    // its character in the byte-level string.
+    const uint32_t advance = byte < 0x80 || byte_level_ ? 1 : unicode::decode_at(piece, pos).length;
+    const uint32_t length = byte_level_ ? byte_level_width(piece[pos]) : advance;
     TokenId id = kNoToken;
     if (byte_level_) {
       id = byte_tokens_[byte];
@@ -325,32 +357,32 @@ void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& pa
       if (const auto it = character_tokens_.find(key); it != character_tokens_.end()) id = it->second;
     }
     if (id != kNoToken) {
-      if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
+      if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
       pending_unknown = kNoToken;
-      add(id, range);
-    } else if (byte_fallback_ && std::all_of(piece.begin() + pos, piece.begin() + pos + length, [&](char c) {
+      add(id, length);
+    } else if (byte_fallback_ && std::all_of(piece.begin() + pos, piece.begin() + pos + advance, [&](char c) {
                  return byte_fallback_tokens_[static_cast<uint8_t>(c)] != kNoToken;
                })) {
-      for (uint32_t i = pos; i < pos + length; ++i) add(byte_fallback_tokens_[static_cast<uint8_t>(piece[i])], {i, i + 1});
+      for (uint32_t i = 0; i < advance; ++i) add(byte_fallback_tokens_[static_cast<uint8_t>(piece[pos + i])], 1);
     } else if (unknown_token_ != kNoToken) {
       if (pending_unknown != kNoToken && fuse_unknown_) {
-        pending_range.end = range.end;
+        pending_length += length;
       } else {
-        if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
+        if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
         pending_unknown = unknown_token_;
-        pending_range = range;
+        pending_length = length;
       }
     }
     // Otherwise, as in Hugging Face, the character produces no token.
-    pos += length;
+    pos += advance;
   }
-  if (pending_unknown != kNoToken) add(pending_unknown, pending_range);
+  if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
 }
 
-void BpeModel::merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const {
+void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
   // Long pieces (SentencePiece-style text without a splitting pre-tokenizer is one piece
   // per segment) use the heap, which is O(n log n).
-  if (parts.size() > 64) return merge_long(parts, ranges);
+  if (parts.size() > 64) return merge_long(parts, lengths);
   // Merge the adjacent pair of lowest rank (the leftmost on ties) until none merges. The
   // ranks of adjacent pairs are kept beside the parts, so each merge recomputes two.
   thread_local std::vector<uint32_t> ranks;
@@ -362,9 +394,9 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges
     const size_t i = lowest - ranks.begin();
     parts[i] = merges_.find(parts[i], parts[i + 1])->merged;
     parts.erase(parts.begin() + i + 1);
-    if (ranges) {
-      (*ranges)[i].end = (*ranges)[i + 1].end;
-      ranges->erase(ranges->begin() + i + 1);
+    if (lengths) {
+      (*lengths)[i] += (*lengths)[i + 1];
+      lengths->erase(lengths->begin() + i + 1);
     }
     ranks.erase(ranks.begin() + i);
     if (i > 0) ranks[i - 1] = rank_of(parts[i - 1], parts[i]);
@@ -372,7 +404,7 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges
   }
 }
 
-void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const {
+void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
   // Hugging Face's Word::merge_all: a min-heap of (rank, position) over a linked list of
   // symbols; entries made stale by earlier merges are skipped when popped.
   struct Candidate {
@@ -406,7 +438,7 @@ void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* r
     const Merge* current = merges_.find(parts[top.position], parts[right]);
     if (!current || current->merged != top.merged) continue;
     parts[top.position] = top.merged;
-    if (ranges) (*ranges)[top.position].end = (*ranges)[right].end;
+    if (lengths) (*lengths)[top.position] += (*lengths)[right];
     alive[right] = false;
     next[top.position] = next[right];
     if (next[right] >= 0) previous[next[right]] = top.position;
@@ -417,11 +449,11 @@ void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* r
   for (size_t i = 0; i < n; ++i) {
     if (!alive[i]) continue;
     parts[kept] = parts[i];
-    if (ranges) (*ranges)[kept] = (*ranges)[i];
+    if (lengths) (*lengths)[kept] = (*lengths)[i];
     ++kept;
   }
   parts.resize(kept);
-  if (ranges) ranges->resize(kept);
+  if (lengths) lengths->resize(kept);
 }
 
 }  // namespace barqtrain::tokenizer

@@ -39,8 +39,9 @@ class BpeModel {
   BpeModel(const json::Value& model, bool byte_level);
 
   // Appends the tokens of one pre-token (raw bytes, valid UTF-8 in the SentencePiece
-  // flavour). With ranges, also appends the bytes of the piece each token covers; a
-  // character without a token (no unknown token, no byte fallback) is in none.
+  // flavour). With ranges, also appends the bytes of the piece each token covers, as Hugging
+  // Face reports them: it lays the tokens end to end from the piece's start, so a character
+  // without a token (no unknown token, no byte fallback) moves the tokens after it earlier.
   void encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<ByteRange>* ranges = nullptr) const;
 
   bool byte_level() const { return byte_level_; }
@@ -88,10 +89,13 @@ class BpeModel {
   void read_vocab(const json::Value& model);
   void read_merges(const json::Value& model);
   // The initial symbols of a piece: its characters (its bytes, byte-level), byte
-  // fallbacks and unknowns.
-  void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
-  void merge(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
-  void merge_long(std::vector<TokenId>& parts, std::vector<ByteRange>* ranges) const;
+  // fallbacks and unknowns. With lengths, each symbol's length in bytes (for a byte-level
+  // piece, of its character in the byte-level string).
+  void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  void merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  // The ranges of tokens of those lengths (split_characters' units), laid end to end.
+  void lay_out(std::string_view piece, const std::vector<uint32_t>& lengths, std::vector<ByteRange>& ranges) const;
+  void merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
 
   bool byte_level_;
   std::unordered_map<std::string, TokenId> ids_by_bytes_;

@@ -31,6 +31,9 @@ CHAT = [
     "x<|im_end|>y <|im_start|> <|endoftext|><|endoftext|>[PAD][PAD] <file_sep>",
     "<|end|<|end|>> <|im_end <|im_end|>|>",
 ]
+# Characters whose bytes SmolLM's vocabulary lacks (control characters, 0xF1 and 0xF2 lead
+# bytes): they become no token, and the offsets skip them.
+MISSING_BYTES = ["a\x04b \x06\x13\x14\x16\x1d end", "x\U00050000y \U00090000\U00090001 z", "\x04" * 10]
 LONG_WORDS = ["a" * 3000, "Supercalifragilistic" * 100, "😀" * 1000, "日本" * 1500, "1" * 2000, " " * 2000 + "x"]
 
 
@@ -38,13 +41,13 @@ def texts() -> list[str]:
     """The chat texts, the shared multilingual and adversarial inputs, long words, and
     seeded random mixtures of all their characters."""
     rng = random.Random(11)
-    alphabet = "".join(SCRIPTS + ADVERSARIAL[4:] + [CODE] + CHAT)
+    alphabet = "".join(SCRIPTS + ADVERSARIAL[4:] + [CODE] + CHAT + MISSING_BYTES)
     tokens = ["<|user|>", "<|end|>", "</s>", "<|im_start|>", "<|im_end|>", "\n", "  ", "12345"]
     mixtures = []
     for _ in range(150):
         parts = [rng.choice(tokens) if rng.random() < 0.2 else rng.choice(alphabet) for _ in range(rng.randrange(1, 60))]
         mixtures.append("".join(parts))
-    return CHAT + SCRIPTS + ADVERSARIAL + [CODE] + LONG_WORDS + mixtures
+    return CHAT + MISSING_BYTES + SCRIPTS + ADVERSARIAL + [CODE] + LONG_WORDS + mixtures
 
 
 @pytest.fixture(scope="module", params=NAMES)
