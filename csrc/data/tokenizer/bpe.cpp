@@ -272,7 +272,8 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, s
   if (ranges) lay_out(piece, lengths, *ranges);
 }
 
-void BpeModel::lay_out(std::string_view piece, const std::vector<uint32_t>& lengths, std::vector<ByteRange>& ranges) const {
+void BpeModel::lay_out(std::string_view piece, const std::vector<uint32_t>& lengths,
+                       std::vector<ByteRange>& ranges) const {
   if (!byte_level_ || every_byte_has_token_) {
     // The lengths are in the piece's bytes.
     uint32_t at = 0;

@@ -280,7 +280,10 @@ void SplitStep::find_matches(std::string_view text, std::vector<Match>& matches)
       thread_local std::vector<std::string_view> pieces;
       pieces.clear();
       tokenizer::split(scanner_, text, pieces);
-      for (const std::string_view piece : pieces) add_match(piece.data() - text.data(), piece.data() - text.data() + piece.size());
+      for (const std::string_view piece : pieces) {
+        const size_t start = piece.data() - text.data();
+        add_match(start, start + piece.size());
+      }
       break;
     }
     case Kind::kRegex: {
@@ -291,7 +294,8 @@ void SplitStep::find_matches(std::string_view text, std::vector<Match>& matches)
       break;
     }
     case Kind::kLiteral:
-      for (size_t at = text.find(literal_); at != std::string_view::npos; at = text.find(literal_, at + literal_.size())) {
+      for (size_t at = text.find(literal_); at != std::string_view::npos;
+           at = text.find(literal_, at + literal_.size())) {
         add_match(at, at + literal_.size());
       }
       break;
@@ -397,7 +401,8 @@ void PreTokenizer::read_step(const json::Value& step, bool last) {
     if (add_prefix_space_ && !steps_.empty()) unsupported("ByteLevel with add_prefix_space after a Split or Digits");
     if (flag(step, "use_regex", true)) steps_.push_back(SplitStep::isolated(SplitPattern::kGpt2));
   } else {
-    unsupported("pre_tokenizer " + type + " (supported: Split, Digits, ByteLevel, Metaspace, a Sequence of them, or none)");
+    unsupported("pre_tokenizer " + type +
+                " (supported: Split, Digits, ByteLevel, Metaspace, a Sequence of them, or none)");
   }
 }
 

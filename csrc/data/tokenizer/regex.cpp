@@ -39,7 +39,9 @@ bool is_hex_digit(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= '
 
 std::string pcre2_message(int error_code) {
   PCRE2_UCHAR buffer[256];
-  if (pcre2_get_error_message(error_code, buffer, sizeof(buffer)) < 0) return "PCRE2 error " + std::to_string(error_code);
+  if (pcre2_get_error_message(error_code, buffer, sizeof(buffer)) < 0) {
+    return "PCRE2 error " + std::to_string(error_code);
+  }
   return reinterpret_cast<const char*>(buffer);
 }
 
@@ -212,9 +214,9 @@ Regex::Regex(std::string_view pattern) : pattern_(pattern), pcre2_pattern_(onigu
   pcre2_set_bsr(context, PCRE2_BSR_UNICODE);
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
-  pcre2_code* code =
-      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pcre2_pattern_.data()), pcre2_pattern_.size(),
-                    PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE | PCRE2_NEVER_BACKSLASH_C, &error_code, &error_offset, context);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pcre2_pattern_.data()), pcre2_pattern_.size(),
+                                   PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE | PCRE2_NEVER_BACKSLASH_C, &error_code,
+                                   &error_offset, context);
   pcre2_compile_context_free(context);
   if (!code) {
     refuse(pattern_, pcre2_message(error_code) + " (at offset " + std::to_string(error_offset) + " of " +

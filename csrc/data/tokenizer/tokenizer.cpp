@@ -503,7 +503,9 @@ void Tokenizer::encode_pieces(const std::vector<std::string_view>& pre_tokens, s
       ranges.clear();
       model_->encode_piece(piece, ids, &ranges);
       const size_t at = piece.data() - text.data();
-      for (const ByteRange range : ranges) offsets->push_back({spans[at + range.start].start, spans[at + range.end - 1].end});
+      for (const ByteRange range : ranges) {
+        offsets->push_back({spans[at + range.start].start, spans[at + range.end - 1].end});
+      }
     }
     return;
   }

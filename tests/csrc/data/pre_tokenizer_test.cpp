@@ -115,8 +115,10 @@ std::vector<std::string> varied_texts() {
   return texts;
 }
 
-std::vector<std::pair<size_t, size_t>> regex_matches(const Regex& regex, std::string_view text) {
-  std::vector<std::pair<size_t, size_t>> matches;
+using Matches = std::vector<std::pair<size_t, size_t>>;
+
+Matches regex_matches(const Regex& regex, std::string_view text) {
+  Matches matches;
   regex.find_all(text, matches);
   return matches;
 }
@@ -128,7 +130,7 @@ TEST(Regex, EachScannerSplitsAsThePcre2Pattern) {
     for (const std::string& text : varied_texts()) {
       std::vector<std::string_view> pieces;
       split(pattern, text, pieces);
-      std::vector<std::pair<size_t, size_t>> scanned;
+      Matches scanned;
       for (const std::string_view piece : pieces) {
         scanned.emplace_back(piece.data() - text.data(), piece.data() - text.data() + piece.size());
       }
@@ -140,14 +142,14 @@ TEST(Regex, EachScannerSplitsAsThePcre2Pattern) {
 TEST(Regex, OnigurumaClassesAreRewritten) {
   // Oniguruma's \s is White_Space (NEL yes, U+180E no); \w holds marks, all numbers and
   // connector punctuation; \h is a hex digit.
-  EXPECT_EQ(regex_matches(Regex(R"(\s+)"), "a\u0085b\u180e c"), (std::vector<std::pair<size_t, size_t>>{{1, 3}, {7, 8}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\s+)"), "a\u0085b\u180e c"), (Matches{{1, 3}, {7, 8}}));
   EXPECT_EQ(regex_matches(Regex(R"(\w+)"), "a_b\u0301\u00b2-\u203f"),
-            (std::vector<std::pair<size_t, size_t>>{{0, 7}, {8, 11}}));
-  EXPECT_EQ(regex_matches(Regex(R"(\h+)"), "cafe go"), (std::vector<std::pair<size_t, size_t>>{{0, 4}}));
-  EXPECT_EQ(regex_matches(Regex(R"([^\s\w]+)"), "a, b"), (std::vector<std::pair<size_t, size_t>>{{1, 2}}));
-  EXPECT_EQ(regex_matches(Regex(R"(\u00e9)"), "caf\u00e9"), (std::vector<std::pair<size_t, size_t>>{{3, 5}}));
+            (Matches{{0, 7}, {8, 11}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\h+)"), "cafe go"), (Matches{{0, 4}}));
+  EXPECT_EQ(regex_matches(Regex(R"([^\s\w]+)"), "a, b"), (Matches{{1, 2}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\u00e9)"), "caf\u00e9"), (Matches{{3, 5}}));
   // A script is the Script property, not Script_Extensions: U+30FC (Common) is not Katakana.
-  EXPECT_EQ(regex_matches(Regex(R"(\p{Katakana}+)"), "カナー"), (std::vector<std::pair<size_t, size_t>>{{0, 6}}));
+  EXPECT_EQ(regex_matches(Regex(R"(\p{Katakana}+)"), "カナー"), (Matches{{0, 6}}));
   EXPECT_EQ(oniguruma_to_pcre2(R"(\p{Han}\P{L}\p{^Greek})"), R"(\p{sc:Han}\P{L}\P{sc:Greek})");
   EXPECT_EQ(oniguruma_to_pcre2(R"([\]\s](?i:ab)\\s)"),
             R"([\]\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}](?i:ab)\\s)");
@@ -156,7 +158,6 @@ TEST(Regex, OnigurumaClassesAreRewritten) {
 TEST(Regex, LinesAreOnigurumas) {
   // Expected: Hugging Face tokenizers' matches (Oniguruma's Ruby syntax): ^ and $ at every
   // \n, . stops at \n only, \R is any line break.
-  using Matches = std::vector<std::pair<size_t, size_t>>;
   EXPECT_EQ(regex_matches(Regex("^a|b$"), "a\nab\nb"), (Matches{{0, 1}, {2, 3}, {3, 4}, {5, 6}}));
   EXPECT_EQ(regex_matches(Regex(".+"), "ab\ncd\r\nef"), (Matches{{0, 2}, {3, 6}, {7, 9}}));
   EXPECT_EQ(regex_matches(Regex(R"(\R)"), "x\r\ny\u2028z\u0085w"), (Matches{{1, 3}, {4, 7}, {8, 10}}));
@@ -166,8 +167,8 @@ TEST(Regex, EmptyMatchesFollowOnigurumasIteration) {
   // After a match ending at e, an empty match at e is dropped and the search moves on one
   // character: `b` at 1 is never matched, as in Hugging Face tokenizers.
   EXPECT_EQ(regex_matches(Regex("a*|b"), "xbaab"),
-            (std::vector<std::pair<size_t, size_t>>{{0, 0}, {1, 1}, {2, 4}, {5, 5}}));
-  EXPECT_EQ(regex_matches(Regex("(?=é)"), "éé"), (std::vector<std::pair<size_t, size_t>>{{0, 0}, {2, 2}}));
+            (Matches{{0, 0}, {1, 1}, {2, 4}, {5, 5}}));
+  EXPECT_EQ(regex_matches(Regex("(?=é)"), "éé"), (Matches{{0, 0}, {2, 2}}));
 }
 
 TEST(Regex, WhatMeansSomethingElseInPcre2IsRefusedByName) {
