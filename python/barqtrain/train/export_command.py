@@ -56,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write a run's model, its adapter merged in (safetensors, HF format)", description=DESCRIPTION,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a `barqtrain train` output directory")
-    parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or empty; "
-                        "with --gguf, the file to write (default: RUN_DIR/model-TYPE.gguf)")
+    parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or "
+                        "empty; with --gguf, the file to write (default: RUN_DIR/model-TYPE.gguf)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace DIR when it holds an earlier `barqtrain export` (nothing else)"
     )

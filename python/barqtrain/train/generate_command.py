@@ -100,7 +100,9 @@ def generate(model, prompt_ids: list[int], stops: list[int], sampling: Sampling)
     return output[:end]
 
 
-def prompt_ids(loaded: LoadedModel, prompt: str, chat: bool, chat_template: str | None) -> tuple[list[int], tuple[str, ...]]:
+def prompt_ids(
+    loaded: LoadedModel, prompt: str, chat: bool, chat_template: str | None
+) -> tuple[list[int], tuple[str, ...]]:
     """The prompt's token ids (rendered with the chat template when chat) and the template's end-of-turn tokens."""
     from barqtrain.data import Tokenizer
     from barqtrain.data.chat_template import BUILT_IN, ChatTemplate

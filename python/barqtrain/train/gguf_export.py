@@ -37,17 +37,20 @@ from barqtrain.train.export import GENERATION_CONFIG, ExportError
 from barqtrain.train.kquants import SUPER_BLOCK, quantize_q4_k, quantize_q6_k
 
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
-_FILE_TYPES = {"f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}  # gguf.LlamaFileType
+# gguf.LlamaFileType of each
+_FILE_TYPES = {"f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "q4_k_m": "MOSTLY_Q4_K_M"}
 Q8_0_BLOCK = 32
 
 # The pre-tokenizer llama.cpp applies before byte-level BPE, told by the split pattern of
 # tokenizer.json (convert_hf_to_gguf.py tells it by hashing a tokenization; the pattern is
 # what that hash stands for).
 _LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe", _QWEN2_PATTERN: "qwen2"}
 
@@ -220,7 +223,7 @@ def _write_tokenizer(writer, model_dir: Path, vocab_size: int, gguf) -> None:
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise ExportError(f"{model_dir}: no tokenizer.json (the fast tokenizer); GGUF export reads the vocabulary "
-                          "from it: save the tokenizer with AutoTokenizer.save_pretrained into the base model directory")
+                          "from it: save the tokenizer with AutoTokenizer.save_pretrained into the model directory")
     tokenizer = json.loads(path.read_text(encoding="utf-8"))
     model = tokenizer["model"]
     if model.get("type") != "BPE":

@@ -37,13 +37,16 @@ def _fields(path: Path) -> dict:
 
 
 def _tensors(path: Path) -> dict[str, tuple[np.ndarray, object]]:
-    return {t.name: (gguf.quants.dequantize(t.data, t.tensor_type), t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path)
+    return {t.name: (gguf.quants.dequantize(t.data, t.tensor_type), t.tensor_type) for t in reader.tensors}
 
 
 # ------------------------------------------------------------------------------ K-quants
 
 
-@pytest.mark.parametrize(("quantize", "qtype", "codes"), [(quantize_q4_k, Type.Q4_K, 15), (quantize_q6_k, Type.Q6_K, 63)])
+@pytest.mark.parametrize(
+    ("quantize", "qtype", "codes"), [(quantize_q4_k, Type.Q4_K, 15), (quantize_q6_k, Type.Q6_K, 63)]
+)
 def test_k_quant_blocks_dequantize_within_a_code_step(quantize, qtype, codes):
     rng = np.random.default_rng(0)
     rows = rng.standard_normal((6, 512)).astype(np.float32) * np.linspace(0.01, 3.0, 6, dtype=np.float32)[:, None]
