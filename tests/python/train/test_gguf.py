@@ -123,6 +123,22 @@ def test_weights_are_the_models_with_q_and_k_rows_interleaved(stories_f16):
         np.testing.assert_allclose(stored[:, 2 * i + 1], heads[:, i + head_dim // 2], atol=1e-3, rtol=1e-3)
 
 
+def test_chat_template_and_the_trained_end_of_turn_token(tmp_path):
+    """A model directory as `barqtrain export` writes it for a chat run: the template in
+    tokenizer_config.json, the end-of-turn token added to the generation config's EOS."""
+    model_dir = tmp_path / "chat"
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model_dir / name).write_bytes((STORIES / name).read_bytes())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 13]}))
+    fields = _fields(write_gguf(model_dir, tmp_path / "chat.gguf", "f16", **QUIET))
+    assert fields["tokenizer.chat_template"] == template
+    assert (fields["tokenizer.ggml.eos_token_id"], fields["tokenizer.ggml.eot_token_id"]) == (2, 13)
+
+
 def test_q8_0_keeps_rows_it_cannot_block_in_f16_and_says_so(tmp_path):
     lines = []
     path = write_gguf(STORIES, tmp_path / "q8.gguf", "q8_0", log=lines.append)

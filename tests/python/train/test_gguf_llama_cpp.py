@@ -155,8 +155,7 @@ def test_byte_level_bpe_tokenization_is_hugging_faces(tmp_path, name):
     pre = {"gpt2": "gpt-2", "llama3": "llama-bpe", "qwen2.5": "qwen2"}[name]
     reader = gguf.GGUFReader(path)
     assert reader.fields["tokenizer.ggml.pre"].contents() == pre
-    template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
-    if template is not None:
-        assert reader.fields["tokenizer.chat_template"].contents() == template
+    if name == "qwen2.5":  # the one of the three with a chat template
+        assert reader.fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
     for text in TEXTS:
         assert llama_cpp_tokens(path, text) == tokenizer(text).input_ids
