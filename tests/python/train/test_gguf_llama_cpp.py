@@ -37,6 +37,7 @@ from barqtrain.train import gguf_export  # noqa: E402
 from barqtrain.train.gguf_export import write_gguf  # noqa: E402
 
 require(STORIES / "model.safetensors")
+SHAKESPEARE = SHARED / "text" / "tinyshakespeare" / "input.txt"
 PROMPTS = ("Once upon a time", "The little dog ran to the park.", "Lily said, \"I want to play!\"")
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -107,6 +108,23 @@ def test_stories260k_tokens_and_logits(tmp_path, stories_ids, gguf_type):
         got = llama_cpp_logits(path, ids)
         assert _relative_error(got, hf_logits(STORIES, ids)) < trained_bound
         assert _relative_error(got, hf_logits(STORIES, ids, stored_as=gguf_type)) < stored_bound
+
+
+def test_stories260k_tokenizes_shakespeare_as_hugging_face(tmp_path):
+    """llama.cpp's SentencePiece tokenizer, driven by the scores the export derives from the
+    merge ranks, on 300 lines of real text."""
+    from transformers import AutoTokenizer
+
+    require(SHAKESPEARE)
+    lines = [line for line in SHAKESPEARE.read_text().splitlines() if line.strip()][:300]
+    path = write_gguf(STORIES, tmp_path / "stories.gguf", "f16", **QUIET)
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    model = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        tokens = [model.tokenize(line.encode("utf-8"), add_bos=True, special=False) for line in lines]
+    finally:
+        model.close()
+    assert tokens == [tokenizer(line).input_ids for line in lines]
 
 
 @pytest.fixture(scope="module")
