@@ -72,6 +72,15 @@ std::string error_of(const std::string& config) {
 }
 
 using Ids = std::vector<TokenId>;
+using Offsets = std::vector<std::pair<uint32_t, uint32_t>>;
+
+// The ids of text and their offsets, as (start, end) pairs.
+std::pair<Ids, Offsets> ids_and_offsets(const Tokenizer& tokenizer, std::string_view text) {
+  const auto encoding = tokenizer.encode_with_offsets(text);
+  Offsets offsets;
+  for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
+  return {encoding.ids, offsets};
+}
 
 TEST(Tokenizer, MergesByRank) {
   const Tokenizer tokenizer = tiny();
@@ -212,17 +221,27 @@ TEST(Tokenizer, AddedTokensTakeWhiteSpaceAndMatchSingleWords) {
     config.replace(config.find(from), from.size(), to);
   }
   const Tokenizer tokenizer{json::parse(config)};
-  auto encoded = [&](std::string_view text) {
-    const auto encoding = tokenizer.encode_with_offsets(text);
-    std::vector<std::pair<uint32_t, uint32_t>> offsets;
-    for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
-    return std::make_pair(encoding.ids, offsets);
-  };
-  using Offsets = std::vector<std::pair<uint32_t, uint32_t>>;
-  EXPECT_EQ(encoded("a  <|eot|>\n b"), std::make_pair(Ids{97, 300, 98}, Offsets{{0, 1}, {1, 12}, {12, 13}}));
-  EXPECT_EQ(encoded("  <|eot|><|eot|> "), std::make_pair(Ids{300, 300}, Offsets{{0, 9}, {9, 17}}));
-  EXPECT_EQ(encoded("ab cab ab_ (ab)\xC3\xA9 ab").first,
+  EXPECT_EQ(ids_and_offsets(tokenizer, "a  <|eot|>\n b"),
+            std::make_pair(Ids{97, 300, 98}, Offsets{{0, 1}, {1, 12}, {12, 13}}));
+  EXPECT_EQ(ids_and_offsets(tokenizer, "  <|eot|><|eot|> "), std::make_pair(Ids{300, 300}, Offsets{{0, 9}, {9, 17}}));
+  EXPECT_EQ(ids_and_offsets(tokenizer, "ab cab ab_ (ab)\xC3\xA9 ab").first,
             (Ids{301, 32, 99, 97, 98, 32, 97, 98, 95, 32, 40, 301, 41, 195, 169, 32, 301}));
+}
+
+TEST(Tokenizer, BytesWithoutATokenAreDroppedAsHuggingFaceDoes) {
+  // A byte-level vocabulary without byte 0x04 (SmolLM's lacks a few bytes): the byte gives no
+  // token, and the tokens after it in its piece are laid out from the piece's start in the
+  // byte-level string, as Hugging Face's offsets are (expected values: tokenizers' own).
+  std::string config = tiny_tokenizer_json();
+  const std::string byte_4 = json_string(byte_level_char(4)) + ": 4, ";
+  config.erase(config.find(byte_4), byte_4.size());
+  const Tokenizer tokenizer{json::parse(config)};
+  EXPECT_EQ(ids_and_offsets(tokenizer, "a\x04" "b"), std::make_pair(Ids{97, 98}, Offsets{{0, 1}, {2, 3}}));
+  EXPECT_EQ(ids_and_offsets(tokenizer, "x \x04<|"),
+            std::make_pair(Ids{120, 32, 60, 124}, Offsets{{0, 1}, {1, 2}, {2, 3}, {2, 3}}));
+  EXPECT_EQ(ids_and_offsets(tokenizer, "hell\x04o"),
+            std::make_pair(Ids{257, 259, 111}, Offsets{{0, 2}, {2, 4}, {5, 6}}));
+  EXPECT_EQ(tokenizer.encode("\x04\x04"), Ids{});
 }
 
 TEST(Tokenizer, OffsetsAreByteRangesOfTheInput) {
@@ -230,11 +249,8 @@ TEST(Tokenizer, OffsetsAreByteRangesOfTheInput) {
       "single": [{"SpecialToken": {"id": "<|eot|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
       "pair": [], "special_tokens": {"<|eot|>": {"id": "<|eot|>", "ids": [300], "tokens": ["<|eot|>"]}}})");
   // "é" is two bytes; its two byte tokens both cover the whole character.
-  const auto encoding = tokenizer.encode_with_offsets(" the<|eot|>\xC3\xA9");
-  EXPECT_EQ(encoding.ids, (Ids{300, 258, 300, 0xC3, 0xA9}));
-  std::vector<std::pair<uint32_t, uint32_t>> offsets;
-  for (const Span& span : encoding.offsets) offsets.emplace_back(span.start, span.end);
-  EXPECT_EQ(offsets, (std::vector<std::pair<uint32_t, uint32_t>>{{0, 0}, {0, 4}, {4, 11}, {11, 13}, {11, 13}}));
+  EXPECT_EQ(ids_and_offsets(tokenizer, " the<|eot|>\xC3\xA9"),
+            std::make_pair(Ids{300, 258, 300, 0xC3, 0xA9}, Offsets{{0, 0}, {0, 4}, {4, 11}, {11, 13}, {11, 13}}));
 }
 
 // A SentencePiece-style BPE: characters "▁", "a", "b", "▁a", "ab", the <0xNN> tokens for
