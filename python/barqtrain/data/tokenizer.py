@@ -8,9 +8,10 @@
     text = tok.decode(ids)
 
 The ids and offsets are identical to those of ``tokenizers.Tokenizer.from_file(path).encode(text)``.
-Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen2/2.5) and SentencePiece-style BPE ones
-(Llama-2, Mistral, Gemma: byte_fallback, Metaspace, Prepend/Replace normalizers) are
-supported; loading any other tokenizer.json feature raises TokenizerError naming it.
+Byte-level BPE tokenizers (GPT-2, Llama-3, Qwen2/2.5, Phi-3, SmolLM) and SentencePiece-style
+BPE ones (Llama-2, Mistral, Gemma: byte_fallback, Metaspace, Prepend/Replace normalizers) are
+supported, with any Split regex (PCRE2), Digits and every added-token option; loading any other
+tokenizer.json feature raises TokenizerError naming it (docs/tokenizer.md lists them).
 """
 
 from __future__ import annotations
