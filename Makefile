@@ -24,14 +24,21 @@ $(VENV)/.deps-stamp: requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
+# PCRE2, the tokenizer's regex engine, linked statically: the system's (Debian: libpcre2-dev),
+# else Debian's package unpacked into .deps/pcre2, where CMake looks first.
+PCRE2 := $(if $(wildcard /usr/include/pcre2.h),,.deps/pcre2/.unpacked)
+.deps/pcre2/.unpacked:
+	scripts/fetch_pcre2.sh
+	touch $@
+
 # Builds the kernels and the op library with CMake through scikit-build-core.
-install: venv
+install: venv $(PCRE2)
 	$(PY) -m pip install -q --no-build-isolation --no-deps \
 	  -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" .
 
 # GoogleTest kernel tests: compiled for every architecture; GPU cases skip without a GPU.
 # The venv first: CMake finds the CUTLASS headers of the Hopper kernels through its Python.
-test-cpp: venv
+test-cpp: venv $(PCRE2)
 	cmake -S . -B $(CPP_BUILD) -G Ninja -DBARQTRAIN_BUILD_TESTS=ON \
 	  -DBARQTRAIN_CUDA_ARCHITECTURES="$(CUDA_ARCHS)" -DPython_EXECUTABLE=$(abspath $(PY)) $(CMAKE_ARGS)
 	cmake --build $(CPP_BUILD) -j $(JOBS)
@@ -41,7 +48,7 @@ test-python: install
 	$(PY) -m pytest -q tests/python
 
 # The package built without CUDA kernels must work through the reference ops.
-test-no-cuda: venv
+test-no-cuda: venv $(PCRE2)
 	rm -rf $(NO_CUDA_BUILD)
 	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w $(NO_CUDA_BUILD) \
 	  -Cbuild-dir=$(NO_CUDA_BUILD)/cmake -Ccmake.define.BARQTRAIN_ENABLE_CUDA=OFF .
@@ -66,7 +73,7 @@ test-fuzz:
 	  echo "test-fuzz: skipped, clang++ with libFuzzer is not installed (apt-get install clang)"; \
 	fi
 
-fuzz:
+fuzz: $(PCRE2)
 	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DBARQTRAIN_ENABLE_CUDA=OFF -DBARQTRAIN_BUILD_FUZZERS=ON
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target json_fuzz tokenizer_fuzz
