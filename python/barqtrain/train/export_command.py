@@ -47,19 +47,23 @@ DESCRIPTION = (
     "Write a run's model as a Hugging Face model directory: a LoRA or QLoRA adapter merged into its base "
     "(in the base's dtype), a full run's model as trained, with the base's tokenizer files and "
     "generation_config.json. The directory is written whole or not at all; an existing non-empty one is "
-    "refused unless --overwrite, which replaces only an earlier export."
+    "refused unless --overwrite, which replaces only an earlier export. --gguf writes that model as one GGUF file "
+    "for llama.cpp instead (f16, bf16, q8_0 or q4_k_m)."
 )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "export", help="write a run's model, its adapter merged in (safetensors, HF format)", description=DESCRIPTION,
+        "export", help="write a run's model, its adapter merged in (safetensors, HF format; or GGUF for llama.cpp)",
+        description=DESCRIPTION,
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a `barqtrain train` output directory")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a `barqtrain train` output directory (with --gguf, a model directory too)")
     parser.add_argument("--out", metavar="DIR", help="directory to write (default: RUN_DIR/merged); must be new or "
                         "empty; with --gguf, the file to write (default: RUN_DIR/model-TYPE.gguf)")
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace DIR when it holds an earlier `barqtrain export` (nothing else)"
+        "--overwrite", action="store_true",
+        help="replace DIR when it holds an earlier `barqtrain export` (nothing else); with --gguf, a GGUF file"
     )
     parser.add_argument(
         "--base", metavar="DIR",
