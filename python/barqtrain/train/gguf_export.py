@@ -16,8 +16,8 @@ What llama.cpp needs besides the weights, as its converter (convert_hf_to_gguf.p
 
 Types: f16 and bf16 (2-D weights; norms and biases stay f32), q8_0 (blocks of 32 by the gguf
 package's quantizer: a 2-D weight whose rows are not a multiple of 32 stays f16, and the log
-says which), q4_k_m (BarqTrain's Q4_K and Q6_K quantizers, barqtrain.train.kquants, with
-llama.cpp's Q4_K_M choice of Q6_K tensors; every 2-D weight's rows must be a multiple of 256,
+says which), q4_k_m (BarqTrain's Q4_K, Q5_K and Q6_K quantizers, barqtrain.train.kquants, with
+llama.cpp's Q4_K_M choice of tensors for each; every 2-D weight's rows must be a multiple of 256,
 so small models are refused with the tensor named)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from barqtrain.train.export import GENERATION_CONFIG, ExportError
-from barqtrain.train.kquants import SUPER_BLOCK, quantize_q4_k, quantize_q6_k
+from barqtrain.train.kquants import SUPER_BLOCK, quantize_q4_k, quantize_q5_k, quantize_q6_k
 
 GGUF_TYPES = ("f16", "bf16", "q8_0", "q4_k_m")
 # gguf.LlamaFileType of each
@@ -121,7 +121,7 @@ def write_gguf(
         _write_tokenizer(writer, model_dir, config.vocab_size, gguf)
         kept_f16 = []
         for tensor_name, data in tensors:
-            array, quant = _encode(tensor_name, data, gguf_type, tensors.more_bits(tensor_name), gguf)
+            array, quant = _encode(data, gguf_type, tensors.k_quant(tensor_name), gguf)
             if gguf_type == "q8_0" and data.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
                 kept_f16.append(tensor_name)
             writer.add_tensor(tensor_name, array, raw_dtype=quant)
@@ -404,16 +404,20 @@ class _Tensors:
                     f"{SUPER_BLOCK} a K-quant block holds; export this model as q8_0 (or f16/bf16)"
                 )
 
-    def more_bits(self, name: str) -> bool:
-        """llama.cpp's Q4_K_M keeps these in Q6_K: the output projection, and attn_v and ffn_down
-        in the first and last eighth of the layers and every third layer between."""
-        if name in ("output.weight",) or (self.tied and name == "token_embd.weight"):
-            return True
-        match = re.match(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight$", name)
+    def k_quant(self, name: str) -> str:
+        """The K-quant llama.cpp's Q4_K_M gives a weight: Q6_K to the output projection (the tied
+        embedding) and to attn_v and ffn_down in the first and last eighth of the layers and
+        every third layer between, Q5_K to a fused attn_qkv, Q4_K to the others."""
+        if name == "output.weight" or (self.tied and name == "token_embd.weight"):
+            return "Q6_K"
+        if re.fullmatch(r"blk\.\d+\.attn_qkv\.weight", name):
+            return "Q5_K"
+        match = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight", name)
         if match is None:
-            return False
+            return "Q4_K"
         layer, layers = int(match.group(1)), self.config.num_hidden_layers
-        return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+        more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
 
 
 def _interleave_rope_rows(weight, heads: int):
@@ -423,8 +427,11 @@ def _interleave_rope_rows(weight, heads: int):
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _encode(name: str, data: np.ndarray, gguf_type: str, more_bits: bool, gguf) -> tuple[np.ndarray, Any]:
-    """(array to write, its GGML type): 1-D tensors f32, 2-D weights in gguf_type."""
+_K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+
+
+def _encode(data: np.ndarray, gguf_type: str, k_quant: str, gguf) -> tuple[np.ndarray, Any]:
+    """(array to write, its GGML type): 1-D tensors f32, 2-D weights in gguf_type (q4_k_m: in k_quant)."""
     Type = gguf.GGMLQuantizationType
     if data.ndim < 2:
         return data.astype(np.float32), Type.F32
@@ -433,5 +440,5 @@ def _encode(name: str, data: np.ndarray, gguf_type: str, more_bits: bool, gguf) 
     if gguf_type == "q8_0" and data.shape[-1] % Q8_0_BLOCK == 0:
         return gguf.quants.quantize(data, Type.Q8_0), Type.Q8_0
     if gguf_type == "q4_k_m":
-        return (quantize_q6_k(data), Type.Q6_K) if more_bits else (quantize_q4_k(data), Type.Q4_K)
+        return _K_QUANTIZERS[k_quant](data), Type[k_quant]
     return data.astype(np.float16), Type.F16

@@ -87,7 +87,7 @@ def hf_logits(model_dir: Path, ids: list[int], stored_as: str | None = None) -> 
             if name is None or parameter.ndim < 2:
                 continue
             # Quantization blocks run along rows, so the q/k row permutation commutes with it.
-            stored, kind = gguf_export._encode(name, parameter.numpy(), stored_as, tensors.more_bits(name), gguf)
+            stored, kind = gguf_export._encode(parameter.numpy(), stored_as, tensors.k_quant(name), gguf)
             parameter.copy_(torch.from_numpy(gguf.quants.dequantize(stored, kind).reshape(parameter.shape)))
     return model(torch.tensor([ids])).logits[0].numpy()
 
