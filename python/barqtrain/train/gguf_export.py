@@ -107,6 +107,7 @@ def write_gguf(
         raise ExportError(f"{model_dir}: model_type {config.model_type!r} has no GGUF export; the families exported "
                           f"are {', '.join(sorted(FAMILIES))}")
     arch = gguf.MODEL_ARCH[family.arch]
+    _check_exportable(config, family)
     tensors = _Tensors(model_dir, config, family, gguf)
     if gguf_type == "q4_k_m":
         tensors.check_k_quant_rows()
@@ -171,20 +172,15 @@ def _write_hyperparameters(writer, config, family: _Family, gguf, log: Callable[
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor",
                                                              getattr(config, "partial_rotary_factor", 1.0))))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "linear":
+    if _rope_type(rope) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif rope_type != "default":
-        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export yet (default and linear do)")
 
     if family.softcaps:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     _write_sliding_window(writer, config, family, log)
-    if family.query_scale_checked:
-        _check_query_scale(config, family, head_dim)
 
 
 def _write_sliding_window(writer, config, family: _Family, log: Callable[..., None]) -> None:
@@ -205,10 +201,20 @@ def _write_sliding_window(writer, config, family: _Family, log: Callable[..., No
             f"window of {window} tokens: on longer inputs its outputs differ from the model's.")
 
 
-def _check_query_scale(config, family: _Family, head_dim: int) -> None:
-    """llama.cpp scales Gemma 2/3 queries by 1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for
-    the 27B (told by its layer count); a config that wants another scale would run wrong."""
-    expected = head_dim
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _check_exportable(config, family: _Family) -> None:
+    """Refuses what llama.cpp would run differently from the model: a RoPE type other than
+    default and linear; Gemma 2/3 queries scaled otherwise than llama.cpp scales them, by
+    1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for the 27B (told by its layer count)."""
+    rope_type = _rope_type(_rope_parameters(config))
+    if rope_type not in ("default", "linear"):
+        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export yet (default and linear do)")
+    if not family.query_scale_checked:
+        return
+    expected = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if config.num_hidden_layers == family.large_layer_count:
         expected = config.hidden_size // config.num_attention_heads
     if config.query_pre_attn_scalar != expected:

@@ -243,3 +243,27 @@ def test_model_and_file_errors(tmp_path, family_dirs):
     with pytest.raises(ExportError, match="model_type 'starcoder2' has no GGUF export; the families exported are"):
         write_gguf(unknown, tmp_path / "b.gguf", "f16", **QUIET)
     assert not list(tmp_path.glob("*.gguf*"))[1:]  # only m.gguf, nothing half-written
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 64}},
+         "config.json: RoPE type 'yarn' has no GGUF export yet (default and linear do)"),
+        ("gemma2", {"query_pre_attn_scalar": 32},
+         "config.json: query_pre_attn_scalar 32 is not the 64 llama.cpp uses for a 2-layer gemma2; no GGUF export"),
+    ],
+)
+def test_configs_llama_cpp_would_run_differently_are_refused(tmp_path, family_dirs, family, change, message):
+    model_dir = tmp_path / family
+    model_dir.mkdir()
+    for path in family_dirs[family].iterdir():
+        if path.is_file():
+            (model_dir / path.name).write_bytes(path.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ExportError) as error:
+        write_gguf(model_dir, tmp_path / "m.gguf", "f16", **QUIET)
+    assert str(error.value) == message
+    assert not list(tmp_path.glob("*.gguf*"))
