@@ -3,7 +3,8 @@ loads, written with the gguf package (llama.cpp's own writer); no llama.cpp chec
 
 What llama.cpp needs besides the weights, as its converter (convert_hf_to_gguf.py) writes it:
 - the architecture's hyperparameters under llama.cpp's names, per family (softcaps, sliding
-  window, rope base and linear scaling, head sizes);
+  window, rope base and linear scaling, head sizes), and Llama 3's RoPE scaling as the
+  rope_freqs tensor of frequency factors;
 - the weights renamed to llama.cpp's tensor names (gguf.TensorNameMap), with two layout
   changes: Llama and Mistral's q/k rows permuted from Hugging Face's rotate-half RoPE to
   llama.cpp's interleaved one, and Gemma's norms stored as 1 + weight (llama.cpp multiplies
@@ -59,6 +60,7 @@ _PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe", _QWEN2_PATTERN: "qwen2"}
 class _Family:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs
+    llama3_rope: bool = False  # the graph reads Llama 3's RoPE frequency factors from a rope_freqs tensor
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     softcaps: bool = False  # attention and final logit softcapping (Gemma 2)
     query_scale_checked: bool = False  # llama.cpp scales queries by 1/sqrt(head_dim) (by size for the 27B)
@@ -67,8 +69,8 @@ class _Family:
 
 
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LLAMA", permute_qk=True),
-    "mistral": _Family("LLAMA", permute_qk=True),  # llama.cpp runs Mistral as its llama architecture
+    "llama": _Family("LLAMA", permute_qk=True, llama3_rope=True),
+    "mistral": _Family("LLAMA", permute_qk=True, llama3_rope=True),  # llama.cpp runs Mistral as its llama
     "qwen2": _Family("QWEN2"),
     "qwen3": _Family("QWEN3"),
     "phi3": _Family("PHI3"),
@@ -121,6 +123,10 @@ def write_gguf(
         _write_hyperparameters(writer, config, family, gguf, log)
         _write_tokenizer(writer, model_dir, config.vocab_size, gguf)
         kept_f16 = []
+        rope = _rope_parameters(config)
+        if _rope_type(rope) == "llama3":
+            rotary_dims = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            writer.add_tensor("rope_freqs.weight", llama3_frequency_factors(rope, rotary_dims))
         for tensor_name, data in tensors:
             array, quant = _encode(data, gguf_type, tensors.k_quant(tensor_name), gguf)
             if gguf_type == "q8_0" and data.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
@@ -205,13 +211,28 @@ def _rope_type(rope: dict[str, Any]) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
+def llama3_frequency_factors(rope: dict[str, Any], rotary_dims: int) -> np.ndarray:
+    """Llama 3's RoPE scaling as the factors llama.cpp divides each frequency by: wavelengths
+    shorter than original_context / high_freq_factor keep theirs (1), those longer than
+    original_context / low_freq_factor are slowed by factor, the ones between interpolate."""
+    factor = rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = rope["original_max_position_embeddings"]
+    frequencies = 1.0 / rope["rope_theta"] ** (np.arange(0, rotary_dims, 2, dtype=np.float64) / rotary_dims)
+    wavelengths = 2 * np.pi / frequencies
+    smooth = np.clip((original / wavelengths - low) / (high - low), 0.0, 1.0)
+    return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
+
+
 def _check_exportable(config, family: _Family) -> None:
     """Refuses what llama.cpp would run differently from the model: a RoPE type other than
     default and linear; Gemma 2/3 queries scaled otherwise than llama.cpp scales them, by
     1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for the 27B (told by its layer count)."""
     rope_type = _rope_type(_rope_parameters(config))
-    if rope_type not in ("default", "linear"):
-        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export yet (default and linear do)")
+    exported = ("default", "linear", "llama3") if family.llama3_rope else ("default", "linear")
+    if rope_type not in exported:
+        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export for {config.model_type} yet "
+                          f"({', '.join(exported)} do)")
     if not family.query_scale_checked:
         return
     expected = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -28,7 +28,7 @@ _EXTRA = {
 _PHI3_TOKENS = ("<|endoftext|>", "<|end|>")
 
 
-def tiny_model(directory: Path, family: str) -> Path:
+def tiny_model(directory: Path, family: str, **config_changes) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -44,8 +44,9 @@ def tiny_model(directory: Path, family: str) -> Path:
     shutil.copy(STORIES / "tokenizer_config.json", directory / "tokenizer_config.json")
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **DIMENSIONS, **_EXTRA.get(family, {}), vocab_size=vocab_size,
-                                  tie_word_embeddings=family.startswith("gemma"))
+    options = {**DIMENSIONS, **_EXTRA.get(family, {}), "vocab_size": vocab_size,
+               "tie_word_embeddings": family.startswith("gemma"), **config_changes}
+    config = AutoConfig.for_model(family, **options)
     model = AutoModelForCausalLM.from_config(config)
     gemma_norm = family.startswith("gemma")  # (1 + weight): weights near 0
     with torch.no_grad():

@@ -250,7 +250,7 @@ def test_model_and_file_errors(tmp_path, family_dirs):
     [
         ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                        "original_max_position_embeddings": 64}},
-         "config.json: RoPE type 'yarn' has no GGUF export yet (default and linear do)"),
+         "config.json: RoPE type 'yarn' has no GGUF export for llama yet (default, linear, llama3 do)"),
         ("gemma2", {"query_pre_attn_scalar": 32},
          "config.json: query_pre_attn_scalar 32 is not the 64 llama.cpp uses for a 2-layer gemma2; no GGUF export"),
     ],
