@@ -3,8 +3,8 @@ loads, written with the gguf package (llama.cpp's own writer); no llama.cpp chec
 
 What llama.cpp needs besides the weights, as its converter (convert_hf_to_gguf.py) writes it:
 - the architecture's hyperparameters under llama.cpp's names, per family (softcaps, sliding
-  window, rope base and linear scaling, head sizes), and Llama 3's RoPE scaling as the
-  rope_freqs tensor of frequency factors;
+  window, rope base, linear and YaRN scaling, head sizes), and Llama 3's RoPE scaling as
+  the rope_freqs tensor of frequency factors;
 - the weights renamed to llama.cpp's tensor names (gguf.TensorNameMap), with two layout
   changes: Llama and Mistral's q/k rows permuted from Hugging Face's rotate-half RoPE to
   llama.cpp's interleaved one, and Gemma's norms stored as 1 + weight (llama.cpp multiplies
@@ -60,7 +60,8 @@ _PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe", _QWEN2_PATTERN: "qwen2"}
 class _Family:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs
-    llama3_rope: bool = False  # the graph reads Llama 3's RoPE frequency factors from a rope_freqs tensor
+    # The RoPE types written (checked through llama.cpp); Llama 3's as a rope_freqs tensor.
+    rope_types: tuple[str, ...] = ("default", "linear")
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     softcaps: bool = False  # attention and final logit softcapping (Gemma 2)
     query_scale_checked: bool = False  # llama.cpp scales queries by 1/sqrt(head_dim) (by size for the 27B)
@@ -69,10 +70,11 @@ class _Family:
 
 
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LLAMA", permute_qk=True, llama3_rope=True),
-    "mistral": _Family("LLAMA", permute_qk=True, llama3_rope=True),  # llama.cpp runs Mistral as its llama
-    "qwen2": _Family("QWEN2"),
-    "qwen3": _Family("QWEN3"),
+    "llama": _Family("LLAMA", permute_qk=True, rope_types=("default", "linear", "yarn", "llama3")),
+    # llama.cpp runs Mistral as its llama architecture
+    "mistral": _Family("LLAMA", permute_qk=True, rope_types=("default", "linear", "yarn", "llama3")),
+    "qwen2": _Family("QWEN2", rope_types=("default", "linear", "yarn")),
+    "qwen3": _Family("QWEN3", rope_types=("default", "linear", "yarn")),
     "phi3": _Family("PHI3"),
     "gemma": _Family("GEMMA", norm_offset=1.0),
     "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46,
@@ -181,6 +183,14 @@ def _write_hyperparameters(writer, config, family: _Family, gguf, log: Callable[
     if _rope_type(rope) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif _rope_type(rope) == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
 
     if family.softcaps:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -207,6 +217,11 @@ def _write_sliding_window(writer, config, family: _Family, log: Callable[..., No
             f"window of {window} tokens: on longer inputs its outputs differ from the model's.")
 
 
+# YaRN parameters llama.cpp would not take as Transformers does: the attention scaling is
+# llama.cpp's own 0.1 * ln(factor) + 1, which is Transformers' default.
+_YARN_UNWRITTEN = ("attention_factor", "mscale", "mscale_all_dim")
+
+
 def _rope_type(rope: dict[str, Any]) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
@@ -228,11 +243,15 @@ def _check_exportable(config, family: _Family) -> None:
     """Refuses what llama.cpp would run differently from the model: a RoPE type other than
     default and linear; Gemma 2/3 queries scaled otherwise than llama.cpp scales them, by
     1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for the 27B (told by its layer count)."""
-    rope_type = _rope_type(_rope_parameters(config))
-    exported = ("default", "linear", "llama3") if family.llama3_rope else ("default", "linear")
-    if rope_type not in exported:
+    rope = _rope_parameters(config)
+    rope_type = _rope_type(rope)
+    if rope_type not in family.rope_types:
         raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export for {config.model_type} yet "
-                          f"({', '.join(exported)} do)")
+                          f"({', '.join(family.rope_types)} do)")
+    unwritten = sorted(key for key in _YARN_UNWRITTEN if rope.get(key) is not None) if rope_type == "yarn" else []
+    if unwritten or (rope_type == "yarn" and rope.get("truncate") is False):
+        raise ExportError(f"config.json: YaRN's {', '.join(unwritten) or 'truncate'} has no GGUF export yet (factor, "
+                          "original_max_position_embeddings, beta_fast and beta_slow do)")
     if not family.query_scale_checked:
         return
     expected = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

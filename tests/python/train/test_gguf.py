@@ -248,9 +248,12 @@ def test_model_and_file_errors(tmp_path, family_dirs):
 @pytest.mark.parametrize(
     ("family", "change", "message"),
     [
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                       "original_max_position_embeddings": 64}},
-         "config.json: RoPE type 'yarn' has no GGUF export for llama yet (default, linear, llama3 do)"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}},
+         "config.json: RoPE type 'dynamic' has no GGUF export for llama yet (default, linear, yarn, llama3 do)"),
+        ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 64, "attention_factor": 2.0}},
+         "config.json: YaRN's attention_factor has no GGUF export yet (factor, original_max_position_embeddings, "
+         "beta_fast and beta_slow do)"),
         ("gemma2", {"query_pre_attn_scalar": 32},
          "config.json: query_pre_attn_scalar 32 is not the 64 llama.cpp uses for a 2-layer gemma2; no GGUF export"),
     ],

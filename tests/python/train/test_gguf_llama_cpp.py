@@ -141,19 +141,25 @@ def test_every_family_and_type_runs_in_llama_cpp(family_dirs, tmp_path, stories_
     assert _relative_error(got, hf_logits(model_dir, ids, stored_as=gguf_type)) < stored_bound
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# Original contexts of 8 and 16 tokens put the scaled frequencies where a short prompt feels them.
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8},
+}
 
 
-def test_llama3_rope_scaling_runs_as_in_transformers(tmp_path, stories_ids):
-    """Llama 3.1's RoPE (frequencies slowed by up to `factor` by wavelength) as the rope_freqs
-    tensor llama.cpp reads; an original context of 16 puts the slowed frequencies where a short
-    prompt feels them."""
-    model_dir = tiny_model(tmp_path / "llama3-rope", "llama", rope_parameters=LLAMA3_ROPE)
+@pytest.mark.parametrize(("family", "scaling"), [("llama", "llama3"), ("llama", "yarn"), ("qwen2", "yarn"),
+                                                 ("qwen3", "yarn")])
+def test_rope_scaling_runs_as_in_transformers(tmp_path, stories_ids, family, scaling):
+    """Llama 3.1's RoPE (frequencies slowed by up to `factor` by wavelength, as the rope_freqs
+    tensor llama.cpp reads) and YaRN (llama.cpp's own) give Transformers' logits, far from the
+    same weights' with unscaled RoPE."""
+    model_dir = tiny_model(tmp_path / "scaled", family, rope_parameters=ROPE_SCALINGS[scaling])
     ids = stories_ids[2]
     got = llama_cpp_logits(write_gguf(model_dir, tmp_path / "model.gguf", "f16", **QUIET), ids)
     assert _relative_error(got, hf_logits(model_dir, ids)) < BOUNDS["f16"][0]
-    unscaled = tiny_model(tmp_path / "default-rope", "llama")  # the same weights (seeded), default RoPE
+    unscaled = tiny_model(tmp_path / "unscaled", family)  # the same weights (seeded)
     assert _relative_error(got, hf_logits(unscaled, ids)) > 10 * BOUNDS["f16"][0]
 
 
