@@ -7,9 +7,9 @@ which case it was saved here; so the hand-back never reaches the replacement aga
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
-from types import MethodType
 
 import torch
 from torch import nn
@@ -37,10 +37,11 @@ def fused_ops_support(*tensors: torch.Tensor) -> bool:
 
 
 def original_forward(module: nn.Module) -> Callable[..., object]:
-    """The Hugging Face forward of `module`'s class, bound to it."""
+    """The Hugging Face forward of `module`'s class, bound to it (by functools.partial, which
+    torch.compile traces, where it cannot trace a MethodType made at call time)."""
     for cls in type(module).__mro__:
         if "forward" in vars(cls):
-            return MethodType(saved_class_forwards.get(cls, vars(cls)["forward"]), module)
+            return functools.partial(saved_class_forwards.get(cls, vars(cls)["forward"]), module)
     raise TypeError(f"barqtrain: {type(module).__name__} has no forward")  # nn.Module defines one
 
 

@@ -8,7 +8,6 @@ compute differently, are left alone.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ def simple_name(path: str) -> str:
     return path.rsplit(".", 1)[1]
 
 
-@functools.cache
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
