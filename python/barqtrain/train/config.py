@@ -88,9 +88,11 @@ class ModelConfig:
         "RoPE scaling to train past the checkpoint's context (replaces the checkpoint's own); null: as the checkpoint has it",
         None,
     )
-    compile: Literal["none", "regional"] = _doc(
-        "regional: torch.compile each decoder layer, one compiled graph shared by all layers (the first steps "
-        "include its compilation; the same shapes each step, or it compiles again); none: run eagerly",
+    compile: Literal["none", "regional", "model"] = _doc(
+        "regional: torch.compile each decoder layer, one compiled graph shared by all layers; model: the whole model "
+        "as one graph (fullgraph; not with a quantized base or gradient checkpointing, which do not trace into one "
+        "graph yet); the first steps include the compilation, and the same shapes each step, or it compiles again; "
+        "none: run eagerly",
         "none",
     )
 
@@ -354,6 +356,9 @@ def _check(config: TrainConfig) -> None:
     if config.qlora.quant_type == "int8" and not config.qlora.double_quant:
         raise ConfigError("qlora.double_quant: applies to nf4/fp4 only (int8 keeps one fp32 absmax per row); "
                           "remove it with quant_type: int8")  # fmt: skip
+    if config.model.compile == "model" and (config.method == "qlora" or config.gradient_checkpointing):
+        reason = "a quantized base (method qlora)" if config.method == "qlora" else "gradient checkpointing"
+        raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")
     if config.data.path is None and config.data.task != "repeat-digits":
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:

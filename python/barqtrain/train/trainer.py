@@ -163,6 +163,9 @@ def build_model(
     if config.model.compile == "regional":
         layers = barqtrain.compile_decoder_layers(model)
         log(f"Compiled: {layers} decoder layers with torch.compile, one graph for all (built in the first step).")
+    elif config.model.compile == "model":
+        model.compile(fullgraph=True)
+        log("Compiled: the whole model as one graph with torch.compile (built in the first step).")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"Method {config.method}: {trainable:,} trainable parameters.")
     return model
@@ -751,7 +754,7 @@ def _train(
                 record["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.write(record)
             if step == first_step and config.model.compile != "none":
-                log(f"Step {step} took {duration(now - step_start)}, the decoder layers' compilation included.")
+                log(f"Step {step} took {duration(now - step_start)}, the compilation included.")
             result.losses[step] = total_loss
             progress.step(step, total_loss, lr, tokens, record.get("gpu_mem_gib"))
             if config.eval_interval and step % config.eval_interval == 0 and step < steps and eval_batches:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from barqtrain import cli
-from barqtrain.train.config import TrainConfig
+from barqtrain.train.config import ConfigError, TrainConfig, config_from_dict
 from barqtrain.train.trainer import latest_checkpoint, resume_run, train
 
 
@@ -92,7 +92,9 @@ def test_embedded_default_learns_on_a_gpu(tmp_path):
     assert result.accuracy_after > 0.6 > result.accuracy_before
 
 
-def test_regional_compilation_trains_as_the_eager_run(tmp_path):
+@pytest.mark.parametrize(("compile", "announced"), [("regional", "Compiled: 2 decoder layers"),
+                                                   ("model", "Compiled: the whole model as one graph")])
+def test_compilation_trains_as_the_eager_run(tmp_path, compile, announced):
     def run(name: str, compile: str, log) -> dict[int, float]:
         config = small_config(tmp_path / name, steps=4)
         config.lora.dropout = 0.0  # compiled code draws dropout masks from its own RNG
@@ -103,10 +105,17 @@ def test_regional_compilation_trains_as_the_eager_run(tmp_path):
     logged = []
     torch._dynamo.reset()
     try:
-        compiled = run("compiled", "regional", logged.append)
+        compiled = run("compiled", compile, logged.append)
     finally:
         torch._dynamo.reset()
-    assert any(str(line).startswith("Compiled: 2 decoder layers") for line in logged)
+    assert any(str(line).startswith(announced) for line in logged)
     assert any(str(line).startswith("Step 1 took ") and "compilation included" in str(line) for line in logged)
     assert sorted(compiled) == [1, 2, 3, 4]
     torch.testing.assert_close([compiled[s] for s in range(1, 5)], [eager[s] for s in range(1, 5)], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(("setting", "reason"), [({"method": "qlora"}, r"a quantized base \(method qlora\)"),
+                                                 ({"gradient_checkpointing": True}, "gradient checkpointing")])
+def test_whole_model_compilation_refuses_what_does_not_trace_as_one_graph(setting, reason):
+    with pytest.raises(ConfigError, match=f"^model.compile: model: {reason} does not trace into one graph yet"):
+        config_from_dict({"steps": 1, "model": {"compile": "model"}, **setting})
