@@ -1,6 +1,7 @@
 """compile_decoder_layers: the decoder layers of every family's BarqTrain LoRA model trace
 without a graph break on plain, packed and padded batches; compiled, they share one graph and
-train as the eager model does (CPU: the ops' reference implementations, Inductor's C++ code)."""
+train as the eager model does (CPU: the ops' reference implementations, Inductor's C++ code).
+The whole patched model, plain or with LoRA, compiles as one graph too, forward and backward."""
 
 import pytest
 import torch
@@ -125,3 +126,43 @@ def test_every_family_lora_layer_traces_without_a_graph_break(family, batch_name
     assert counter.frame_count >= 1
     for mine, theirs in zip(traced, expected, strict=True):
         assert torch.equal(mine, theirs)
+
+
+# Every family, plain and LoRA, on packed rows; plain and padded rows on a family without and
+# one with sliding windows and softcaps.
+WHOLE_MODEL_CASES = [(family, "packed", lora) for family in sorted(FAMILIES) for lora in (False, True)] + [
+    (family, batch, True) for family in ("llama", "gemma2") for batch in sorted(set(BATCHES) - {"packed"})
+]
+
+
+@pytest.mark.parametrize(("family", "batch_name", "lora"), WHOLE_MODEL_CASES)
+def test_every_family_compiles_as_one_graph(family, batch_name, lora):
+    """torch.compile(model, fullgraph=True) fails on any graph break. AOTAutograd traces the
+    backward too (aot_eager runs the traced graphs as they are): loss and gradients as the eager
+    model's in float32, and a second step of the same shapes compiles nothing new."""
+    batch = BATCHES[batch_name]()
+
+    def patched_model() -> torch.nn.Module:
+        model = tiny_model(family, torch.float32)
+        if not lora:
+            barqtrain.patch_model(model)
+            return model
+        config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
+        return barqtrain.get_peft_model(model, config)
+
+    def loss_and_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return [loss.detach(), *gradients]
+
+    expected = loss_and_gradients(patched_model())
+    model = patched_model()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True)
+    compiled = loss_and_gradients(model)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+    loss_and_gradients(model)
+    assert counter.frame_count == 1
