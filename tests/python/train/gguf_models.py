@@ -5,9 +5,13 @@ directories with the real stories260K tokenizer: widths that K-quant blocks hold
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from shared_data import SHARED  # noqa: E402
@@ -26,6 +30,17 @@ _EXTRA = {
 }
 # llama.cpp tells Phi-3 by its name and then expects Phi-3's special tokens in the vocabulary.
 _PHI3_TOKENS = ("<|endoftext|>", "<|end|>")
+
+
+def llama_cpp_or_skip() -> ModuleType:
+    """llama-cpp-python: a skip where it is not installed, an error in CI (which installs it)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        if os.environ.get("CI"):
+            raise RuntimeError("CI installs llama-cpp-python (requirements-dev.txt) to check the GGUF export") from None
+        pytest.skip("llama-cpp-python is not installed (requirements-dev.txt installs it)", allow_module_level=True)
+    return llama_cpp
 
 
 def tiny_model(directory: Path, family: str, **config_changes) -> Path:

@@ -13,7 +13,6 @@ errors measured (in the comments)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,17 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    import llama_cpp
-except ImportError:
-    if os.environ.get("CI"):
-        raise RuntimeError("CI installs llama-cpp-python (requirements-dev.txt) to check the GGUF export") from None
-    pytest.skip("llama-cpp-python is not installed (requirements-dev.txt installs it)", allow_module_level=True)
-gguf = pytest.importorskip("gguf")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_models import FAMILIES, STORIES, tiny_model  # noqa: E402
+from gguf_models import FAMILIES, STORIES, llama_cpp_or_skip, tiny_model  # noqa: E402
 from shared_data import SHARED, require  # noqa: E402
+
+llama_cpp = llama_cpp_or_skip()
+gguf = pytest.importorskip("gguf")
 
 from barqtrain.train import gguf_export  # noqa: E402
 from barqtrain.train.gguf_export import write_gguf  # noqa: E402
