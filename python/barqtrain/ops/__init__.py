@@ -13,6 +13,7 @@ _op_library.load()
 from barqtrain.ops import fake  # noqa: E402,F401  (registers the fake kernels)
 from barqtrain.ops.attention import (  # noqa: E402
     attention,
+    attention_backward_reference,
     attention_reference,
     attention_rope_tables,
     cu_seqlens_from_position_ids,
@@ -36,6 +37,7 @@ from barqtrain.ops.rope_tables import RopeScaling, rope_cos_sin, rope_inv_freq  
 __all__ = [
     "attention",
     "attention_reference",
+    "attention_backward_reference",
     "attention_rope_tables",
     "cu_seqlens_from_position_ids",
     "linear_cross_entropy",

@@ -190,6 +190,67 @@ def _attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return o.contiguous(), lse.float().contiguous()
 
 
+def _unrotate(d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of _rotate's input from its output's gradient d [S, H, D] (the transposed rotation)."""
+    half = cos.shape[-1]
+    c, s = cos.to(d.dtype)[:, None, :], sin.to(d.dtype)[:, None, :]
+    d1, d2, tail = d[..., :half], d[..., half:2 * half], d[..., 2 * half:]
+    return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s, tail), dim=-1)
+
+
+def attention_backward_reference(d_o, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, *, softmax_scale: float,
+                                 softcap: float = 0.0, causal: bool = True, window_left: int = -1,
+                                 window_right: int = -1, rope_cos=None, rope_sin=None, positions=None):
+    """dq, dk, dv of attention_reference's o for the gradient d_o, in closed form (no autograd, so
+    it runs where autograd records nothing, as inside a dispatch mode): per sequence P = softmax(x),
+    dV = Pᵀ dO, dX = P (dO Vᵀ - rowsum(dO O)), through the softcap's tanh and the scale to the
+    scores, then to the rotated q and k and back through the rotation; dk and dv summed over each
+    GQA group. Computed in fp32 (or wider), returned in the inputs' dtypes."""
+    if causal:
+        window_right = 0
+    bounds = _sequence_bounds(q, k, cu_seqlens_q, cu_seqlens_k)
+    q_rows, k_rows = _rotated_rows(q, k, rope_cos, rope_sin, positions, bounds)
+    v_rows, d_o_rows = _as_rows(v), _as_rows(d_o)
+    heads, kv_heads = q_rows.shape[1], k_rows.shape[1]
+    group = heads // kv_heads
+    compute = torch.promote_types(q.dtype, torch.float32)
+    dq_rot = torch.zeros(q_rows.shape, dtype=compute, device=q.device)
+    dk_rot = torch.zeros(k_rows.shape, dtype=compute, device=q.device)
+    dv = torch.zeros(v_rows.shape, dtype=compute, device=q.device)
+    for q0, q1, k0, k1 in bounds:
+        qs = q_rows[q0:q1].transpose(0, 1).to(compute)
+        ks = k_rows[k0:k1].transpose(0, 1).to(compute).repeat_interleave(group, dim=0)
+        vs = v_rows[k0:k1].transpose(0, 1).to(compute).repeat_interleave(group, dim=0)
+        d_os = d_o_rows[q0:q1].transpose(0, 1).to(compute)
+        scores = qs @ ks.transpose(1, 2)
+        if softcap > 0:
+            capped = torch.tanh(scores * (softmax_scale / softcap))
+            x, dx_dscores = softcap * capped, softmax_scale * (1 - capped * capped)
+        else:
+            x, dx_dscores = scores * softmax_scale, softmax_scale
+        visible = _visible(q1 - q0, k1 - k0, window_left, window_right, q.device)
+        x = x.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(x, dim=-1)
+        seen = torch.isfinite(lse)
+        probs = torch.where(seen[..., None], torch.exp(x - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+        out = probs @ vs
+        d_x = probs * (d_os @ vs.transpose(1, 2) - (d_os * out).sum(-1, keepdim=True))
+        d_scores = d_x * dx_dscores
+        dq_rot[q0:q1] = (d_scores @ ks).transpose(0, 1)
+        dk_rot[k0:k1] = (d_scores.transpose(1, 2) @ qs).unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+        dv[k0:k1] = (probs.transpose(1, 2) @ d_os).unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
+    if rope_cos is not None:
+        dq_parts, dk_parts = [], []
+        for q0, q1, k0, k1 in bounds:
+            pos_q = positions[q0:q1].long() if positions is not None else torch.arange(q1 - q0, device=q.device)
+            pos_k = positions[k0:k1].long() if positions is not None else torch.arange(k1 - k0, device=q.device)
+            dq_parts.append(_unrotate(dq_rot[q0:q1], rope_cos[pos_q], rope_sin[pos_q]))
+            dk_parts.append(_unrotate(dk_rot[k0:k1], rope_cos[pos_k], rope_sin[pos_k]))
+        dq_rot, dk_rot = torch.cat(dq_parts), torch.cat(dk_parts)
+    return (dq_rot.to(q.dtype).reshape(q.shape), dk_rot.to(k.dtype).reshape(k.shape),
+            dv.to(v.dtype).reshape(v.shape))
+
+
 @torch.library.impl("barqtrain::attention_backward", "CPU")
 def _attention_backward_cpu(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale, softcap, causal, window_left, window_right, rope_cos, rope_sin, positions,
@@ -197,11 +258,10 @@ def _attention_backward_cpu(d_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, ma
     if backward_kernel != "auto":
         raise ValueError(f"barqtrain: attention backward_kernel {backward_kernel!r} names a CUDA kernel; on the CPU "
                          "the op runs its reference (backward_kernel='auto')")
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, _ = _reference_from_op_args(*leaves, cu_seqlens_q, cu_seqlens_k, softmax_scale, softcap, causal,
-                                         window_left, window_right, rope_cos, rope_sin, positions)
-        grads = torch.autograd.grad(out, leaves, d_o)
+    grads = attention_backward_reference(
+        d_o, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale, softcap=softcap, causal=causal,
+        window_left=window_left, window_right=window_right, rope_cos=rope_cos, rope_sin=rope_sin, positions=positions,
+    )
     return tuple(g.contiguous() for g in grads)
 
 

@@ -212,18 +212,9 @@ def test_every_op_has_a_case():
     assert registered == set(CASES), f"ops without a case: {sorted(registered - set(CASES))}"
 
 
-# attention_backward's CPU reference differentiates the reference forward with autograd, which
-# records nothing inside a dispatch mode's handler, where opcheck's schema, fake-tensor and AOT
-# tests run the op: on the CPU it gets the autograd-registration test only (its gradients are
-# checked against float64 in test_attention.py); its CUDA kernels get every test.
-ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-CPU_TESTS = {"attention_backward": ("test_autograd_registration",)}
-
-
 def _check(op: str, device: str) -> None:
-    tests = CPU_TESTS.get(op, ALL_TESTS) if device == "cpu" else ALL_TESTS
     for arguments in CASES[op](device):
-        torch.library.opcheck(getattr(torch.ops.barqtrain, op).default, arguments, test_utils=tests)
+        torch.library.opcheck(getattr(torch.ops.barqtrain, op).default, arguments)
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
