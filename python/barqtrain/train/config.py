@@ -178,6 +178,16 @@ class OptimConfig:
 
 
 @dataclass
+class DistributedConfig:
+    strategy: Literal["ddp", "fsdp"] = _doc(
+        "under torchrun with several processes: ddp (each GPU holds the whole model; only the trainable "
+        "parameters' gradients are all-reduced, in buckets: for a model that fits on one GPU) or fsdp (FSDP2 "
+        "shards every decoder layer across the GPUs: for one that does not)",
+        "fsdp",
+    )
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = _doc("what to train", factory=ModelConfig)
     data: DataConfig = _doc("what to train on", factory=DataConfig)
@@ -189,6 +199,7 @@ class TrainConfig:
     lora: LoraConfig = _doc("LoRA settings (method lora and qlora)", factory=LoraConfig)
     qlora: QloraConfig = _doc("the quantized base (method: qlora)", factory=QloraConfig)
     optim: OptimConfig = _doc("optimizer and learning-rate schedule", factory=OptimConfig)
+    distributed: DistributedConfig = _doc("data parallelism under torchrun (ignored in one process)", factory=DistributedConfig)
     batch_size: int = _doc("rows per micro-batch", 64)
     grad_accum: int = _doc("micro-batches per optimizer step", 1)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc(

@@ -1,12 +1,18 @@
-"""Data-parallel training with FSDP2 when `barqtrain train` runs under torchrun.
+"""Data-parallel training with DDP or FSDP2 when `barqtrain train` runs under torchrun.
 
 torchrun sets WORLD_SIZE, RANK and LOCAL_RANK; with WORLD_SIZE above 1 the trainer joins a
-process group (nccl on CUDA, gloo on CPU), shards every decoder layer and the root with
-`fully_shard` (frozen base weights and trainable LoRA weights may share a unit: FSDP2 keeps
-per-parameter requires_grad), gives each rank its own share of the data, and weights the
-loss by token across ranks (accumulate_gradients). Only rank 0 prints and writes;
-checkpoints hold full (gathered) model and optimizer state, which every rank reads back on
-resume.
+process group (nccl on CUDA, gloo on CPU), gives each rank its own share of the data, and
+weights the loss by token across ranks (accumulate_gradients). distributed.strategy picks how
+the model is spread (parallelize):
+
+- ddp: every rank holds the whole model in torch's DistributedDataParallel, which buckets and
+  all-reduces the gradients of the trainable parameters only (with LoRA, the adapters; the
+  frozen base takes no part), once per optimizer step.
+- fsdp: every decoder layer and the root are sharded with `fully_shard` (frozen base weights
+  and trainable LoRA weights may share a unit: FSDP2 keeps per-parameter requires_grad).
+
+Only rank 0 prints and writes; checkpoints hold full (gathered) model and optimizer state,
+keyed by parameter name under either strategy, which every rank reads back on resume.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from barqtrain.train.batches import scored_tokens
 from barqtrain.train.config import ConfigError, TrainConfig
@@ -59,11 +66,13 @@ def ranks_from_env() -> Ranks:
 def check_supported(config: TrainConfig) -> None:
     """What data-parallel training does not cover yet fails before the process group forms."""
     if config.method == "qlora":
-        raise ConfigError("method: qlora trains on one device; FSDP (several processes) shards lora or full")
+        raise ConfigError("method: qlora trains on one device; DDP and FSDP (several processes) train lora or full")
     if config.optim.name == "adamw_8bit":
-        raise ConfigError("optim.name: adamw_8bit trains on one device; FSDP (several processes) takes adamw")
+        raise ConfigError("optim.name: adamw_8bit trains on one device; DDP and FSDP (several processes) take adamw")
     if config.precision == "fp16":
-        raise ConfigError("precision: fp16 loss scaling trains on one device; FSDP (several processes) takes bf16 or fp32")
+        raise ConfigError(
+            "precision: fp16 loss scaling trains on one device; DDP and FSDP (several processes) take bf16 or fp32"
+        )
 
 
 def start(ranks: Ranks) -> tuple[torch.device, bool]:
@@ -83,6 +92,36 @@ def start(ranks: Ranks) -> tuple[torch.device, bool]:
 def finish(formed: bool) -> None:
     if formed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def parallelize(
+    model: torch.nn.Module, config: TrainConfig, ranks: Ranks, device: torch.device, log: Callable[..., None]
+) -> torch.nn.Module:
+    """Spreads model over the ranks as distributed.strategy says, and returns the module whose
+    forward and backward keep the ranks' gradients in step: a DistributedDataParallel wrapper
+    of model (ddp), or model itself, sharded in place (fsdp). Everything else (evaluation,
+    state dicts, saving) takes model."""
+    if config.distributed.strategy == "fsdp":
+        shard_model(model)
+        log(
+            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers and the root sharded; "
+            f"{config.batch_size} rows per process and micro-batch."
+        )
+        return model
+    # DDP buckets only parameters that require a gradient: with LoRA, the adapters. Its first
+    # broadcast makes every rank start from rank 0's weights. broadcast_buffers=False: the
+    # buffers (RoPE frequencies) are computed alike on every rank and never change, so
+    # broadcasting them before each forward would be wasted traffic.
+    wrapped = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+        gradient_as_bucket_view=True,  # .grad views into the buckets: no second copy of the gradients
+    )
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(
+        f"DDP: {ranks.world_size} processes, each with the whole model; the gradients of {trainable:,} trainable "
+        f"parameters all-reduced in buckets; {config.batch_size} rows per process and micro-batch."
+    )
+    return wrapped
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -122,22 +161,25 @@ def accumulate_gradients(
     forward, N is summed across ranks, and each forward gets num_items_in_batch=N (Hugging
     Face's loss, and barqtrain's fused one, then return their sum over N), so that B rows x
     A micro-batches x R ranks give the loss and gradients of one batch of B*A*R rows however
-    unequally masking or packing spreads the scored tokens. FSDP averages the ranks'
-    gradients, so each rank's backward takes R times its share. A step without a scored
-    token has loss 0 and no gradient. scaler: fp16 loss scaling (its scale() before each
-    backward)."""
+    unequally masking or packing spreads the scored tokens. DDP and FSDP average the ranks'
+    gradients, so each rank's backward takes R times its share; DDP all-reduces them in the
+    last micro-batch's backward only (no_sync before it). A step without a scored token has
+    loss 0 and no gradient. scaler: fp16 loss scaling (its scale() before each backward)."""
     count = sum(scored_tokens(batch["labels"]) for batch in micro_batches)
     num_items = torch.tensor(count, dtype=torch.int64, device=device)
     if ranks.is_distributed:
         dist.all_reduce(num_items)
     num_items = num_items.clamp(min=1)
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
-    for batch in micro_batches:
+    last = len(micro_batches) - 1
+    for index, batch in enumerate(micro_batches):
         batch = {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-        with autocast or contextlib.nullcontext():
-            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
-        backward = loss * ranks.world_size if ranks.is_distributed else loss
-        (backward if scaler is None else scaler.scale(backward)).backward()
+        deferred_sync = model.no_sync() if isinstance(model, DistributedDataParallel) and index < last else None
+        with deferred_sync or contextlib.nullcontext():
+            with autocast or contextlib.nullcontext():
+                loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
+            backward = loss * ranks.world_size if ranks.is_distributed else loss
+            (backward if scaler is None else scaler.scale(backward)).backward()
         step_loss += loss.detach().to(torch.float64)
     if ranks.is_distributed:
         dist.all_reduce(step_loss)
@@ -199,7 +241,7 @@ def barrier() -> None:
     drops the last reference, the all-gathers' tensors go with it and need the GIL for their
     Python objects, and during interpreter exit a thread that takes the GIL is ended by a
     forced unwind through a noexcept destructor: the process aborts (std::terminate; 2 of 45
-    two-process CPU runs of tests/python/train/fsdp_worker.py). Holding the work leaves the last
+    two-process CPU runs of tests/python/train/distributed_worker.py). Holding the work leaves the last
     reference, and so that destruction, to the main thread, which holds the GIL. The abort was
     seen with gloo only; NCCL barriers stay plain (a multi-GPU run has not been made here).
     """

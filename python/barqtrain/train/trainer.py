@@ -10,8 +10,8 @@ applies to: 16-bit, also for QLoRA, whose adapter loads on the 16-bit model), an
 end adapter/ (PEFT format) or model/ (renamed into place the same way), and training.png. A
 write the disk refuses is one line naming the file and the --resume that continues the run.
 
-Under torchrun (WORLD_SIZE > 1) the model is sharded with FSDP2 (see distributed.py); rank
-0 writes everything, a checkpoint's model_state.pt and optimizer.pt then hold the full
+Under torchrun (WORLD_SIZE > 1) the model is wrapped in DDP or sharded with FSDP2 (see
+distributed.py); rank 0 writes everything, a checkpoint's model_state.pt and optimizer.pt then hold the full
 gathered state keyed by parameter name, and trainer_state.pt every rank's data position and RNG.
 """
 
@@ -61,6 +61,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "adapter", "model", 
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "output_dir", "eval_interval", "save_interval", "log_interval", "tensorboard", "plot",
     "gradient_checkpointing", "data.eval_batches",
+    "distributed.strategy",  # a checkpoint holds the full state under either strategy
 })  # fmt: skip
 
 
@@ -674,12 +675,8 @@ def _train(
     data = make_data(config, device, ranks.rank, ranks.world_size)
     _check_vocabulary(data, config)
     model = build_model(config, device, log, run_dir if ranks.is_main else None)
-    if ranks.is_distributed:
-        distributed.shard_model(model)
-        log(
-            f"FSDP: {ranks.world_size} processes, {len(distributed.decoder_layers(model))} decoder layers and the root "
-            f"sharded; {config.batch_size} rows per process and micro-batch."
-        )
+    # What computes the steps' forward and backward: model, or its DDP wrapper.
+    step_model = distributed.parallelize(model, config, ranks, device, log) if ranks.is_distributed else model
     log(f"Data: {data.describe()}.")
     steps = config.steps
     if steps is None:
@@ -729,7 +726,7 @@ def _train(
             # The step's micro-batches are read first, so that their scored tokens (on every
             # rank) weight the loss: the step's loss and gradients are one batch's of them all.
             micro_batches = [data.next() for _ in range(config.grad_accum)]
-            total_loss = distributed.accumulate_gradients(model, micro_batches, device, ranks, autocast, scaler)
+            total_loss = distributed.accumulate_gradients(step_model, micro_batches, device, ranks, autocast, scaler)
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches)
             if ranks.is_distributed:  # the logged throughput is the whole world's
                 tokens = distributed.sum_across_ranks(tokens, device)
