@@ -160,8 +160,8 @@ def _is_dense(weight: torch.Tensor) -> bool:
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale · (a @ b), rounded once."""
-    return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
+    """scale · (a @ b), rounded once (the GEMM's alpha: no operand to zero-fill, no second pass)."""
+    return matmul_sum([a], [b], [scale])
 
 
 def _gradient_mm(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
