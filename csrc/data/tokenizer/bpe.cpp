@@ -1,9 +1,7 @@
 #include "data/tokenizer/bpe.h"
 
 #include <algorithm>
-#include <cstring>
 #include <functional>
-#include <queue>
 
 #include "data/tokenizer/error.h"
 #include "data/tokenizer/unicode.h"
@@ -76,18 +74,16 @@ void BpeModel::MergeTable::reserve(size_t count) {
     capacity *= 2;
     --shift_;
   }
-  keys_.assign(capacity, kEmpty);
-  merges_.assign(capacity, Merge{});
+  slots_.assign(capacity, Slot{kEmpty, Merge{}});
 }
 
 void BpeModel::MergeTable::insert(TokenId left, TokenId right, Merge merge) {
   const uint64_t k = key(left, right);
-  const size_t mask = keys_.size() - 1;
+  const size_t mask = slots_.size() - 1;
   for (size_t i = slot(k);; i = (i + 1) & mask) {
-    if (keys_[i] == kEmpty || keys_[i] == k) {
+    if (slots_[i].key == kEmpty || slots_[i].key == k) {
       // A repeated merge takes its last rank, as in Hugging Face's loader.
-      keys_[i] = k;
-      merges_[i] = merge;
+      slots_[i] = Slot{k, merge};
       return;
     }
   }
@@ -95,10 +91,10 @@ void BpeModel::MergeTable::insert(TokenId left, TokenId right, Merge merge) {
 
 const BpeModel::Merge* BpeModel::MergeTable::find(TokenId left, TokenId right) const {
   const uint64_t k = key(left, right);
-  const size_t mask = keys_.size() - 1;
+  const size_t mask = slots_.size() - 1;
   for (size_t i = slot(k);; i = (i + 1) & mask) {
-    if (keys_[i] == k) return &merges_[i];
-    if (keys_[i] == kEmpty) return nullptr;
+    if (slots_[i].key == k) return &slots_[i].merge;
+    if (slots_[i].key == kEmpty) return nullptr;
   }
 }
 
@@ -165,24 +161,25 @@ void BpeModel::read_vocab(const json::Value& model) {
     }
     return;
   }
+  bmp_character_tokens_.assign(kBmpSize, kNoToken);
   for (const auto& [token, id] : ids_by_bytes_) {
     if (!token.empty() && token.size() <= 4 && unicode::find_invalid_utf8(token) == token.size() &&
         unicode::decode_at(token, 0).length == token.size()) {
-      uint32_t key = 0;
-      std::memcpy(&key, token.data(), token.size());
-      character_tokens_.emplace(key, id);
+      const char32_t code_point = unicode::decode_at(token, 0).code_point;
+      if (code_point < kBmpSize) {
+        bmp_character_tokens_[code_point] = id;
+      } else {
+        supplementary_character_tokens_.emplace(code_point, id);
+      }
     }
   }
-  for (int c = 0; c < 128; ++c) ascii_tokens_[c] = find(std::string(1, static_cast<char>(c)));
   // The characters that precede "▁" inside some token: split_words must not cut after them.
   can_split_words_ = !ignore_merges_ && find(kWordBoundary) != kNoToken;
   for (const auto& [token, id] : ids_by_bytes_) {
     for (size_t at = token.find(kWordBoundary, 1); at != std::string::npos; at = token.find(kWordBoundary, at + 1)) {
       size_t previous = at - 1;
       while (previous > 0 && (static_cast<unsigned char>(token[previous]) & 0xC0) == 0x80) --previous;
-      uint32_t key = 0;
-      std::memcpy(&key, token.data() + previous, at - previous);
-      joins_word_boundary_.insert(key);
+      joins_word_boundary_.insert(unicode::decode_at(token, previous).code_point);
     }
   }
   static const char* const kHex = "0123456789ABCDEF";
@@ -302,28 +299,14 @@ void BpeModel::lay_out(std::string_view piece, const std::vector<uint32_t>& leng
   }
 }
 
-bool BpeModel::is_character_token(std::string_view text, size_t pos, uint32_t* length) const {
-  const auto byte = static_cast<unsigned char>(text[pos]);
-  if (byte < 0x80) {
-    *length = 1;
-    return ascii_tokens_[byte] != kNoToken;
-  }
-  *length = unicode::decode_at(text, pos).length;
-  uint32_t key = 0;
-  std::memcpy(&key, text.data() + pos, *length);
-  return character_tokens_.count(key) != 0;
-}
-
 void BpeModel::split_words(std::string_view piece, std::vector<std::string_view>& parts) const {
   size_t start = 0;
   for (size_t at = piece.find(kWordBoundary, 1); at != std::string_view::npos;
        at = piece.find(kWordBoundary, at + kWordBoundary.size())) {
     size_t previous = at - 1;
     while (previous > 0 && (static_cast<unsigned char>(piece[previous]) & 0xC0) == 0x80) --previous;
-    uint32_t length = 0, key = 0;
-    if (!is_character_token(piece, previous, &length)) continue;
-    std::memcpy(&key, piece.data() + previous, length);
-    if (joins_word_boundary_.count(key)) continue;
+    const char32_t before = unicode::decode_at(piece, previous).code_point;
+    if (character_token(before) == kNoToken || joins_word_boundary_.count(before)) continue;
     parts.push_back(piece.substr(start, at - start));
     start = at;
   }
@@ -345,17 +328,16 @@ void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& pa
     const auto byte = static_cast<unsigned char>(piece[pos]);
     // A byte-level piece's characters are its bytes, each measured as Hugging Face does, by
     // its character in the byte-level string.
-    const uint32_t advance = byte < 0x80 || byte_level_ ? 1 : unicode::decode_at(piece, pos).length;
-    const uint32_t length = byte_level_ ? byte_level_width(piece[pos]) : advance;
-    TokenId id = kNoToken;
+    TokenId id;
+    uint32_t advance, length;
     if (byte_level_) {
       id = byte_tokens_[byte];
-    } else if (byte < 0x80) {
-      id = ascii_tokens_[byte];
+      advance = 1;
+      length = byte_level_width(piece[pos]);
     } else {
-      uint32_t key = 0;
-      std::memcpy(&key, piece.data() + pos, length);
-      if (const auto it = character_tokens_.find(key); it != character_tokens_.end()) id = it->second;
+      const auto [code_point, code_point_length] = unicode::decode_at(piece, pos);
+      id = character_token(code_point);
+      advance = length = code_point_length;
     }
     if (id != kNoToken) {
       if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
@@ -407,48 +389,60 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths
 
 void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
   // Hugging Face's Word::merge_all: a min-heap of (rank, position) over a linked list of
-  // symbols; entries made stale by earlier merges are skipped when popped.
+  // symbols. A popped candidate applies when the pair now at its position merges into the
+  // same token (Hugging Face's test); the candidate remembers its pair, so the lookup is
+  // needed only when an earlier merge changed a side.
   struct Candidate {
     uint32_t rank;
     uint32_t position;
-    TokenId merged;
+    TokenId left, right, merged;
     bool operator>(const Candidate& other) const {
       return rank != other.rank ? rank > other.rank : position > other.position;
     }
   };
-  const size_t n = parts.size();
-  std::vector<int64_t> previous(n), next(n);
-  std::vector<bool> alive(n, true);
-  for (size_t i = 0; i < n; ++i) {
-    previous[i] = static_cast<int64_t>(i) - 1;
-    next[i] = i + 1 < n ? static_cast<int64_t>(i + 1) : -1;
+  constexpr uint32_t kNone = UINT32_MAX;
+  const uint32_t n = static_cast<uint32_t>(parts.size());
+  thread_local std::vector<uint32_t> previous, next;
+  thread_local std::vector<Candidate> heap;
+  previous.resize(n);
+  next.resize(n);
+  heap.clear();
+  for (uint32_t i = 0; i < n; ++i) {
+    previous[i] = i == 0 ? kNone : i - 1;
+    next[i] = i + 1 < n ? i + 1 : kNone;
   }
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
-  auto push = [&](size_t left) {
-    if (next[left] < 0) return;
-    if (const Merge* merge = merges_.find(parts[left], parts[next[left]])) {
-      heap.push({merge->rank, static_cast<uint32_t>(left), merge->merged});
+  const std::greater<Candidate> later;
+  auto push = [&](uint32_t left) {
+    if (next[left] == kNone) return;
+    const TokenId right = parts[next[left]];
+    if (const Merge* merge = merges_.find(parts[left], right)) {
+      heap.push_back({merge->rank, left, parts[left], right, merge->merged});
+      std::push_heap(heap.begin(), heap.end(), later);
     }
   };
-  for (size_t i = 0; i + 1 < n; ++i) push(i);
+  for (uint32_t i = 0; i + 1 < n; ++i) push(i);
+  // A merged-away symbol is marked by a next of its own position (never a real link).
   while (!heap.empty()) {
-    const Candidate top = heap.top();
-    heap.pop();
-    if (!alive[top.position] || next[top.position] < 0) continue;
-    const size_t right = next[top.position];
-    const Merge* current = merges_.find(parts[top.position], parts[right]);
-    if (!current || current->merged != top.merged) continue;
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Candidate top = heap.back();
+    heap.pop_back();
+    const uint32_t right = next[top.position];
+    if (right == kNone || right == top.position) continue;
+    if (parts[top.position] != top.left || parts[right] != top.right) {
+      const Merge* current = merges_.find(parts[top.position], parts[right]);
+      if (!current || current->merged != top.merged) continue;
+    }
     parts[top.position] = top.merged;
     if (lengths) (*lengths)[top.position] += (*lengths)[right];
-    alive[right] = false;
     next[top.position] = next[right];
-    if (next[right] >= 0) previous[next[right]] = top.position;
-    if (previous[top.position] >= 0) push(previous[top.position]);
+    if (next[right] != kNone) previous[next[right]] = top.position;
+    next[right] = right;
+    if (previous[top.position] != kNone) push(previous[top.position]);
     push(top.position);
   }
-  size_t kept = 0;
-  for (size_t i = 0; i < n; ++i) {
-    if (!alive[i]) continue;
+  uint32_t kept = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    if (next[i] == i) continue;
     parts[kept] = parts[i];
     if (lengths) (*lengths)[kept] = (*lengths)[i];
     ++kept;

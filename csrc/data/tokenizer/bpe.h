@@ -70,6 +70,7 @@ class BpeModel {
     TokenId merged;
   };
   // Open-addressing table from a pair of token ids to their merge: the hot lookup of BPE.
+  // A slot holds the pair and its merge together, so a lookup touches one cache line.
   class MergeTable {
    public:
     void reserve(size_t count);
@@ -80,8 +81,11 @@ class BpeModel {
     static uint64_t key(TokenId left, TokenId right) { return (uint64_t{left} << 32) | right; }
     size_t slot(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
     static constexpr uint64_t kEmpty = ~uint64_t{0};
-    std::vector<uint64_t> keys_;
-    std::vector<Merge> merges_;
+    struct Slot {
+      uint64_t key;
+      Merge merge;
+    };
+    std::vector<Slot> slots_;
     int shift_ = 64;
   };
 
@@ -104,17 +108,23 @@ class BpeModel {
   TokenId byte_tokens_[256];  // byte-level: the token of each byte, or kNoToken
   bool every_byte_has_token_ = true;
   MergeTable merges_;
-  // SentencePiece-style: the token of each one-character string, keyed by its UTF-8
-  // bytes packed into an integer; the <0xNN> tokens; the unknown token.
-  std::unordered_map<uint32_t, TokenId> character_tokens_;
-  TokenId ascii_tokens_[128];
+  // SentencePiece-style: the token of each one-character string (kNoToken for none),
+  // by code point: a flat table for the Basic Multilingual Plane, where nearly all text
+  // is, and a map for the rest; the <0xNN> tokens; the unknown token.
+  TokenId character_token(char32_t code_point) const {
+    if (code_point < kBmpSize) return bmp_character_tokens_[code_point];
+    const auto it = supplementary_character_tokens_.find(code_point);
+    return it == supplementary_character_tokens_.end() ? kNoToken : it->second;
+  }
+  static constexpr char32_t kBmpSize = 0x10000;
+  std::vector<TokenId> bmp_character_tokens_;
+  std::unordered_map<char32_t, TokenId> supplementary_character_tokens_;
   bool byte_fallback_ = false;
   TokenId byte_fallback_tokens_[256];
   TokenId unknown_token_ = kNoToken;
   bool fuse_unknown_ = false;
   bool can_split_words_ = false;
-  std::unordered_set<uint32_t> joins_word_boundary_;  // characters seen before "▁" in a token
-  bool is_character_token(std::string_view text, size_t pos, uint32_t* length) const;
+  std::unordered_set<char32_t> joins_word_boundary_;  // characters seen before "▁" in a token
   // Llama-3: a pre-token that is itself in the vocabulary is one token, without merging.
   bool ignore_merges_ = false;
 };

@@ -45,11 +45,50 @@ constexpr char32_t kHangulLCount = 19, kHangulVCount = 21, kHangulTCount = 28;
 constexpr char32_t kHangulNCount = kHangulVCount * kHangulTCount;
 constexpr char32_t kHangulSCount = kHangulLCount * kHangulNCount;
 
-uint8_t combining_class(char32_t code_point) {
+uint8_t combining_class_slow(char32_t code_point) {
   const auto* it = std::lower_bound(
       std::begin(tables::kCombiningClasses), std::end(tables::kCombiningClasses), code_point,
       [](const tables::CombiningClass& entry, char32_t cp) { return entry.code_point < cp; });
   return it != std::end(tables::kCombiningClasses) && it->code_point == code_point ? it->value : 0;
+}
+
+// What NFC asks of each Basic Multilingual Plane character, in flat tables: scripts whose
+// vowel signs and marks may compose (Indic, Arabic, Hebrew, Korean jamo) ask for nearly
+// every character, and a binary search per question cost more than the rest of encoding.
+struct BmpNfcFacts {
+  static constexpr uint8_t kUnstable = 1;        // NFC_Quick_Check is No or Maybe
+  static constexpr uint8_t kDecomposes = 2;      // has a canonical decomposition
+  static constexpr uint8_t kSecondOfPair = 4;    // is the second character of some composition
+  std::array<uint8_t, 0x10000> combining_class;
+  std::array<uint8_t, 0x10000> flags;
+};
+
+const BmpNfcFacts& bmp_nfc_facts() {
+  static const auto* const facts = [] {
+    auto* table = new BmpNfcFacts{};
+    for (const auto& entry : tables::kCombiningClasses) {
+      if (entry.code_point < 0x10000) table->combining_class[entry.code_point] = entry.value;
+    }
+    for (const auto& range : tables::kNfcUnstable) {
+      for (char32_t cp = range.first; cp <= range.last && cp < 0x10000; ++cp) table->flags[cp] |= BmpNfcFacts::kUnstable;
+    }
+    for (const auto& entry : tables::kDecompositions) {
+      if (entry.code_point < 0x10000) table->flags[entry.code_point] |= BmpNfcFacts::kDecomposes;
+    }
+    for (const auto& entry : tables::kCompositions) {
+      if (entry.second < 0x10000) table->flags[entry.second] |= BmpNfcFacts::kSecondOfPair;
+    }
+    return table;
+  }();
+  return *facts;
+}
+
+uint8_t combining_class(char32_t code_point) {
+  return code_point < 0x10000 ? bmp_nfc_facts().combining_class[code_point] : combining_class_slow(code_point);
+}
+
+bool has_flag(char32_t code_point, uint8_t flag) {
+  return code_point >= 0x10000 || (bmp_nfc_facts().flags[code_point] & flag) != 0;
 }
 
 // A character of a segment being normalized, with its alignment change (see append_nfc).
@@ -66,6 +105,10 @@ void decompose(char32_t code_point, std::vector<ChangedChar>& out, bool first = 
     out.push_back({kHangulLBase + index / kHangulNCount, first ? 0 : 1});
     out.push_back({kHangulVBase + (index % kHangulNCount) / kHangulTCount, 1});
     if (index % kHangulTCount != 0) out.push_back({kHangulTBase + index % kHangulTCount, 1});
+    return;
+  }
+  if (!has_flag(code_point, BmpNfcFacts::kDecomposes)) {
+    out.push_back({code_point, first ? 0 : 1});
     return;
   }
   const auto* it = std::lower_bound(
@@ -89,6 +132,7 @@ char32_t compose(char32_t first, char32_t second) {
       second > kHangulTBase && second < kHangulTBase + kHangulTCount) {
     return first + (second - kHangulTBase);
   }
+  if (!has_flag(second, BmpNfcFacts::kSecondOfPair)) return 0;
   const auto* it = std::lower_bound(std::begin(tables::kCompositions), std::end(tables::kCompositions),
                                     std::make_pair(first, second),
                                     [](const tables::Composition& entry, std::pair<char32_t, char32_t> key) {
@@ -153,7 +197,8 @@ void append_nfc_segment(std::string_view segment, std::string& out, std::vector<
 }
 
 bool nfc_unstable(char32_t code_point) {
-  return code_point >= 0x300 && in_ranges(tables::kNfcUnstable, code_point);
+  return code_point < 0x10000 ? (bmp_nfc_facts().flags[code_point] & BmpNfcFacts::kUnstable) != 0
+                              : in_ranges(tables::kNfcUnstable, code_point);
 }
 
 }  // namespace
