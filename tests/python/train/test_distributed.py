@@ -1,5 +1,7 @@
 """Data parallelism under torchrun, DDP and FSDP2: N processes with batch_size B learn what
-one process with batch_size N*B learns (losses and weights, LoRA and full fine-tuning), and
+one process with batch_size N*B learns, both accumulating A micro-batches per step
+(test_accumulation.py shows that A micro-batches learn what one batch of A times the rows
+learns) (losses and weights, LoRA and full fine-tuning), and
 a stopped N-process run resumes to the same losses and weights, under its own strategy or
 the other one.
 
@@ -29,7 +31,7 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 DEVICE = os.environ.get("BARQTRAIN_DISTRIBUTED_DEVICE", "cpu")
 WORLD_SIZES = [int(n) for n in os.environ.get("BARQTRAIN_DISTRIBUTED_WORLD_SIZES", "2,4").split(",")]
 STRATEGIES = ("ddp", "fsdp")
-STEPS, STOP_AFTER, ROWS_PER_PROCESS = 4, 2, 4
+STEPS, STOP_AFTER, ROWS_PER_PROCESS, GRAD_ACCUM = 4, 2, 2, 2
 CONFIG = {
     "steps": STEPS,
     "save_interval": STOP_AFTER,
@@ -38,6 +40,7 @@ CONFIG = {
     "tensorboard": False,
     "plot": False,
     "precision": "fp32",
+    "grad_accum": GRAD_ACCUM,  # DDP all-reduces in the last micro-batch's backward only
     "optim": {"warmup_steps": 1},
 }
 # N ranks against one process differ only in the order of float sums (the all-reduce, the
@@ -128,7 +131,7 @@ def test_a_stopped_run_resumes_to_the_same_losses_and_weights(runs, method):
     assert len(losses(whole)) == STEPS
     assert losses(stopped) == pytest.approx(losses(whole), rel=LOSS_RTOL, abs=1e-6)
     state = json.loads((stopped / "checkpoints" / f"step-{STOP_AFTER:06d}" / "trainer_state.json").read_text())
-    assert state == {"step": STOP_AFTER, "world_size": world_size, "data": [{"position": STOP_AFTER}] * world_size}
+    assert state == {"step": STOP_AFTER, "world_size": world_size, "data": [{"position": STOP_AFTER * GRAD_ACCUM}] * world_size}
     whole_weights, stopped_weights = weights(whole, method), weights(stopped, method)
     assert whole_weights.keys() == stopped_weights.keys() and whole_weights
     for key, value in whole_weights.items():
