@@ -60,8 +60,14 @@ def weights(run_dir: Path, method: str) -> dict[str, torch.Tensor]:
 
 
 def _require_devices(world_size: int) -> None:
+    """A world size asked for on GPUs runs there or fails: nothing passes by not running."""
+    if DEVICE not in ("cpu", "cuda"):
+        pytest.fail(f"BARQTRAIN_DISTRIBUTED_DEVICE: cpu or cuda, got {DEVICE!r}")
     if DEVICE == "cuda" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"{world_size} processes need {world_size} GPUs; this machine has {torch.cuda.device_count()}")
+        pytest.fail(
+            f"BARQTRAIN_DISTRIBUTED_WORLD_SIZES: {world_size} processes need {world_size} GPUs, this machine has "
+            f"{torch.cuda.device_count()}; ask for at most that many"
+        )
 
 
 @pytest.fixture(scope="module", params=[(s, n) for n in WORLD_SIZES for s in STRATEGIES], ids=lambda p: f"{p[0]}-{p[1]}")
