@@ -575,7 +575,8 @@ def template_yaml(name: str, documented: bool = False) -> str:
     lines = [f"# barqtrain train config ({name} template). Run: barqtrain train THIS_FILE.yaml"]
     if name == "fsdp":
         lines.append("# Several GPUs of one machine: torchrun --nproc-per-node N -m barqtrain.cli train THIS_FILE.yaml")
-        lines.append("# (batch_size is per GPU; each GPU holds 1/N of the model and trains on 1/N of the data).")
+        lines.append("# (batch_size is per GPU; each GPU holds 1/N of the model and trains on 1/N of the data;")
+        lines.append("# distributed.strategy: ddp keeps the whole model on each GPU, for a model that fits on one).")
     if config.model.path == PLACEHOLDER_MODEL:
         lines.append("# Set model.path to your Hugging Face model directory and data.path to your dataset first.")
 
