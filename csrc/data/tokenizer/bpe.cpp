@@ -1,6 +1,7 @@
 #include "data/tokenizer/bpe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 
 #include "data/tokenizer/error.h"
@@ -11,6 +12,7 @@ namespace barqtrain::tokenizer {
 namespace {
 
 constexpr uint32_t kNoMerge = UINT32_MAX;
+std::atomic<uint64_t> next_serial{1};
 constexpr std::string_view kWordBoundary = "\xE2\x96\x81";  // "▁", U+2581
 // Token ids index dense tables; real vocabularies stay far below this.
 constexpr int64_t kMaxTokenId = int64_t{1} << 24;
@@ -98,7 +100,7 @@ const BpeModel::Merge* BpeModel::MergeTable::find(TokenId left, TokenId right) c
   }
 }
 
-BpeModel::BpeModel(const json::Value& model, bool byte_level) : byte_level_(byte_level) {
+BpeModel::BpeModel(const json::Value& model, bool byte_level) : byte_level_(byte_level), serial_(next_serial++) {
   const json::Value* type = model.find("type");
   if (!type || !type->is_string() || type->as_string() != "BPE") {
     throw TokenizerError("unsupported model type " + (type && type->is_string() ? type->as_string() : std::string("(missing)")) +
@@ -239,10 +241,64 @@ TokenId BpeModel::find(std::string_view bytes) const {
   return it == ids_by_bytes_.end() ? kNoToken : it->second;
 }
 
-uint32_t BpeModel::rank_of(TokenId left, TokenId right) const {
-  const Merge* merge = merges_.find(left, right);
-  return merge ? merge->rank : kNoMerge;
-}
+// A thread's direct-mapped cache of the merge table's answers, a missing merge included.
+// The table of a large vocabulary is many megabytes, so a lookup there is a cache miss;
+// text reuses few pairs (its script's character bytes, its frequent syllables), and those
+// answers stay here, in 256 KiB.
+class BpeModel::RecentMerges {
+ public:
+  // Forgets the answers about another model.
+  void bind(uint64_t model_serial) {
+    if (model_serial_ == model_serial) return;
+    model_serial_ = model_serial;
+    slots_.assign(kSlots, Slot{kEmpty, Merge{}});
+  }
+
+  // The merge of (left, right), or one of rank kNoMerge.
+  Merge find(const MergeTable& table, TokenId left, TokenId right) {
+    const uint64_t key = (uint64_t{left} << 32) | right;
+    Slot& slot = slots_[(key * 0x9E3779B97F4A7C15ull) >> (64 - kSlotBits)];
+    if (slot.key != key) {
+      const Merge* merge = table.find(left, right);
+      slot = Slot{key, merge ? *merge : Merge{kNoMerge, kNoToken}};
+    }
+    return slot.merge;
+  }
+
+ private:
+  static constexpr int kSlotBits = 14;
+  static constexpr size_t kSlots = size_t{1} << kSlotBits;
+  static constexpr uint64_t kEmpty = ~uint64_t{0};  // no pair: token ids are below 2^24
+  struct Slot {
+    uint64_t key;
+    Merge merge;
+  };
+  uint64_t model_serial_ = 0;
+  std::vector<Slot> slots_;
+};
+
+// merge_long's symbols: a linked list, the merge of the pair starting at each symbol
+// (kNoToken for none) and the heap of candidate merges.
+struct LongMergeState {
+  struct Candidate {
+    uint64_t order;  // rank << 32 | position: the lowest rank first, the leftmost on ties
+    TokenId merged;
+    bool operator>(const Candidate& other) const { return order > other.order; }
+  };
+  std::vector<uint32_t> previous, next;
+  std::vector<TokenId> pair_merges;
+  std::vector<Candidate> heap;
+};
+
+// Reached once per piece and passed down: in a shared library every thread_local access
+// is a call, which the compiler repeats inside loops.
+struct BpeModel::Scratch {
+  std::vector<TokenId> parts;
+  std::vector<uint32_t> lengths;
+  std::vector<uint32_t> ranks;  // merge's ranks of adjacent pairs
+  LongMergeState long_merge;
+  RecentMerges recent;
+};
 
 void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, std::vector<ByteRange>* ranges) const {
   if (piece.empty()) return;
@@ -253,8 +309,11 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, s
       return;
     }
   }
-  thread_local std::vector<TokenId> parts;
-  thread_local std::vector<uint32_t> lengths;
+  thread_local Scratch thread_scratch;
+  Scratch& scratch = thread_scratch;
+  scratch.recent.bind(serial_);
+  std::vector<TokenId>& parts = scratch.parts;
+  std::vector<uint32_t>& lengths = scratch.lengths;
   parts.clear();
   lengths.clear();
   std::vector<uint32_t>* tracked = ranges ? &lengths : nullptr;
@@ -264,7 +323,7 @@ void BpeModel::encode_piece(std::string_view piece, std::vector<TokenId>& out, s
   } else {
     split_characters(piece, parts, tracked);
   }
-  merge(parts, tracked);
+  merge(parts, tracked, scratch);
   out.insert(out.end(), parts.begin(), parts.end());
   if (ranges) lay_out(piece, lengths, *ranges);
 }
@@ -362,20 +421,22 @@ void BpeModel::split_characters(std::string_view piece, std::vector<TokenId>& pa
   if (pending_unknown != kNoToken) add(pending_unknown, pending_length);
 }
 
-void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths, Scratch& scratch) const {
   // Long pieces (SentencePiece-style text without a splitting pre-tokenizer is one piece
   // per segment) use the heap, which is O(n log n).
-  if (parts.size() > 64) return merge_long(parts, lengths);
+  if (parts.size() > 64) return merge_long(parts, lengths, scratch);
+  RecentMerges& recent = scratch.recent;
+  auto rank_of = [&](TokenId left, TokenId right) { return recent.find(merges_, left, right).rank; };
   // Merge the adjacent pair of lowest rank (the leftmost on ties) until none merges. The
   // ranks of adjacent pairs are kept beside the parts, so each merge recomputes two.
-  thread_local std::vector<uint32_t> ranks;
+  std::vector<uint32_t>& ranks = scratch.ranks;
   ranks.clear();
   for (size_t i = 0; i + 1 < parts.size(); ++i) ranks.push_back(rank_of(parts[i], parts[i + 1]));
   while (!ranks.empty()) {
     const auto lowest = std::min_element(ranks.begin(), ranks.end());
     if (*lowest == kNoMerge) break;
     const size_t i = lowest - ranks.begin();
-    parts[i] = merges_.find(parts[i], parts[i + 1])->merged;
+    parts[i] = recent.find(merges_, parts[i], parts[i + 1]).merged;
     parts.erase(parts.begin() + i + 1);
     if (lengths) {
       (*lengths)[i] += (*lengths)[i + 1];
@@ -387,62 +448,58 @@ void BpeModel::merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths
   }
 }
 
-void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const {
+void BpeModel::merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths, Scratch& scratch) const {
   // Hugging Face's Word::merge_all: a min-heap of (rank, position) over a linked list of
   // symbols. A popped candidate applies when the pair now at its position merges into the
-  // same token (Hugging Face's test); the candidate remembers its pair, so the lookup is
-  // needed only when an earlier merge changed a side.
-  struct Candidate {
-    uint32_t rank;
-    uint32_t position;
-    TokenId left, right, merged;
-    bool operator>(const Candidate& other) const {
-      return rank != other.rank ? rank > other.rank : position > other.position;
-    }
-  };
+  // candidate's token (Hugging Face's test). That pair's merge is kept per position,
+  // refreshed whenever the pair changes, so the test is one compare.
+  using Candidate = LongMergeState::Candidate;
   constexpr uint32_t kNone = UINT32_MAX;
+  LongMergeState& s = scratch.long_merge;
+  RecentMerges& recent = scratch.recent;
   const uint32_t n = static_cast<uint32_t>(parts.size());
-  thread_local std::vector<uint32_t> previous, next;
-  thread_local std::vector<Candidate> heap;
-  previous.resize(n);
-  next.resize(n);
-  heap.clear();
+  s.previous.resize(n);
+  s.next.resize(n);
+  s.pair_merges.assign(n, kNoToken);
+  s.heap.clear();
   for (uint32_t i = 0; i < n; ++i) {
-    previous[i] = i == 0 ? kNone : i - 1;
-    next[i] = i + 1 < n ? i + 1 : kNone;
+    s.previous[i] = i == 0 ? kNone : i - 1;
+    s.next[i] = i + 1 < n ? i + 1 : kNone;
   }
-  const std::greater<Candidate> later;
-  auto push = [&](uint32_t left) {
-    if (next[left] == kNone) return;
-    const TokenId right = parts[next[left]];
-    if (const Merge* merge = merges_.find(parts[left], right)) {
-      heap.push_back({merge->rank, left, parts[left], right, merge->merged});
-      std::push_heap(heap.begin(), heap.end(), later);
-    }
+  // Looks up the pair starting at symbol `left` and records it; true when it merges.
+  auto refresh = [&](uint32_t left) {
+    s.pair_merges[left] = kNoToken;
+    if (s.next[left] == kNone) return false;
+    const Merge merge = recent.find(merges_, parts[left], parts[s.next[left]]);
+    if (merge.rank == kNoMerge) return false;
+    s.pair_merges[left] = merge.merged;
+    s.heap.push_back({uint64_t{merge.rank} << 32 | left, merge.merged});
+    return true;
   };
-  for (uint32_t i = 0; i + 1 < n; ++i) push(i);
-  // A merged-away symbol is marked by a next of its own position (never a real link).
-  while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), later);
-    const Candidate top = heap.back();
-    heap.pop_back();
-    const uint32_t right = next[top.position];
-    if (right == kNone || right == top.position) continue;
-    if (parts[top.position] != top.left || parts[right] != top.right) {
-      const Merge* current = merges_.find(parts[top.position], parts[right]);
-      if (!current || current->merged != top.merged) continue;
+  const std::greater<Candidate> later;
+  for (uint32_t i = 0; i + 1 < n; ++i) refresh(i);
+  std::make_heap(s.heap.begin(), s.heap.end(), later);
+  while (!s.heap.empty()) {
+    std::pop_heap(s.heap.begin(), s.heap.end(), later);
+    const Candidate top = s.heap.back();
+    s.heap.pop_back();
+    const auto position = static_cast<uint32_t>(top.order);
+    // A merged-away symbol's pair_merges is kNoToken, so its candidates fail here too.
+    if (s.pair_merges[position] != top.merged) continue;
+    const uint32_t right = s.next[position];
+    parts[position] = top.merged;
+    if (lengths) (*lengths)[position] += (*lengths)[right];
+    s.next[position] = s.next[right];
+    if (s.next[right] != kNone) s.previous[s.next[right]] = position;
+    s.pair_merges[right] = kNoToken;
+    parts[right] = kNoToken;
+    for (const uint32_t changed : {s.previous[position], position}) {
+      if (changed != kNone && refresh(changed)) std::push_heap(s.heap.begin(), s.heap.end(), later);
     }
-    parts[top.position] = top.merged;
-    if (lengths) (*lengths)[top.position] += (*lengths)[right];
-    next[top.position] = next[right];
-    if (next[right] != kNone) previous[next[right]] = top.position;
-    next[right] = right;
-    if (previous[top.position] != kNone) push(previous[top.position]);
-    push(top.position);
   }
   uint32_t kept = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    if (next[i] == i) continue;
+    if (parts[i] == kNoToken) continue;
     parts[kept] = parts[i];
     if (lengths) (*lengths)[kept] = (*lengths)[i];
     ++kept;

@@ -89,19 +89,21 @@ class BpeModel {
     int shift_ = 64;
   };
 
-  uint32_t rank_of(TokenId left, TokenId right) const;
+  class RecentMerges;  // a thread's cache in front of merges_ (bpe.cpp)
+  struct Scratch;       // a thread's buffers for encoding a piece (bpe.cpp)
   void read_vocab(const json::Value& model);
   void read_merges(const json::Value& model);
   // The initial symbols of a piece: its characters (its bytes, byte-level), byte
   // fallbacks and unknowns. With lengths, each symbol's length in bytes (for a byte-level
   // piece, of its character in the byte-level string).
   void split_characters(std::string_view piece, std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
-  void merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  void merge(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths, Scratch& scratch) const;
   // The ranges of tokens of those lengths (split_characters' units), laid end to end.
   void lay_out(std::string_view piece, const std::vector<uint32_t>& lengths, std::vector<ByteRange>& ranges) const;
-  void merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths) const;
+  void merge_long(std::vector<TokenId>& parts, std::vector<uint32_t>* lengths, Scratch& scratch) const;
 
   bool byte_level_;
+  uint64_t serial_;  // identifies this model to the threads' RecentMerges
   std::unordered_map<std::string, TokenId> ids_by_bytes_;
   std::vector<std::string> token_bytes_;
   std::vector<bool> has_token_;
