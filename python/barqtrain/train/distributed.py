@@ -110,8 +110,9 @@ def parallelize(
         return model
     # DDP buckets only parameters that require a gradient: with LoRA, the adapters. Its first
     # broadcast makes every rank start from rank 0's weights. broadcast_buffers=False: the
-    # buffers (RoPE frequencies) are computed alike on every rank and never change, so
-    # broadcasting them before each forward would be wasted traffic.
+    # buffers (RoPE frequencies) are not trained; each rank's forward computes them from the
+    # config (with dynamic RoPE scaling, from its own batch's length), so copying rank 0's
+    # before each forward would be traffic at best.
     wrapped = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
         gradient_as_bucket_view=True,  # .grad views into the buckets: no second copy of the gradients
@@ -241,8 +242,8 @@ def barrier() -> None:
     drops the last reference, the all-gathers' tensors go with it and need the GIL for their
     Python objects, and during interpreter exit a thread that takes the GIL is ended by a
     forced unwind through a noexcept destructor: the process aborts (std::terminate; 2 of 45
-    two-process CPU runs of tests/python/train/distributed_worker.py). Holding the work leaves the last
-    reference, and so that destruction, to the main thread, which holds the GIL. The abort was
+    two-process CPU runs of tests/python/train/distributed_worker.py). Holding the work leaves
+    the last reference, and so that destruction, to the main thread, which holds the GIL. The abort was
     seen with gloo only; NCCL barriers stay plain (a multi-GPU run has not been made here).
     """
     global _last_gloo_barrier

@@ -11,8 +11,9 @@ end adapter/ (PEFT format) or model/ (renamed into place the same way), and trai
 write the disk refuses is one line naming the file and the --resume that continues the run.
 
 Under torchrun (WORLD_SIZE > 1) the model is wrapped in DDP or sharded with FSDP2 (see
-distributed.py); rank 0 writes everything, a checkpoint's model_state.pt and optimizer.pt then hold the full
-gathered state keyed by parameter name, and trainer_state.pt every rank's data position and RNG.
+distributed.py); rank 0 writes everything, a checkpoint's model_state.pt and optimizer.pt
+then hold the full gathered state keyed by parameter name, and trainer_state.pt every rank's
+data position and RNG.
 """
 
 from __future__ import annotations
