@@ -7,6 +7,17 @@ The corpus is the text file repeated to --megabytes and cut into documents at bl
 (about 1 KB each for Shakespeare), so batch encoding has independent work to share.
 Every competitor's ids are checked against barqtrain's before its speed is reported.
 
+With --scripts FOLDER it measures each text file there (one script each, such as
+benchmarks/data/udhr) on its own, twice. "Held out": each repeat loads a fresh tokenizer
+and encodes the scripts' texts one after another, each the first time it is seen (no
+piece of it in the thread's caches; only what scripts share, such as spaces, digits and
+punctuation), in an order rotated between repeats. "Seen": the same text at once again,
+its pieces and merges cached, as a long run finds the frequent words of a language.
+One-thread rows (barqtrain's and Hugging Face's) count the calling thread's CPU time, so
+other work on a shared machine does not lower them; rows on all cores count wall time.
+Names with a "/" are tokenizer folders given by path (tests/data/tokenizers/phi3-mini, a
+real SentencePiece-style BPE).
+
 No SentencePiece-style tokenizer.json ships with the shared data, so the "sentencepiece"
 row set uses one trained here with Hugging Face tokenizers on the text itself (32k
 tokens, Llama-2's layout: <0xNN> byte fallback, Prepend/Replace normalizer, no
@@ -99,12 +110,13 @@ def build_sentencepiece(text_path: Path, folder: Path, vocab_size: int = 32000) 
     return folder
 
 
-def best_seconds(run: Callable[[], object], repeats: int) -> tuple[float, object]:
+def best_seconds(run: Callable[[], object], repeats: int,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[float, object]:
     best, result = float("inf"), None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         result = run()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best, result
 
 
@@ -155,6 +167,67 @@ def bench_tokenizer(tokenizer_dir: Path, documents: list[str], repeats: int = 3)
     return rows
 
 
+def script_seconds(path: Path, texts: dict[str, list[str]], threads: int, repeats: int,
+                   clock: Callable[[], float]) -> dict[str, dict]:
+    """Per script, the best seconds of encoding its documents held out and seen, over
+    repeats, with the flat ids of a held-out run."""
+    best: dict[str, dict] = {script: {"held_out": float("inf"), "seen": float("inf")} for script in texts}
+    scripts = list(texts)
+    for repeat in range(repeats):
+        tokenizer = Tokenizer.from_file(path)  # its caches start empty on every thread
+        # The first call on a thread sizes its caches: done here, outside the timing.
+        tokenizer.encode_batch_flat(["."] * 64, add_special_tokens=False, num_threads=threads)
+        shift = repeat * len(scripts) // repeats
+        for script in scripts[shift:] + scripts[:shift]:
+            for kind in ("held_out", "seen"):
+                start = clock()
+                flat = tokenizer.encode_batch_flat(texts[script], add_special_tokens=False, num_threads=threads)
+                best[script][kind] = min(best[script][kind], clock() - start)
+                if kind == "held_out":
+                    best[script]["flat"] = flat
+    return best
+
+
+def bench_scripts(tokenizer_dir: Path, texts: dict[str, str], repeats: int = 3) -> list[dict]:
+    """Rows of {tokenizer, script, threads, held_out, seen, hf (MB/s), identical} for one
+    tokenizer on each script's text (documents cut at blank lines)."""
+    import tokenizers
+
+    path = tokenizer_dir / "tokenizer.json"
+    cores = os.cpu_count() or 1
+    theirs = tokenizers.Tokenizer.from_file(str(path))
+    documents = {script: [d + "\n\n" for d in text.split("\n\n")] for script, text in texts.items()}
+    hf_rates, references = {}, {}
+    for script, docs in documents.items():
+        megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
+        references[script] = [theirs.encode(d, add_special_tokens=False).ids for d in docs]
+        seconds, _ = best_seconds(lambda: [theirs.encode(d, add_special_tokens=False) for d in docs], repeats,
+                                  time.thread_time)
+        hf_rates[script] = megabytes / seconds
+    rows = []
+    for threads in (1, cores):
+        runs = script_seconds(path, documents, threads, repeats, time.thread_time if threads == 1 else time.perf_counter)
+        for script, docs in documents.items():
+            megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
+            ids, offsets = runs[script]["flat"]
+            rows.append({
+                "tokenizer": tokenizer_dir.name, "script": script, "threads": threads,
+                "held_out": megabytes / runs[script]["held_out"], "seen": megabytes / runs[script]["seen"],
+                "hf": hf_rates[script],
+                "identical": [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(docs))] == references[script],
+            })
+    return sorted(rows, key=lambda r: (r["script"], r["threads"]))
+
+
+def format_script_table(rows: list[dict]) -> str:
+    lines = ["| tokenizer | script | threads | held-out MB/s | seen MB/s | hf-tokenizers MB/s, 1 thread | "
+             "held-out speed-up | identical ids |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokenizer']} | {r['script']} | {r['threads']} | {r['held_out']:.1f} | {r['seen']:.1f} | "
+                     f"{r['hf']:.1f} | {r['held_out'] / r['hf']:.0f}x | {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     lines = ["| tokenizer | implementation | threads | MB/s | identical ids |", "|---|---|---:|---:|---|"]
     for r in rows:
@@ -173,7 +246,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text", type=Path, default=shared / "text" / "tinyshakespeare" / "input.txt")
     parser.add_argument("--megabytes", type=float, default=20.0, help="corpus size")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--scripts", type=Path, default=None,
+                        help="folder of one-script text files (benchmarks/data/udhr): per-script rows instead")
     args = parser.parse_args(argv)
+    if args.scripts is not None:
+        texts = {path.stem: path.read_text(encoding="utf-8") for path in sorted(args.scripts.glob("*.txt"))}
+        if not texts:
+            parser.error(f"--scripts {args.scripts}: no .txt files there")
+        print(f"scripts: {', '.join(texts)} from {args.scripts}; {os.cpu_count()} cores")
+        rows = []
+        for name in args.names.split(","):
+            rows += bench_scripts(Path(name) if "/" in name else args.tokenizers / name, texts, args.repeats)
+        print(format_script_table(rows))
+        return
     documents = load_corpus(args.text, args.megabytes)
     megabytes = sum(len(d.encode("utf-8")) for d in documents) / 1e6
     print(f"corpus: {args.text.name}, {megabytes:.1f} MB in {len(documents)} documents; {os.cpu_count()} cores")
