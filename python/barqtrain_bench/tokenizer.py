@@ -206,7 +206,8 @@ def bench_scripts(tokenizer_dir: Path, texts: dict[str, str], repeats: int = 3) 
         hf_rates[script] = megabytes / seconds
     rows = []
     for threads in (1, cores):
-        runs = script_seconds(path, documents, threads, repeats, time.thread_time if threads == 1 else time.perf_counter)
+        clock = time.thread_time if threads == 1 else time.perf_counter
+        runs = script_seconds(path, documents, threads, repeats, clock)
         for script, docs in documents.items():
             megabytes = sum(len(d.encode("utf-8")) for d in docs) / 1e6
             ids, offsets = runs[script]["flat"]
