@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -322,6 +323,56 @@ TEST(SentencePieceTokenizer, SplitsWordsOnlyWhereNoMergeCrosses) {
   std::vector<std::string_view> parts;
   model.split_words("▁a▁b▁a▁", parts);
   EXPECT_EQ(parts, (std::vector<std::string_view>{"▁a", "▁b▁a", "▁"}));
+}
+
+// BPE by its definition: merge the adjacent pair of lowest rank, the leftmost on ties,
+// until none merges. The test's merges never make one token in two ways, so Hugging Face's
+// heap gives exactly this.
+std::vector<std::string> reference_bpe(const std::string& piece,
+                                       const std::vector<std::pair<std::string, std::string>>& merges) {
+  std::vector<std::string> parts;
+  for (const char c : piece) parts.emplace_back(1, c);
+  for (;;) {
+    size_t best_rank = merges.size(), best_at = 0;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      for (size_t rank = 0; rank < best_rank; ++rank) {
+        if (merges[rank].first == parts[i] && merges[rank].second == parts[i + 1]) {
+          best_rank = rank;
+          best_at = i;
+          break;
+        }
+      }
+    }
+    if (best_rank == merges.size()) return parts;
+    parts[best_at] += parts[best_at + 1];
+    parts.erase(parts.begin() + best_at + 1);
+  }
+}
+
+TEST(BpeModel, ShortAndLongPiecesMergeAsBpeDefines) {
+  // Pieces of up to 64 symbols take the simple merge, longer ones the heap: both must be BPE.
+  const std::vector<std::pair<std::string, std::string>> merges = {
+      {"a", "b"}, {"c", "c"}, {"b", "c"}, {"ab", "ab"}, {"bc", "a"}, {"abab", "cc"}, {"a", "a"}, {"aa", "bca"}};
+  std::string vocab = R"("a": 0, "b": 1, "c": 2)", merge_list;
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [left, right] = merges[rank];
+    vocab += ", \"" + left + right + "\": " + std::to_string(3 + rank);
+    merge_list += std::string(rank ? ", " : "") + "\"" + left + " " + right + "\"";
+  }
+  const BpeModel bpe(json::parse(R"({"type": "BPE", "vocab": {)" + vocab + "}, \"merges\": [" + merge_list + "]}"),
+                     /*byte_level=*/false);
+  std::mt19937 random(7);
+  for (const size_t length : {1, 2, 17, 64, 65, 66, 200, 1000}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::string piece;
+      for (size_t i = 0; i < length; ++i) piece += "abc"[random() % 3];
+      std::vector<TokenId> ids;
+      bpe.encode_piece(piece, ids);
+      std::vector<std::string> tokens;
+      for (const TokenId id : ids) tokens.push_back(bpe.token_bytes(id));
+      ASSERT_EQ(tokens, reference_bpe(piece, merges)) << piece;
+    }
+  }
 }
 
 TEST(Tokenizer, MissingFileIsNamed) {
