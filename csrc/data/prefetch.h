@@ -42,7 +42,9 @@ class Prefetcher {
   size_t num_batches(bool drop_last) const;  // of the whole packing
   size_t rows_in(size_t batch) const;        // rows of batch (the last one may be short)
 
-  // Queues batch to be collated into buffers of rows_in(batch) * seq_length values each.
+  // Queues batch to be collated into buffers of rows_in(batch) * seq_length values each; a
+  // worker may write them until take(batch) returns or close() (or the destructor) has joined
+  // the workers, so they must stay valid until then.
   void submit(size_t batch, const RowBuffers& buffers);
   // Waits until batch is collated and returns its cu_seqlens. should_stop is called every few
   // milliseconds while waiting; when it returns true the wait ends with a PrefetchError (the

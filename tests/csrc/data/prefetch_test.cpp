@@ -77,8 +77,8 @@ TEST(Prefetch, BatchesMatchCollateInOrderWithEveryWorkerCount) {
 
 TEST(Prefetch, DepthBoundsWhatIsSubmittedAndMisuseIsAnError) {
   Fixture f;
+  Buffers a(64), b(64), c(64);  // before the prefetcher: its workers may write them until it is destroyed
   Prefetcher prefetch(f.packer, 2, 1, 2);
-  Buffers a(64), b(64), c(64);
   prefetch.submit(0, a.rows());
   EXPECT_THROW(prefetch.submit(0, a.rows()), PrefetchError);  // twice
   prefetch.submit(1, b.rows());
