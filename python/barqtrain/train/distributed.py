@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from barqtrain.patch.compile import decoder_layers
 from barqtrain.train.batches import scored_tokens
 from barqtrain.train.config import ConfigError, TrainConfig
 
@@ -123,11 +124,6 @@ def parallelize(
         f"parameters all-reduced in buckets; {config.batch_size} rows per process and micro-batch."
     )
     return wrapped
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (HF's *DecoderLayer modules, also inside PEFT's wrapper)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def shard_model(model: torch.nn.Module) -> None:
