@@ -107,18 +107,23 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def _rotated_rows(q, k, cos, sin, positions, bounds):
-    """q, k as [rows, H, D], rotated by the RoPE tables when given."""
-    q_rows, k_rows = _as_rows(q), _as_rows(k)
+def _rope_rows(q_rows, k_rows, cos, sin, positions, bounds, rotation=_rotate):
+    """q, k rows [rows, H, D] through `rotation` (_rotate, or _unrotate for gradients) by each
+    row's position (its index in its sequence when positions is None); as they are without tables."""
     if cos is None:
         return q_rows, k_rows
     q_parts, k_parts = [], []
     for q0, q1, k0, k1 in bounds:
-        pos_q = positions[q0:q1].long() if positions is not None else torch.arange(q1 - q0, device=q.device)
-        pos_k = positions[k0:k1].long() if positions is not None else torch.arange(k1 - k0, device=q.device)
-        q_parts.append(_rotate(q_rows[q0:q1], cos[pos_q], sin[pos_q]))
-        k_parts.append(_rotate(k_rows[k0:k1], cos[pos_k], sin[pos_k]))
+        pos_q = positions[q0:q1].long() if positions is not None else torch.arange(q1 - q0, device=q_rows.device)
+        pos_k = positions[k0:k1].long() if positions is not None else torch.arange(k1 - k0, device=q_rows.device)
+        q_parts.append(rotation(q_rows[q0:q1], cos[pos_q], sin[pos_q]))
+        k_parts.append(rotation(k_rows[k0:k1], cos[pos_k], sin[pos_k]))
     return torch.cat(q_parts), torch.cat(k_parts)
+
+
+def _rotated_rows(q, k, cos, sin, positions, bounds):
+    """q, k as [rows, H, D], rotated by the RoPE tables when given."""
+    return _rope_rows(_as_rows(q), _as_rows(k), cos, sin, positions, bounds)
 
 
 def attention_reference(
@@ -239,14 +244,7 @@ def attention_backward_reference(d_o, q, k, v, cu_seqlens_q=None, cu_seqlens_k=N
         dq_rot[q0:q1] = (d_scores @ ks).transpose(0, 1)
         dk_rot[k0:k1] = (d_scores.transpose(1, 2) @ qs).unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
         dv[k0:k1] = (probs.transpose(1, 2) @ d_os).unflatten(0, (kv_heads, group)).sum(1).transpose(0, 1)
-    if rope_cos is not None:
-        dq_parts, dk_parts = [], []
-        for q0, q1, k0, k1 in bounds:
-            pos_q = positions[q0:q1].long() if positions is not None else torch.arange(q1 - q0, device=q.device)
-            pos_k = positions[k0:k1].long() if positions is not None else torch.arange(k1 - k0, device=q.device)
-            dq_parts.append(_unrotate(dq_rot[q0:q1], rope_cos[pos_q], rope_sin[pos_q]))
-            dk_parts.append(_unrotate(dk_rot[k0:k1], rope_cos[pos_k], rope_sin[pos_k]))
-        dq_rot, dk_rot = torch.cat(dq_parts), torch.cat(dk_parts)
+    dq_rot, dk_rot = _rope_rows(dq_rot, dk_rot, rope_cos, rope_sin, positions, bounds, _unrotate)
     return (dq_rot.to(q.dtype).reshape(q.shape), dk_rot.to(k.dtype).reshape(k.shape),
             dv.to(v.dtype).reshape(v.shape))
 
