@@ -51,7 +51,7 @@ def matmul_sum(
     a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], alpha: Sequence[float], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """bias + Σ alpha[i] · a[i] @ b[i] in a's dtype, products summed in the order given."""
-    return torch.ops.barqtrain.matmul_sum(list(a), list(b), [float(scale) for scale in alpha], bias)
+    return torch.ops.barqtrain.matmul_sum(a, b, alpha, bias)
 
 
 def matmul_sum_reference(
