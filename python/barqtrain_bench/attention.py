@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from barqtrain import _op_library
 from barqtrain_bench.environment import Unavailable, collect_environment, device_name
-from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.report import format_table, format_value, problem_notes, row_label, write_json
 from barqtrain_bench.timing import time_calls
 from barqtrain.ops.attention import attention, attention_rope_tables
 
@@ -188,7 +188,7 @@ def run_attention_benchmark(out_dir: Path, command_line: str) -> None:
     cells = [
         (
             row["case"],
-            row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+            row_label(row, "implementation"),
             format_value(row.get("forward_ms"), ".2f"),
             format_value(row.get("forward_tflops"), ".0f"),
             format_value(row.get("forward_backward_ms"), ".2f"),

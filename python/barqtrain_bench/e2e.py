@@ -37,6 +37,7 @@ from barqtrain_bench.report import (
     format_value,
     grouped_values,
     problem_notes,
+    row_label,
     save_bar_chart,
     save_stacked_bar_chart,
     write_json,
@@ -204,7 +205,7 @@ def _results_table(rows: Sequence[dict[str, Any]]) -> str:
     cells = [
         (
             row["model"],
-            row["variant"] if row["status"] == "ok" else f"{row['variant']} ({row['status']})",
+            row_label(row, "variant"),
             format_value(row.get("tokens_per_s"), ",.0f"),
             format_value(row.get("speedup_vs_hf"), ".2f"),
             format_value(row.get("step_s"), ".3f"),

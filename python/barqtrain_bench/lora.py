@@ -28,7 +28,7 @@ from torch import nn
 
 from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
 from barqtrain_bench.models import LLAMA_8B, build_model
-from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.report import format_table, format_value, problem_notes, row_label, write_json
 from barqtrain_bench.timing import time_calls
 
 BASELINES = ("hf",)  # hf: Hugging Face + PEFT, the layers as PEFT computes them
@@ -270,7 +270,7 @@ def run_lora_benchmark(baselines: Sequence[str], out_dir: Path, command_line: st
         ("case", "impl", "fwd+bwd ms", "saved GiB", "peak GiB"),
         [
             (row["case"],
-             row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+             row_label(row, "implementation"),
              format_value(row.get("forward_backward_ms"), ".2f"), format_value(row.get("saved_gib"), ".2f"),
              format_value(row.get("peak_gib"), ".2f"))
             for row in decoder_rows

@@ -18,6 +18,7 @@ from barqtrain_bench.report import (
     format_value,
     grouped_values,
     problem_notes,
+    row_label,
     save_bar_chart,
     write_json,
 )
@@ -134,7 +135,7 @@ def _results_table(rows: Sequence[dict[str, Any]]) -> str:
         (
             row["op"],
             row["case"],
-            row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+            row_label(row, "implementation"),
             format_value(row.get("forward_ms"), ".4f"),
             format_value(row.get("forward_tbps"), ".2f"),
             format_value(_percent(row.get("forward_fraction_of_copy")), ".0f"),

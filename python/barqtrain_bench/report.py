@@ -14,6 +14,11 @@ def format_value(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def row_label(row: dict, key: str) -> str:
+    """A row's name cell (row[key]), with its status in parentheses unless it is "ok"."""
+    return row[key] if row["status"] == "ok" else f"{row[key]} ({row['status']})"
+
+
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(columns, *rows, strict=True)]
     lines = [columns, ["-" * width for width in widths], *rows]

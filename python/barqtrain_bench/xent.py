@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from barqtrain import _op_library
 from barqtrain_bench.ceilings import measure_ceilings
 from barqtrain_bench.environment import Unavailable, collect_environment, device_name, import_optional
-from barqtrain_bench.report import format_table, format_value, problem_notes, write_json
+from barqtrain_bench.report import format_table, format_value, problem_notes, row_label, write_json
 from barqtrain_bench.timing import time_calls
 
 BASELINES = ("hf", "liger")  # hf: the unfused loss of Hugging Face's causal-LM heads
@@ -147,7 +147,7 @@ def run_xent_benchmark(baselines: Sequence[str], out_dir: Path, command_line: st
     cells = [
         (
             row["case"],
-            row["implementation"] if row["status"] == "ok" else f"{row['implementation']} ({row['status']})",
+            row_label(row, "implementation"),
             format_value(row.get("forward_backward_ms"), ".1f"),
             format_value(row.get("tflops"), ".0f"),
             format_value(100 * row["tflops"] / ceilings.matmul_tflops if "tflops" in row else None, ".0f"),
