@@ -34,15 +34,25 @@ def check_quant_type(quant_type: str) -> None:
 
 
 class _QuantizedLinear(nn.Linear):
-    """y = x Wᵀ + b with W frozen and quantized, kept as buffers so that state_dict and .to()
-    carry it. An nn.Linear subclass so that PEFT's LoRA wraps it; its `weight` is a
-    QuantizedWeight, rebuilt from the buffers at each access."""
+    """y = x Wᵀ + b with W frozen and quantized. An nn.Linear subclass so that PEFT's LoRA
+    wraps it; its `weight` is a QuantizedWeight, rebuilt at each access from the tensors the
+    module holds.
+
+    The quantized data, and the scales that grow with it, are frozen parameters (never
+    trained), so that FSDP2 shards them on dim 0 with the rest of the layer and gathers
+    them whole for the layer's forward and backward: the fused dequant-GEMM sees the exact
+    tensors, and each rank stores 1/N of them. Fixed-size tables (the absmax code, its
+    offset) are buffers, which every rank holds whole. state_dict and .to() carry both."""
 
     def __init__(self, shape: tuple[int, int], compute_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a 16-bit weight
         self.out_features, self.in_features = shape
         self.compute_dtype = compute_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def register_frozen(self, name: str, tensor: torch.Tensor | None) -> None:
+        """tensor as the frozen parameter `name` (None: the parameter is absent)."""
+        self.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -54,10 +64,11 @@ class Linear4bit(_QuantizedLinear):
     def __init__(self, packed: Packed4bit, bias: torch.Tensor | None = None) -> None:
         super().__init__(packed.shape, packed.dtype, bias)
         self.quant_type = packed.quant_type
-        self.register_buffer("packed", packed.packed)
-        self.register_buffer("absmax", packed.absmax)
-        for name in ("absmax_code", "absmax2", "absmax_offset"):
-            self.register_buffer(name, getattr(packed, name))
+        self.register_frozen("packed", packed.packed)
+        self.register_frozen("absmax", packed.absmax)
+        self.register_frozen("absmax2", packed.absmax2)  # one per 256 absmax: sharded along with them
+        self.register_buffer("absmax_code", packed.absmax_code)
+        self.register_buffer("absmax_offset", packed.absmax_offset)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True) -> Linear4bit:
@@ -84,8 +95,8 @@ class Linear8bit(_QuantizedLinear):
 
     def __init__(self, packed: Packed8bit, bias: torch.Tensor | None = None) -> None:
         super().__init__(packed.shape, packed.dtype, bias)
-        self.register_buffer("int8_weight", packed.q)
-        self.register_buffer("row_absmax", packed.row_absmax)
+        self.register_frozen("int8_weight", packed.q)
+        self.register_frozen("row_absmax", packed.row_absmax)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Linear8bit:
