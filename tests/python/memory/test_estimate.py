@@ -101,10 +101,15 @@ def test_quantized_weights_are_what_quantize_model_keeps(quant_type, double_quan
     model = tiny_model("llama", dtype=torch.bfloat16, intermediate_size=intermediate)
     quantize_model(model, quant_type, double_quant)
     quantized = {name for name, module in model.named_modules() if type(module).__name__ in ("Linear4bit", "Linear8bit")}
-    # The parameters (16-bit) and the quantized layers' buffers (codes and quantization state,
-    # each its own allocation); not the rotary embedding's frequencies, which are no weights.
-    held = sum(p.nbytes for p in model.parameters())
-    held += sum(_allocated(t.nbytes) for name, t in model.named_buffers() if name.rpartition(".")[0] in quantized)
+    # The 16-bit parameters and the quantized layers' tensors (codes and quantization state,
+    # frozen parameters and buffers, each its own allocation); not the rotary embedding's
+    # frequencies, which are no weights.
+    def in_quantized(name: str) -> bool:
+        return name.rpartition(".")[0] in quantized
+
+    held = sum(p.nbytes for name, p in model.named_parameters() if not in_quantized(name))
+    quantized_tensors = [t for name, t in [*model.named_parameters(), *model.named_buffers()] if in_quantized(name)]
+    held += sum(_allocated(t.nbytes) for t in quantized_tensors)
     config = _config(method="qlora", precision="bf16", qlora={"quant_type": quant_type, "double_quant": double_quant})
     assert weight_bytes(ModelShape.from_hf_config(model.config), config)[0] == held
 
