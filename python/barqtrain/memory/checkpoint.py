@@ -240,8 +240,8 @@ class _OffloadedLayer(torch.autograd.Function):
         *rest: Any,
     ) -> Any:
         ctx.owner, ctx.function = owner, function
-        ctx.rng = _RngState(hidden_states.device)
-        ctx.autocast = _AutocastState(hidden_states.device)
+        ctx.rng = RngState(hidden_states.device)
+        ctx.autocast = AutocastState(hidden_states.device)
         ctx.kept = owner._keep(hidden_states)  # its device-to-host copy overlaps the compute below
         tensor_rest = [i for i, value in enumerate(rest) if isinstance(value, torch.Tensor)]
         ctx.rest = [None if i in tensor_rest else value for i, value in enumerate(rest)]
@@ -337,7 +337,7 @@ def _unflatten(flat: tuple[Any, ...]) -> Any:
     return build(structure.template)
 
 
-class _RngState:
+class RngState:
     """The CPU RNG state and, for a CUDA input, its device's, as the forward found them; the
     recompute runs from them (the same dropout masks) inside a fork, so that the RNG after
     the backward is what it would be without checkpointing."""
@@ -357,7 +357,7 @@ class _RngState:
             yield
 
 
-class _AutocastState:
+class AutocastState:
     """The autocast settings of the forward (the input's device type and the CPU's), which the
     recompute replays: the backward runs outside the autocast region."""
 

@@ -5,6 +5,9 @@ The projections are the module's own layers, called, so that PEFT LoRA layers an
 linears in their place keep working; except where they are LoRA layers patched by BarqTrain
 (and plain nn.Linear): then the whole MLP is one barqtrain.lora.lora_gated_mlp, which stores
 less for the backward than the layers would one by one.
+
+Either forward runs a tile of tokens at a time when the MLP has a tile size
+(barqtrain.memory.set_mlp_tile_tokens): its intermediates then never exist for the whole sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 
 from barqtrain import ops
 from barqtrain.lora import lora_gated_mlp
+from barqtrain.memory.tiling import tiled_module_call
 from barqtrain.patch.fallback import fall_back
 from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, qualified_name
@@ -50,6 +54,10 @@ def _unsupported_activation(activation_fn: nn.Module) -> str | None:
 
 def gate_up_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """LlamaMLP and its copies (Mistral, Qwen2, Qwen3, Gemma 1/2/3): separate gate_proj and up_proj."""
+    return tiled_module_call(self, _gate_up_mlp, x)
+
+
+def _gate_up_mlp(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     activation = _glu_activation(self.act_fn)
     if activation is None:
         return fall_back(self, _unsupported_activation(self.act_fn))(x)
@@ -62,6 +70,10 @@ def gate_up_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def fused_gate_up_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Phi3MLP: one gate_up_proj whose output halves are gate and up (strided views, no copy)."""
+    return tiled_module_call(self, _fused_gate_up_mlp, hidden_states)
+
+
+def _fused_gate_up_mlp(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     activation = _glu_activation(self.activation_fn)
     if activation is None:
         return fall_back(self, _unsupported_activation(self.activation_fn))(hidden_states)
@@ -71,6 +83,12 @@ def fused_gate_up_mlp_forward(self: nn.Module, hidden_states: torch.Tensor) -> t
         return lora_gated_mlp(hidden_states, [gate_up], down, activation)
     gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
     return self.down_proj(ops.glu(gate, up, activation))
+
+
+def is_patched_mlp(module: nn.Module) -> bool:
+    """Whether `module` computes one of the forwards above (patched per instance or per class)."""
+    forward = getattr(module, "forward", None)
+    return getattr(forward, "__func__", None) in (gate_up_mlp_forward, fused_gate_up_mlp_forward)
 
 
 def gate_up_mlp(module_class: str) -> ModuleReplacement:
