@@ -16,6 +16,7 @@
 #include "kernels/glu.h"
 #include "kernels/norm.h"
 #include "kernels/quant/quant.h"
+#include "kernels/quant/ternary.h"
 #include "kernels/rope.h"
 #endif
 
@@ -112,6 +113,11 @@ TORCH_LIBRARY(barqtrain, m) {
   // (the forward scales its fp32 sums by row_absmax / 127; the backward multiplies by the
   // dequantize_int8_rows values).
   m.def("matmul_int8(Tensor a, Tensor q, Tensor row_absmax, bool grad_input) -> Tensor");
+  // a Wᵀ (grad_input false) or a W (grad_input true) for a ternary W = t * scale (kernels/quant/
+  // ternary.h): packed uint8 [out_features, in_features / 4] (2 bits a weight), scales float32
+  // [out_features, groups] (in_features / groups weights of a row share one); unpacked inside
+  // the GEMM.
+  m.def("matmul_ternary(Tensor a, Tensor packed, Tensor scales, bool grad_input) -> Tensor");
   // out [M, N] = bias + sum_i alpha[i] * a[i] @ b[i] (a[i] [M, K_i], b[i] [K_i, N], any strides),
   // in a's dtype. The products go into out in the order given, each after the first added by
   // its GEMM's epilogue (beta 1), so none has a [M, N] tensor of its own; list the small-K
@@ -1017,6 +1023,39 @@ at::Tensor matmul_int8_cuda(const at::Tensor& a_in, const at::Tensor& q, const a
   return operands.c;
 }
 
+at::Tensor matmul_ternary_cuda(const at::Tensor& a_in, const at::Tensor& packed, const at::Tensor& scales,
+                               bool grad_input) {
+  TORCH_CHECK(packed.is_cuda() && packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "barqtrain: matmul_ternary packed must be a contiguous 2-D uint8 CUDA tensor, got ", packed.scalar_type(),
+              " ", packed.sizes());
+  const int64_t out_features = packed.size(0), in_features = packed.size(1) * 4;
+  TORCH_CHECK(in_features % k::kTernarySliceWeights == 0, "barqtrain: matmul_ternary needs in_features a multiple of ",
+              k::kTernarySliceWeights, ", got ", in_features);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == out_features && scales.size(1) > 0 && in_features % scales.size(1) == 0 &&
+                  scales.device() == packed.device(),
+              "barqtrain: matmul_ternary scales must be contiguous float32 [", out_features,
+              ", groups] with groups dividing in_features (", in_features, ") on ", packed.device(), ", got ",
+              scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(a_in.is_cuda() && a_in.device() == packed.device(),
+              "barqtrain: matmul_ternary input must be a CUDA tensor on ", packed.device());
+  TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 || a_in.scalar_type() == at::kHalf,
+              "barqtrain: matmul_ternary input must be bfloat16 or float16, got ", a_in.scalar_type());
+  const int64_t a_cols = grad_input ? out_features : in_features;
+  TORCH_CHECK(a_in.dim() >= 1 && a_in.size(-1) == a_cols, "barqtrain: matmul_ternary input must end in ", a_cols,
+              grad_input ? " (out_features)" : " (in_features)", ", got ", a_in.sizes());
+  const c10::cuda::CUDAGuard guard(packed.device());
+  QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
+  if (operands.c.numel() == 0) return operands.c;
+  k::TernaryGemmParams p;
+  operands.fill(p);
+  p.packed = static_cast<const uint8_t*>(packed.data_ptr());
+  p.scales = scales.data_ptr<float>();
+  p.group_size = in_features / scales.size(1);
+  k::ternary_gemm(p, current_stream(operands.a));
+  return operands.c;
+}
+
 at::Tensor matmul_sum_cuda(at::TensorList a, at::TensorList b, at::ArrayRef<double> alpha,
                            const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(!a.empty() && a.size() == b.size() && a.size() == alpha.size(),
@@ -1066,6 +1105,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("quantize_int8_rows", &quantize_int8_rows_cuda);
   m.impl("dequantize_int8_rows", &dequantize_int8_rows_cuda);
   m.impl("matmul_int8", &matmul_int8_cuda);
+  m.impl("matmul_ternary", &matmul_ternary_cuda);
   m.impl("matmul_sum", &matmul_sum_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA

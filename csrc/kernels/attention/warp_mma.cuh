@@ -32,6 +32,12 @@ __device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_sr
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
                "r"(src_bytes));
 }
+// 8 bytes global -> shared, asynchronously (through L1); src_bytes 0 writes zeros.
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* global_src, bool valid) {
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_address(smem_dst)), "l"(global_src),
+               "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

@@ -1,7 +1,8 @@
-// The fused dequant-GEMMs of a quantized weight (quant.h): C = A · Wᵀ or A · W, W in 4 bits
-// (NF4/FP4) or int8 with a scale per row.
+// The fused dequant-GEMMs of a quantized weight (quant.h, ternary.h): C = A · Wᵀ or A · W, W in
+// 4 bits (NF4/FP4), int8 with a scale per row, or ternary with a scale per group of a row.
 //
-// One kernel template; the weight format is a compile-time policy (Nf4Slices, Int8Slices)
+// One kernel template; the weight format is a compile-time policy (Nf4Slices, Int8Slices,
+// TernarySlices)
 // that says how a thread's slice of the W tile travels to shared memory and becomes 16-bit
 // values, and whether a scale is left for the epilogue.
 //
@@ -9,7 +10,7 @@
 // each) through mma.sync m16n8k16 with fp32 accumulators. The depth is walked 64 at a time:
 // a 3-stage cp.async pipeline brings the A tile (16-bit, 128 x 64) and the W tile's stored
 // bytes (one slice of 32 consecutive values of one W row per thread: 16 bytes in 4 bits, 32
-// in int8) into shared memory; each step then dequantizes every slice into a padded shared
+// in int8, 8 in ternary) into shared memory; each step then dequantizes every slice into a padded shared
 // tile that ldmatrix reads. The W tile is kept as W's own rows in both directions:
 //   forward  (C = A · Wᵀ): 128 W rows (output columns) x 64 W columns (depth), ldmatrix
 //   backward (C = A · W) :  64 W rows (depth) x 128 W columns (output columns), ldmatrix.trans
@@ -23,11 +24,13 @@
 #include "kernels/quant/dequant_gemm_sm90.h"
 #endif
 #include "kernels/quant/quant_device.cuh"
+#include "kernels/quant/ternary.h"
 
 namespace barqtrain::kernels {
 namespace {
 
 using attention::cp_async_16;
+using attention::cp_async_8;
 using attention::cp_async_commit;
 using attention::cp_async_wait;
 using attention::ldmatrix_x4;
@@ -70,7 +73,7 @@ struct SlicePosition {
 };
 
 // ---------------------------------------------------------------- weight policies
-// A policy gives: Params; kSliceBytes (stored bytes of a 32-value slice, a multiple of 16);
+// A policy gives: Params; kSliceBytes (stored bytes of a 32-value slice: 8 or a multiple of 16);
 // kTableFloats (shared lookup tables) and load_tables; slice_source (the stored bytes of a
 // slice); slice_scale (a per-slice value read one step ahead, 0 past W's edges); dequantize
 // (32 stored values -> 16-bit values in the tile); kScalesOutputColumns and
@@ -149,6 +152,41 @@ struct Int8Slices {
   }
 };
 
+// Ternary (ternary.h): 32 weights of a row in 8 bytes under one scale (a slice never crosses a
+// group), each round_to_T(t * scale) in the tile (dequantize_ternary's bits), both directions.
+template <typename T, QuantGemmOp kOp>
+struct TernarySlices {
+  using Params = TernaryGemmParams;
+  static constexpr int kSliceBytes = kSliceValues / 4;
+  static constexpr int kTableFloats = 0;
+  static constexpr bool kScalesOutputColumns = false;
+
+  static __device__ void load_tables(const Params&, float*) {}
+  static __device__ const uint8_t* slice_source(const Params& p, int64_t row, int64_t col) {
+    return p.packed + (row * p.k + col) / 4;
+  }
+  static __device__ float slice_scale(const Params& p, const float*, int64_t row, int64_t col) {
+    const int64_t groups = p.k / p.group_size;
+    return __ldg(p.scales + row * groups + col / p.group_size);
+  }
+  static __device__ void dequantize(const uint8_t* bytes, float scale, const float*, T* dst) {
+    const uint2 chunk = *reinterpret_cast<const uint2*>(bytes);
+    const uint32_t words[2] = {chunk.x, chunk.y};
+    const uint32_t scale_pair = attention::pack2<T>(scale, scale);
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t pairs[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pairs[e] = quant::dequantize_ternary_pair<T>(words[w], 4 * s + e, scale_pair);
+        *reinterpret_cast<uint4*>(dst + 16 * w + 8 * s) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      }
+    }
+  }
+  static __device__ float output_column_scale(const Params&, int64_t) { return 1.0f; }
+};
+
 template <typename Slices, QuantGemmOp kOp>
 constexpr size_t smem_bytes() {
   return kStages * (kBM * kAStride * 2 + kThreads * Slices::kSliceBytes) +
@@ -178,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
   Slices::load_tables(p, tables);
 
   // Stage `stage` <- depth step `step`: the A tile (rows past m, columns past depth are
-  // zeros) and this thread's slice of W, 16 bytes at a time (zeros past W's edges).
+  // zeros) and this thread's slice of W, 16 bytes at a time, or 8 for an 8-byte slice (zeros
+  // past W's edges).
   auto load_step = [&](int step, int stage) {
     T* a_tile = a_stages + stage * kBM * kAStride;
     for (int idx = threadIdx.x; idx < kBM * (kBK / 8); idx += kThreads) {
@@ -189,13 +228,19 @@ __global__ void __launch_bounds__(kThreads) dequant_gemm_kernel(typename Format<
     }
     const SlicePosition<kOp> slice(step, col_base);
     uint8_t* dst = w_stages + stage * kStageBytes + threadIdx.x * Slices::kSliceBytes;
-    constexpr int kValuesPer16Bytes = kSliceValues * 16 / Slices::kSliceBytes;
+    constexpr int kPieceBytes = Slices::kSliceBytes < 16 ? Slices::kSliceBytes : 16;
+    static_assert(kPieceBytes == 8 || kPieceBytes == 16, "slices travel 8 or 16 bytes at a time");
+    constexpr int kValuesPerPiece = kSliceValues * kPieceBytes / Slices::kSliceBytes;
 #pragma unroll
-    for (int piece = 0; piece < Slices::kSliceBytes / 16; ++piece) {
-      const int64_t col = slice.col + piece * kValuesPer16Bytes;
+    for (int piece = 0; piece < Slices::kSliceBytes / kPieceBytes; ++piece) {
+      const int64_t col = slice.col + piece * kValuesPerPiece;
       const bool valid = slice.row < p.n && col < p.k;
       const uint8_t* src = Slices::slice_source(p, valid ? slice.row : 0, valid ? col : 0);
-      cp_async_16(dst + 16 * piece, src, valid);
+      if constexpr (kPieceBytes == 16) {
+        cp_async_16(dst + 16 * piece, src, valid);
+      } else {
+        cp_async_8(dst + 8 * piece, src, valid);
+      }
     }
   };
   auto slice_scale = [&](int step) {
@@ -388,6 +433,20 @@ void int8_gemm(const Int8GemmParams& p, cudaStream_t stream) {
 #endif
   }
   dispatch<Int8Slices>(p, stream, "int8_gemm");
+}
+
+void ternary_gemm(const TernaryGemmParams& p, cudaStream_t stream) {
+  check_gemm(p, "the ternary GEMM");
+  require(p.k % kTernarySliceWeights == 0, "the ternary GEMM needs in_features (k) a multiple of 32, got " +
+                                               std::to_string(p.k));
+  require(p.group_size > 0 && p.group_size % kTernarySliceWeights == 0 && p.k % p.group_size == 0,
+          "the ternary GEMM needs group_size a multiple of 32 dividing in_features (" + std::to_string(p.k) +
+              "), got " + std::to_string(p.group_size));
+  require(is_aligned(p.packed, 8), "the ternary weight must be 8-byte aligned");
+  require(p.scales != nullptr, "the ternary weight's scales are missing");
+  require(p.kernel != QuantGemmKernel::kHopper, "the ternary GEMM has no Hopper kernel yet; use kAuto or kGeneral");
+  if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  dispatch<TernarySlices>(p, stream, "ternary_gemm");
 }
 
 }  // namespace barqtrain::kernels

@@ -1,12 +1,13 @@
 // The values a dequant-GEMM multiplies by, one formula per weight format, shared by the
 // general (mma.sync) kernel and the Hopper (wgmma) kernel so that both put the same bits in
-// their 16-bit W tiles: the bits dequantize_4bit and dequantize_int8_rows write; and how both
-// store their outputs.
+// their 16-bit W tiles: the bits dequantize_4bit, dequantize_int8_rows and dequantize_ternary
+// write; and how both store their outputs.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/attention/warp_mma.cuh"
 #include "kernels/device_utils.cuh"
@@ -36,6 +37,32 @@ __device__ __forceinline__ uint32_t dequantize_int8_pair(uint32_t pair, float ab
 }
 
 __device__ __forceinline__ float int8_output_column_scale(float absmax) { return __fdiv_rn(absmax, 127.0f); }
+
+// Ternary (ternary.h): weights 2p and 2p + 1 of a 32-bit word of codes as a T pair
+// round_to_T(t * scale), given scale_pair = round_to_T(scale) in both halves. Each code c
+// (t + 1) goes under the exponent of a power of two, 1024 + c in fp16 or 128 + c in bf16
+// (exact), minus 1025 or 129 leaves t exactly, and t times the rounded scale is +-it or +0,
+// exact as well: 3 instructions a pair, both halves at once.
+template <typename T>
+struct TernaryBias;
+template <>
+struct TernaryBias<__half> {
+  static constexpr uint32_t kCode = 0x64006400u, kZero = 0x64016401u;  // 1024 + c; 1025
+};
+template <>
+struct TernaryBias<__nv_bfloat16> {
+  static constexpr uint32_t kCode = 0x43004300u, kZero = 0x43014301u;  // 128 + c; 129
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t dequantize_ternary_pair(uint32_t word, int pair, uint32_t scale_pair) {
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  const uint32_t biased = ((word >> (2 * pair)) & 0x00030003u) | TernaryBias<T>::kCode;
+  const uint32_t zero = TernaryBias<T>::kZero;
+  const T2 t = __hsub2(*reinterpret_cast<const T2*>(&biased), *reinterpret_cast<const T2*>(&zero));
+  const T2 value = __hmul2(t, *reinterpret_cast<const T2*>(&scale_pair));
+  return *reinterpret_cast<const uint32_t*>(&value);
+}
 
 // Columns col and col + 1 of one row of C (dst points at col): one 4-byte store when the row
 // keeps them 4-byte aligned (`paired`) and both lie within the out_cols columns, else each

@@ -130,6 +130,13 @@ def matmul_int8(a, q, row_absmax, grad_input):
     return a.new_empty((*a.shape[:-1], in_features if grad_input else out_features))
 
 
+@torch.library.register_fake("barqtrain::matmul_ternary")
+def matmul_ternary(a, packed, scales, grad_input):
+    out_features, in_features = packed.shape[0], packed.shape[1] * 4
+    torch._check(a.shape[-1] == (out_features if grad_input else in_features), lambda: "input size mismatch")
+    return a.new_empty((*a.shape[:-1], in_features if grad_input else out_features))
+
+
 @torch.library.register_fake("barqtrain::matmul_sum")
 def matmul_sum(a, b, alpha, bias=None):
     torch._check(len(a) == len(b) and len(a) > 0, lambda: "matmul_sum needs as many a as b, at least one")

@@ -1,5 +1,6 @@
-// 4-bit (NF4/FP4) and int8 quantization kernels and the fused dequant-GEMMs against the CPU
-// reference (kernels/quant/quant_reference.h), with poisoned outputs and fresh random inputs.
+// 4-bit (NF4/FP4) and int8 quantization kernels and the fused dequant-GEMMs (ternary's too)
+// against the CPU references (kernels/quant/quant_reference.h, ternary_reference.h), with
+// poisoned outputs and fresh random inputs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -7,6 +8,8 @@
 
 #include "kernels/quant/quant.h"
 #include "kernels/quant/quant_reference.h"
+#include "kernels/quant/ternary.h"
+#include "kernels/quant/ternary_reference.h"
 #include "test_utils.cuh"
 
 namespace barqtrain::testing {
@@ -514,6 +517,112 @@ TEST(Nf4GemmChecks, RejectsDepthNotMultipleOf64) {
   p.n = 64;
   p.k = 100;
   EXPECT_THROW(k::nf4_gemm(p, nullptr), std::invalid_argument);
+}
+
+// The ternary GEMM (general kernel) with W from the reference quantizer, a zero row included
+// (scale 0), against A · W(ᵀ) in double over the values t * scale rounded to T.
+struct TernaryCase {
+  GemmCase gemm;
+  int64_t group_size;  // 0: one scale per row (group_size = k)
+};
+
+void PrintTo(const TernaryCase& c, std::ostream* os) {
+  PrintTo(c.gemm, os);
+  *os << " group_size=" << (c.group_size ? c.group_size : c.gemm.k);
+}
+
+class TernaryGemm : public ::testing::TestWithParam<TernaryCase> {
+ protected:
+  template <typename T>
+  void run_case() {
+    BARQTRAIN_REQUIRE_GPU();
+    const GemmCase c = GetParam().gemm;
+    const int64_t group_size = GetParam().group_size ? GetParam().group_size : c.k;
+    std::mt19937_64 rng = fresh_rng(c.m * 41 + c.n * 3 + c.k + group_size);
+    std::vector<T> w;
+    std::vector<double> w_exact;
+    random_values<T>(c.n * c.k, 0.0, 0.05, rng, w, w_exact);
+    std::vector<float> w_float = as_float(w);
+    std::fill(w_float.begin(), w_float.begin() + c.k, 0.0f);
+    const ref::QuantizedTernary q = ref::quantize_ternary(w_float, c.n, c.k, group_size);
+    const std::vector<float> w_fp32 = ref::dequantize_ternary(q, c.k, group_size);
+    std::vector<double> w_rounded(w_fp32.size());
+    for (size_t i = 0; i < w_fp32.size(); ++i) w_rounded[i] = Storage<T>::to_double(Storage<T>::from_double(w_fp32[i]));
+    DeviceBuffer d_packed = DeviceBuffer::from_host(ref::pack_ternary(q.codes));
+    DeviceBuffer d_scales = DeviceBuffer::from_host(q.scales);
+    check_gemm_against_double<T>(c, k::QuantGemmKernel::kAuto, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
+      k::TernaryGemmParams p;
+      static_cast<k::QuantGemmParams&>(p) = shared;
+      p.packed = static_cast<const uint8_t*>(d_packed.get());
+      p.scales = static_cast<const float*>(d_scales.get());
+      p.group_size = group_size;
+      k::ternary_gemm(p, nullptr);
+    });
+  }
+};
+
+TEST_P(TernaryGemm, MatchesDequantizedMatmulInDouble) {
+  if (GetParam().gemm.dtype == k::DType::kBFloat16) {
+    run_case<__nv_bfloat16>();
+  } else {
+    run_case<__half>();
+  }
+}
+
+std::string ternary_name(const ::testing::TestParamInfo<TernaryCase>& info) {
+  const GemmCase& c = info.param.gemm;
+  return std::string(k::dtype_name(c.dtype)) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" +
+         std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + "_g" +
+         std::to_string(info.param.group_size) + (c.padded_rows ? "_padded" : "");
+}
+
+// k a multiple of 32 but not of 64 (a partial depth step), odd m and n, padded rows, groups of
+// 32 (one per slice) and 64; the last two walk 32 and 24 depth steps over 60 CTAs.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, TernaryGemm,
+    ::testing::Values(TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 32, false, false}, 0},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 224, false, false}, 32},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, true}, 0},
+                      TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, false, true}, 64},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 32, false, false}, 0},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 224, false, false}, 32},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true}, 0},
+                      TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, false, true}, 64},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, false, false}, 128},
+                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, false, true}, 0}),
+    ternary_name);
+
+// The format's preconditions, each an error naming it, before any launch.
+TEST(TernaryGemmChecks, RejectsBadShapesGroupsAndTheHopperKernel) {
+  alignas(16) static const uint8_t aligned_bytes[64] = {};
+  const auto params = [&](int64_t k, int64_t group_size) {
+    k::TernaryGemmParams p;
+    p.m = 4;
+    p.n = 64;
+    p.k = k;
+    p.a_row_stride = k;
+    p.c_row_stride = 64;
+    p.a = aligned_bytes;
+    p.c = const_cast<uint8_t*>(aligned_bytes);
+    p.packed = aligned_bytes;
+    p.scales = reinterpret_cast<const float*>(aligned_bytes);
+    p.group_size = group_size;
+    return p;
+  };
+  const auto expect_error = [](const k::TernaryGemmParams& p, const std::string& words) {
+    try {
+      k::ternary_gemm(p, nullptr);
+      ADD_FAILURE() << "accepted; expected an error with '" << words << "'";
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find(words), std::string::npos) << error.what();
+    }
+  };
+  expect_error(params(48, 48), "multiple of 32");
+  expect_error(params(128, 48), "group_size");
+  expect_error(params(128, 256), "group_size");
+  k::TernaryGemmParams hopper = params(128, 128);
+  hopper.kernel = k::QuantGemmKernel::kHopper;
+  expect_error(hopper, "no Hopper kernel");
 }
 
 }  // namespace
