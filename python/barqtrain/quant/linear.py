@@ -1,4 +1,5 @@
-"""Linear4bit and Linear8bit (frozen quantized nn.Linear layers that need no bitsandbytes),
+"""Linear4bit, Linear8bit and LinearTernary (frozen quantized nn.Linear layers that need no
+bitsandbytes),
 quantize_model, and the recognition of bitsandbytes' Linear4bit, so that every kind of base is
 computed alike."""
 
@@ -11,26 +12,38 @@ from torch import nn
 
 from barqtrain.ops import quant as quant_ops
 from barqtrain.ops.quant import Packed4bit, Packed8bit
+from barqtrain.ops.ternary import TERNARY_MULTIPLE, PackedTernary, quantize_ternary
 from barqtrain.quant.weight import (
     QuantizedWeight,
     Weight4bit,
     Weight8bit,
+    WeightTernary,
     from_bitsandbytes,
 )
 
 BNB_LINEAR_4BIT_CLASS = "bitsandbytes.nn.modules.Linear4bit"
-QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8")
+QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8", "ternary")
 # in_features must be a multiple of this for the format (the 4-bit blocks of 64 run along a
-# row; the int8 GEMM reads a row 16 bytes at a time).
-IN_FEATURES_MULTIPLE = {"nf4": quant_ops.BLOCK, "fp4": quant_ops.BLOCK, "int8": 16}
+# row; the int8 GEMM reads a row 16 bytes at a time, the ternary one 32 weights at a time).
+IN_FEATURES_MULTIPLE = {"nf4": quant_ops.BLOCK, "fp4": quant_ops.BLOCK, "int8": 16, "ternary": TERNARY_MULTIPLE}
 # out_features must be a multiple of this: the input gradient's GEMM reads dy [tokens,
 # out_features] in 16-byte rows.
 OUT_FEATURES_MULTIPLE = 8
 
 
-def check_quant_type(quant_type: str) -> None:
+def check_quant_type(quant_type: str, group_size: int | None = None) -> None:
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"barqtrain: quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+    if group_size is not None and (quant_type != "ternary" or group_size <= 0 or group_size % TERNARY_MULTIPLE):
+        raise ValueError(f"barqtrain: group_size applies to quant_type ternary only, a positive multiple of "
+                         f"{TERNARY_MULTIPLE}; got {group_size} with {quant_type}")  # fmt: skip
+
+
+def check_group_size(name: str, module: nn.Linear, group_size: int | None) -> None:
+    """A ternary group_size must divide the in_features of every layer it quantizes."""
+    if group_size is not None and module.in_features % group_size:
+        raise ValueError(f"barqtrain: group_size {group_size} does not divide {name}'s in_features "
+                         f"{module.in_features}; pick one that divides every layer's, or none (a scale per row)")  # fmt: skip
 
 
 class _QuantizedLinear(nn.Linear):
@@ -111,10 +124,42 @@ class Linear8bit(_QuantizedLinear):
                f"int8 absmax per row, compute_dtype={self.compute_dtype}"
 
 
-def quantized_linear(linear: nn.Linear, quant_type: str, double_quant: bool = True) -> _QuantizedLinear:
-    """`linear` quantized as quant_type ("nf4", "fp4" or "int8"; double_quant: 4-bit only)."""
+class LinearTernary(_QuantizedLinear):
+    """A frozen linear layer in ternary values with an absmean scale per output channel (or per
+    group of a row); `weight` is a WeightTernary."""
+
+    quant_type = "ternary"
+
+    def __init__(self, packed: PackedTernary, bias: torch.Tensor | None = None) -> None:
+        super().__init__(packed.shape, packed.dtype, bias)
+        self.register_frozen("ternary_weight", packed.packed)
+        self.register_frozen("weight_scale", packed.scales)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None) -> LinearTernary:
+        return cls(quantize_ternary(linear.weight.detach(), group_size), linear.bias)
+
+    @property
+    def weight(self) -> WeightTernary:
+        return WeightTernary(PackedTernary(self.ternary_weight, self.weight_scale, self.compute_dtype))
+
+    def extra_repr(self) -> str:
+        group_size = self.in_features // self.weight_scale.shape[1]
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
+               f"ternary, group_size={group_size}, compute_dtype={self.compute_dtype}"
+
+
+QUANTIZED_LINEAR_TYPES = (Linear4bit, Linear8bit, LinearTernary)
+
+
+def quantized_linear(linear: nn.Linear, quant_type: str, double_quant: bool = True,
+                     group_size: int | None = None) -> _QuantizedLinear:
+    """`linear` quantized as quant_type ("nf4", "fp4", "int8" or "ternary"; double_quant: 4-bit
+    only; group_size: ternary only, None for a scale per row)."""
     if quant_type == "int8":
         return Linear8bit.from_linear(linear)
+    if quant_type == "ternary":
+        return LinearTernary.from_linear(linear, group_size)
     return Linear4bit.from_linear(linear, quant_type, double_quant)
 
 
@@ -129,13 +174,13 @@ def is_bitsandbytes_4bit(module: nn.Module) -> bool:
 
 
 def is_quantized_linear(module: nn.Module) -> bool:
-    """A barqtrain Linear4bit or Linear8bit, or a bitsandbytes Linear4bit."""
-    return type(module) in (Linear4bit, Linear8bit) or is_bitsandbytes_4bit(module)
+    """A barqtrain Linear4bit, Linear8bit or LinearTernary, or a bitsandbytes Linear4bit."""
+    return type(module) in QUANTIZED_LINEAR_TYPES or is_bitsandbytes_4bit(module)
 
 
 def quantized_weight(module: nn.Module) -> QuantizedWeight | str:
     """The quantized weight of a barqtrain or bitsandbytes quantized linear, or why it has none."""
-    if type(module) in (Linear4bit, Linear8bit):
+    if type(module) in QUANTIZED_LINEAR_TYPES:
         return module.weight
     if not is_bitsandbytes_4bit(module):
         return f"{type(module).__name__} is not a quantized linear"
@@ -168,21 +213,26 @@ def quantize_model(
     quant_type: str = "nf4",
     double_quant: bool = True,
     skip_modules: Iterable[str] = ("lm_head",),
+    group_size: int | None = None,
 ) -> list[str]:
-    """Replace every nn.Linear of `model` with a Linear4bit (quant_type "nf4" or "fp4") or a
-    Linear8bit ("int8"), in place: not those named in skip_modules (by last name component),
-    nor any whose in_features is not a multiple of IN_FEATURES_MULTIPLE[quant_type] (64 for
-    4 bits, 16 for int8) or whose out_features is not a multiple of 8. double_quant applies to 4 bits. Returns the names of the replaced
-    modules. No bitsandbytes needed."""
-    check_quant_type(quant_type)
+    """Replace every nn.Linear of `model` with a Linear4bit (quant_type "nf4" or "fp4"), a
+    Linear8bit ("int8") or a LinearTernary ("ternary"), in place: not those named in
+    skip_modules (by last name component), nor any whose in_features is not a multiple of
+    IN_FEATURES_MULTIPLE[quant_type] (64 for 4 bits, 16 for int8, 32 for ternary) or whose
+    out_features is not a multiple of 8. double_quant applies to 4 bits; group_size to ternary
+    (None: one scale per output channel). Returns the names of the replaced modules. No
+    bitsandbytes needed."""
+    check_quant_type(quant_type, group_size)
     skip_modules = tuple(skip_modules)
+    targets = [(name, module) for name, module in model.named_modules()
+               if quantizable(name, module, quant_type, skip_modules)]  # fmt: skip
+    for name, module in targets:
+        check_group_size(name, module, group_size)
     replaced = []
-    for name, module in list(model.named_modules()):
-        if not quantizable(name, module, quant_type, skip_modules):
-            continue
+    for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, quantized_linear(module, quant_type, double_quant))
+        setattr(parent, child, quantized_linear(module, quant_type, double_quant, group_size))
         replaced.append(name)
     if not replaced:
         raise ValueError("barqtrain: quantize_model found no nn.Linear to quantize")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from barqtrain.ops import quant as quant_ops
-from barqtrain.quant.linear import check_quant_type, quantizable, quantized_linear
+from barqtrain.quant.linear import check_group_size, check_quant_type, quantizable, quantized_linear
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -120,13 +120,13 @@ def _place(model: nn.Module, key: str, value: torch.Tensor, device: torch.device
 
 
 def _place_quantized(model: nn.Module, module_name: str, weight: torch.Tensor, device: torch.device, quant_type: str,
-                     double_quant: bool) -> None:
+                     double_quant: bool, group_size: int | None) -> None:
     """Linear `module_name` replaced by its quantized form, its weight quantized on `device`;
     the 16-bit weight is released on return."""
     _place(model, f"{module_name}.weight", weight, device)
     parent_name, _, child = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    setattr(parent, child, quantized_linear(getattr(parent, child), quant_type, double_quant))
+    setattr(parent, child, quantized_linear(getattr(parent, child), quant_type, double_quant, group_size))
 
 
 def load_quantized(
@@ -135,15 +135,16 @@ def load_quantized(
     double_quant: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device | None = None,
+    group_size: int | None = None,
 ) -> nn.Module:
     """A Hugging Face causal LM from a local directory of safetensors shards, its linear layers
-    quantized as quantize_model(model, quant_type, double_quant) does (the output head kept),
-    on `device` (default: the CPU), streamed tensor by tensor (see the module docstring).
-    Equal, bit for bit, to from_pretrained(path, dtype=dtype) then quantize_model."""
+    quantized as quantize_model(model, quant_type, double_quant, group_size=group_size) does (the
+    output head kept), on `device` (default: the CPU), streamed tensor by tensor (see the module
+    docstring). Equal, bit for bit, to from_pretrained(path, dtype=dtype) then quantize_model."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    check_quant_type(quant_type)
+    check_quant_type(quant_type, group_size)
     path = Path(path)
     device = torch.device(device if device is not None else "cpu")
     files = checkpoint_files(path)
@@ -154,6 +155,8 @@ def load_quantized(
     targets = {name for name, module in model.named_modules() if quantizable(name, module, quant_type)}
     if not targets:
         raise ValueError("barqtrain: the model has no nn.Linear to quantize")
+    for name in sorted(targets):
+        check_group_size(name, model.get_submodule(name), group_size)
     for name, buffer in list(model.named_buffers()):
         module_name, _, buffer_name = name.rpartition(".")
         model.get_submodule(module_name)._buffers[buffer_name] = buffer.to(device)
@@ -167,7 +170,8 @@ def load_quantized(
             for key in keys:
                 module_name, _, name = key.rpartition(".")
                 if module_name in targets and name == "weight":
-                    _place_quantized(model, module_name, checkpoint.get_tensor(key), device, quant_type, double_quant)
+                    _place_quantized(model, module_name, checkpoint.get_tensor(key), device, quant_type, double_quant,
+                                     group_size)
                 elif key in expected:
                     _place(model, key, checkpoint.get_tensor(key), device)
     model.tie_weights()

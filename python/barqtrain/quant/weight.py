@@ -1,9 +1,9 @@
-"""Weight4bit and Weight8bit: quantized weights that PyTorch code can use where it uses a
-16-bit one.
+"""Weight4bit, Weight8bit and WeightTernary: quantized weights that PyTorch code can use where
+it uses a 16-bit one.
 
 Tensor subclasses with the logical shape [out, in] and the compute dtype, and no 16-bit data:
 F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the fused dequant-GEMM (barqtrain.ops.quant.
-matmul_4bit or matmul_int8). That is all barqtrain.lora's functions do with a base weight, so
+matmul_4bit or matmul_int8, barqtrain.ops.ternary.matmul_ternary). That is all barqtrain.lora's functions do with a base weight, so
 the LoRA linear, the q/k/v projections and the gated MLP compute a quantized base unchanged
 (QLoRA). Any other operation on it is an error naming it; .dequantize() gives the 16-bit
 weight explicitly.
@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from barqtrain.ops import quant as quant_ops
+from barqtrain.ops import ternary as ternary_ops
 from barqtrain.ops.quant import Packed4bit, Packed8bit
+from barqtrain.ops.ternary import PackedTernary
 
 _MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
@@ -24,7 +26,7 @@ class QuantizedWeight(torch.Tensor):
     """What both formats share. A subclass sets `kind` (its format's name in messages) and
     defines _matmul(a, grad_input) (a Wᵀ, or a W with grad_input) and dequantize(dtype)."""
 
-    kind = "quantized"  # the subclass's name for its format in messages: "4-bit", "int8"
+    kind = "quantized"  # the subclass's name for its format in messages: "4-bit", "int8", "ternary"
 
     @staticmethod
     def __new__(cls, packed, shape: tuple[int, int], device: torch.device):
@@ -106,6 +108,29 @@ class Weight8bit(QuantizedWeight):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return quant_ops.dequantize_int8(self.packed, dtype)
+
+
+class WeightTernary(QuantizedWeight):
+    """A ternary weight ({-1, 0, +1} times a scale per output channel or per group of a row);
+    .packed is its PackedTernary."""
+
+    kind = "ternary"
+    packed: PackedTernary
+
+    @staticmethod
+    def __new__(cls, packed: PackedTernary) -> WeightTernary:
+        return QuantizedWeight.__new__(cls, packed, packed.shape, packed.packed.device)
+
+    def __repr__(self) -> str:
+        p = self.packed
+        return f"WeightTernary(shape={list(p.shape)}, dtype={p.dtype}, ternary, group_size={p.group_size}, " \
+               f"device={p.packed.device})"
+
+    def _matmul(self, a: torch.Tensor, grad_input: bool) -> torch.Tensor:
+        return ternary_ops.matmul_ternary(a, self.packed, grad_input=grad_input)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return ternary_ops.dequantize_ternary(self.packed, dtype)
 
 
 def from_bitsandbytes(param: torch.Tensor) -> Weight4bit:

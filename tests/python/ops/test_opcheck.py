@@ -12,6 +12,7 @@ import torch
 
 from barqtrain.ops import attention_rope_tables
 from barqtrain.ops import quant as quant_ops
+from barqtrain.ops import ternary as ternary_ops
 
 Case = Callable[[str], list[tuple]]  # device -> argument tuples for opcheck
 
@@ -177,6 +178,13 @@ def _matmul_int8(device):
     return [(a, q, row_absmax, False), (dy, q, row_absmax, True)]
 
 
+def _matmul_ternary(device):
+    packed = ternary_ops.quantize_ternary(_weight(device, 54), group_size=64)
+    a = _randn(5, 128, device=device, dtype=packed.dtype, seed=55, requires_grad=True)
+    dy = _randn(5, 96, device=device, dtype=packed.dtype, seed=56, requires_grad=True)
+    return [(a, packed.packed, packed.scales, False), (dy, packed.packed, packed.scales, True)]
+
+
 def _matmul_sum(device):
     a = [_randn(33, k, device=device, dtype=torch.float32, seed=53 + k) for k in (4, 20)]
     b = [_randn(17, k, device=device, dtype=torch.float32, seed=63 + k).T for k in (4, 20)]
@@ -203,6 +211,7 @@ CASES: dict[str, Case] = {
     "quantize_int8_rows": _quantize_int8_rows,
     "dequantize_int8_rows": _dequantize_int8_rows,
     "matmul_int8": _matmul_int8,
+    "matmul_ternary": _matmul_ternary,
     "matmul_sum": _matmul_sum,
 }
 

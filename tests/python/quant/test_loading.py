@@ -44,7 +44,7 @@ def assert_same_model(streamed, reference):
         assert torch.equal(streamed(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 @pytest.mark.parametrize("tie_word_embeddings", [True, False])
 @pytest.mark.parametrize("shard", [False, True], ids=["one-file", "sharded"])
 def test_streamed_model_equals_load_then_quantize(tmp_path, quant_type, tie_word_embeddings, shard):
@@ -55,7 +55,7 @@ def test_streamed_model_equals_load_then_quantize(tmp_path, quant_type, tie_word
     assert_same_model(streamed, reference)
     if tie_word_embeddings:
         assert streamed.lm_head.weight is streamed.model.embed_tokens.weight
-    expected_type = quant.Linear8bit if quant_type == "int8" else quant.Linear4bit
+    expected_type = {"nf4": quant.Linear4bit, "int8": quant.Linear8bit, "ternary": quant.LinearTernary}[quant_type]
     assert type(streamed.model.layers[1].mlp.down_proj) is expected_type
     assert type(streamed.lm_head) is torch.nn.Linear
 

@@ -1,6 +1,7 @@
 """barqtrain.quant on the CPU: the bitsandbytes layout bit for bit (bitsandbytes' CPU backend),
 round trips, the GEMM ops' registration (opcheck), the QLoRA linear over a 4-bit or int8 base
-against dequant-then-LoRA in float64, and a tiny Llama quantized by barqtrain (NF4 and int8)
+against dequant-then-LoRA in float64, and a tiny Llama quantized by barqtrain (NF4, int8 and
+ternary)
 under PEFT: patched, trained with gradient checkpointing, and its adapter loaded on the
 16-bit model. GPU tests (bitsandbytes' CUDA kernels, the fused GEMM,
 50 QLoRA steps against bitsandbytes + PEFT) are in test_quant_gpu.py."""
@@ -19,6 +20,7 @@ from barqtrain import quant
 from barqtrain.lora import LoraAdapter
 from barqtrain.ops import quant as quant_ops
 from barqtrain.patch import patch_model
+from barqtrain.quant.linear import quantized_linear
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
@@ -148,16 +150,15 @@ def test_errors_name_the_problem():
         int8_weight.sum()
     with pytest.raises(ValueError, match="input must end in 32"):
         torch.randn(3, 5) @ int8_weight  # dy W: dy must end in out_features
-    with pytest.raises(ValueError, match=r"quant_type must be one of \('nf4', 'fp4', 'int8'\)"):
+    with pytest.raises(ValueError, match=r"quant_type must be one of \('nf4', 'fp4', 'int8', 'ternary'\)"):
         quant.quantize_model(nn.Sequential(nn.Linear(64, 64)), "int4")
 
 
 def linear_of(quant_type, in_features, out_features):
-    linear = nn.Linear(in_features, out_features, dtype=torch.float64)
-    return quant.Linear8bit.from_linear(linear) if quant_type == "int8" else quant.Linear4bit.from_linear(linear)
+    return quantized_linear(nn.Linear(in_features, out_features, dtype=torch.float64), quant_type)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 def test_quantized_matmul_and_its_gradient_match_the_dequantized_weight(quant_type):
     linear = linear_of(quant_type, 192, 80)
     dense = linear.weight.dequantize(torch.float64)
@@ -169,7 +170,7 @@ def test_quantized_matmul_and_its_gradient_match_the_dequantized_weight(quant_ty
     torch.testing.assert_close(dx, grad @ dense, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_qlora_linear_matches_dequant_then_lora_in_float64(dropout, quant_type):
     linear = linear_of(quant_type, 128, 96)
@@ -190,7 +191,7 @@ def test_qlora_linear_matches_dequant_then_lora_in_float64(dropout, quant_type):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 def test_quantize_model_keeps_layers_the_format_cannot_take_in_16_bits(quant_type):
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 12), nn.Linear(40, 64))  # out 12, in 40: kept
     assert quant.quantize_model(model, quant_type) == ["0"]
@@ -209,7 +210,7 @@ def quantized_tiny_llama(quant_type="nf4"):
     return model
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 def test_quantized_tiny_llama_under_peft_is_patched_and_computes_as_peft(quant_type):
     reference = barqtrain.get_peft_model(quantized_tiny_llama(quant_type), lora_config(), ops=())
     model = copy.deepcopy(reference)
@@ -229,7 +230,7 @@ def test_quantized_tiny_llama_under_peft_is_patched_and_computes_as_peft(quant_t
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 def test_quantized_training_with_gradient_checkpointing_and_adapter_on_the_16bit_model(tmp_path, quant_type):
     model = barqtrain.get_peft_model(quantized_tiny_llama(quant_type), lora_config())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
