@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "data/tokenizer/error.h"
+#include "data/tokenizer/hash.h"
 #include "data/tokenizer/unicode.h"
 #include "data/utf8.h"
 
@@ -100,6 +101,35 @@ const BpeModel::Merge* BpeModel::MergeTable::find(TokenId left, TokenId right) c
   }
 }
 
+void BpeModel::TokenIndex::reserve(size_t count) {
+  size_t capacity = 16;
+  while (capacity < count * 2) capacity *= 2;
+  slots_.assign(capacity, Slot{0, kNoToken});
+  mask_ = capacity - 1;
+}
+
+void BpeModel::TokenIndex::insert(TokenId id, const std::vector<std::string>& tokens) {
+  const std::string& bytes = tokens[id];
+  const uint64_t h = hash_bytes(bytes);
+  const auto tag = static_cast<uint32_t>(h >> 32);
+  size_t i = h & mask_;
+  for (; slots_[i].id != kNoToken; i = (i + 1) & mask_) {
+    if (slots_[i].tag == tag && tokens[slots_[i].id] == bytes) return;
+  }
+  slots_[i] = Slot{tag, id};
+  longest_ = std::max(longest_, bytes.size());
+}
+
+TokenId BpeModel::TokenIndex::find(std::string_view bytes, const std::vector<std::string>& tokens) const {
+  if (bytes.size() > longest_) return kNoToken;
+  const uint64_t h = hash_bytes(bytes);
+  const auto tag = static_cast<uint32_t>(h >> 32);
+  for (size_t i = h & mask_; slots_[i].id != kNoToken; i = (i + 1) & mask_) {
+    if (slots_[i].tag == tag && tokens[slots_[i].id] == bytes) return slots_[i].id;
+  }
+  return kNoToken;
+}
+
 BpeModel::BpeModel(const json::Value& model, bool byte_level) : byte_level_(byte_level), serial_(next_serial++) {
   const json::Value* type = model.find("type");
   if (!type || !type->is_string() || type->as_string() != "BPE") {
@@ -132,6 +162,7 @@ void BpeModel::read_vocab(const json::Value& model) {
   const auto& entries = vocab->as_object();
   ids_by_bytes_.reserve(entries.size());
   std::string bytes;
+  // Tokens are indexed in the file's order (the first of two with the same bytes keeps them).
   for (const auto& [token, id_value] : entries) {
     const int64_t id = id_value.as_integer();
     if (id < 0 || id >= kMaxTokenId) {
@@ -142,13 +173,17 @@ void BpeModel::read_vocab(const json::Value& model) {
       token_bytes_.resize(id + 1);
       has_token_.resize(id + 1);
     }
+    if (has_token_[id]) {
+      throw TokenizerError("model.vocab: token id " + std::to_string(id) + " is given to two tokens (\"" + token +
+                           "\" is the second); each id must name one token");
+    }
     has_token_[id] = true;
     if (!byte_level_) {
-      ids_by_bytes_.emplace(token, static_cast<TokenId>(id));
       token_bytes_[id] = token;
+      ids_by_bytes_.insert(static_cast<TokenId>(id), token_bytes_);
     } else if (byte_level_to_bytes(token, bytes)) {
-      ids_by_bytes_.emplace(bytes, static_cast<TokenId>(id));
       token_bytes_[id] = bytes;
+      ids_by_bytes_.insert(static_cast<TokenId>(id), token_bytes_);
     } else {
       // A token outside the byte alphabet is never produced by merging bytes.
       token_bytes_[id] = token;
@@ -163,8 +198,14 @@ void BpeModel::read_vocab(const json::Value& model) {
     }
     return;
   }
+  // The tokens the index holds: each string once, with the id it maps to.
+  std::vector<TokenId> indexed;
+  for (TokenId id = 0; id < token_bytes_.size(); ++id) {
+    if (has_token_[id] && find(token_bytes_[id]) == id) indexed.push_back(id);
+  }
   bmp_character_tokens_.assign(kBmpSize, kNoToken);
-  for (const auto& [token, id] : ids_by_bytes_) {
+  for (const TokenId id : indexed) {
+    const std::string& token = token_bytes_[id];
     if (!token.empty() && token.size() <= 4 && unicode::find_invalid_utf8(token) == token.size() &&
         unicode::decode_at(token, 0).length == token.size()) {
       const char32_t code_point = unicode::decode_at(token, 0).code_point;
@@ -177,7 +218,8 @@ void BpeModel::read_vocab(const json::Value& model) {
   }
   // The characters that precede "▁" inside some token: split_words must not cut after them.
   can_split_words_ = !ignore_merges_ && find(kWordBoundary) != kNoToken;
-  for (const auto& [token, id] : ids_by_bytes_) {
+  for (const TokenId id : indexed) {
+    const std::string& token = token_bytes_[id];
     for (size_t at = token.find(kWordBoundary, 1); at != std::string::npos; at = token.find(kWordBoundary, at + 1)) {
       size_t previous = at - 1;
       while (previous > 0 && (static_cast<unsigned char>(token[previous]) & 0xC0) == 0x80) --previous;
@@ -234,12 +276,7 @@ void BpeModel::read_merges(const json::Value& model) {
   }
 }
 
-TokenId BpeModel::find(std::string_view bytes) const {
-  // C++17 unordered_map has no heterogeneous lookup; this runs only at load time and
-  // once per pre-token that misses the encoder's cache.
-  const auto it = ids_by_bytes_.find(std::string(bytes));
-  return it == ids_by_bytes_.end() ? kNoToken : it->second;
-}
+TokenId BpeModel::find(std::string_view bytes) const { return ids_by_bytes_.find(bytes, token_bytes_); }
 
 // A thread's direct-mapped cache of the merge table's answers, a missing merge included.
 // The table of a large vocabulary is many megabytes, so a lookup there is a cache miss;

@@ -89,6 +89,26 @@ class BpeModel {
     int shift_ = 64;
   };
 
+  // Open-addressing index from a token's bytes to its id, over token_bytes_: a lookup hashes
+  // the bytes once and compares them with one token's bytes, without building a string.
+  class TokenIndex {
+   public:
+    void reserve(size_t count);
+    // Indexes id under its bytes, tokens[id]; when another token has the same bytes, the
+    // first one indexed keeps them.
+    void insert(TokenId id, const std::vector<std::string>& tokens);
+    TokenId find(std::string_view bytes, const std::vector<std::string>& tokens) const;
+
+   private:
+    struct Slot {
+      uint32_t tag;  // the hash's upper half
+      TokenId id;    // kNoToken: a free slot
+    };
+    std::vector<Slot> slots_;
+    size_t mask_ = 0;
+    size_t longest_ = 0;  // no token has more bytes: longer lookups fail at once
+  };
+
   class RecentMerges;  // a thread's cache in front of merges_ (bpe.cpp)
   struct Scratch;       // a thread's buffers for encoding a piece (bpe.cpp)
   void read_vocab(const json::Value& model);
@@ -104,8 +124,8 @@ class BpeModel {
 
   bool byte_level_;
   uint64_t serial_;  // identifies this model to the threads' RecentMerges
-  std::unordered_map<std::string, TokenId> ids_by_bytes_;
   std::vector<std::string> token_bytes_;
+  TokenIndex ids_by_bytes_;
   std::vector<bool> has_token_;
   TokenId byte_tokens_[256];  // byte-level: the token of each byte, or kNoToken
   bool every_byte_has_token_ = true;

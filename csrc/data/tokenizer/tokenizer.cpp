@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "data/tokenizer/config.h"
+#include "data/tokenizer/hash.h"
 #include "data/tokenizer/regex.h"
 #include "data/tokenizer/thread_pool.h"
 #include "data/tokenizer/unicode.h"
@@ -30,29 +31,7 @@ class PieceCache {
     clear();
   }
 
-  static uint64_t hash(std::string_view piece) {
-    // Eight bytes at a time, with a multiply-xorshift mix (wyhash/splitmix style).
-    const char* p = piece.data();
-    const size_t n = piece.size();
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ (n * 0xFF51AFD7ED558CCDull);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t word;
-      std::memcpy(&word, p + i, 8);
-      h = (h ^ word) * 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 31;
-    }
-    if (i < n) {
-      uint64_t word = 0;
-      std::memcpy(&word, p + i, n - i);
-      h = (h ^ word) * 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 31;
-    }
-    h *= 0x94D049BB133111EBull;
-    return h ^ (h >> 32);
-  }
-
-  // The cached ids of piece (hash(piece) == h), or nullptr; their number goes to *count.
+  // The cached ids of piece (hash_bytes(piece) == h), or nullptr; their number goes to *count.
   const TokenId* find(std::string_view piece, uint64_t h, size_t* count) const {
     const uint32_t tag = static_cast<uint32_t>(h >> 32);
     for (size_t i = h & kMask;; i = (i + 1) & kMask) {
@@ -515,7 +494,7 @@ void Tokenizer::encode_pieces(const std::vector<std::string_view>& pre_tokens, s
       model_->encode_piece(piece, ids);
       continue;
     }
-    const uint64_t h = PieceCache::hash(piece);
+    const uint64_t h = hash_bytes(piece);
     size_t count;
     if (const TokenId* cached = cache.find(piece, h, &count)) {
       // Most pieces are one token: push_back is far cheaper than a range insert.

@@ -208,6 +208,8 @@ TEST(Tokenizer, UnsupportedFeaturesAreNamed) {
                 .find("post_processor BertProcessing"),
             std::string::npos);
   EXPECT_NE(error_of(replaced(R"("Ġt he")", R"("Ġt hx")")).find("merges[2]"), std::string::npos);
+  EXPECT_NE(error_of(replaced(R"("ll": 259)", R"("ll": 258)")).find("token id 258 is given to two tokens"),
+            std::string::npos);
 }
 
 TEST(Tokenizer, AddedTokensTakeWhiteSpaceAndMatchSingleWords) {
