@@ -3,8 +3,7 @@ loads, written with the gguf package (llama.cpp's own writer); no llama.cpp chec
 
 What llama.cpp needs besides the weights, as its converter (convert_hf_to_gguf.py) writes it:
 - the architecture's hyperparameters under llama.cpp's names, per family (softcaps, sliding
-  window, rope base, linear and YaRN scaling, head sizes), and Llama 3's RoPE scaling as
-  the rope_freqs tensor of frequency factors;
+  window, head sizes, rope base) and the RoPE scaling (see the RoPE section below);
 - the weights renamed to llama.cpp's tensor names (gguf.TensorNameMap), with two layout
   changes: Llama and Mistral's q/k rows permuted from Hugging Face's rotate-half RoPE to
   llama.cpp's interleaved one, and Gemma's norms stored as 1 + weight (llama.cpp multiplies
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -60,8 +60,11 @@ _PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe", _QWEN2_PATTERN: "qwen2"}
 class _Family:
     arch: str  # gguf.MODEL_ARCH member name
     permute_qk: bool = False  # llama.cpp's llama graph rotates interleaved pairs
-    # The RoPE types written (checked through llama.cpp); Llama 3's as a rope_freqs tensor.
-    rope_types: tuple[str, ...] = ("default", "linear")
+    # The frequency-factor tensors llama.cpp's graph reads (see the RoPE section): rope_freqs,
+    # and LongRoPE's long/short pair, which it picks between by its context size.
+    rope_freqs: bool = False
+    long_short_factors: bool = False
+    native_yarn: bool = False  # llama.cpp's own YaRN, for a graph that reads no factors
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
     softcaps: bool = False  # attention and final logit softcapping (Gemma 2)
     query_scale_checked: bool = False  # llama.cpp scales queries by 1/sqrt(head_dim) (by size for the 27B)
@@ -70,12 +73,12 @@ class _Family:
 
 
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LLAMA", permute_qk=True, rope_types=("default", "linear", "yarn", "llama3")),
+    "llama": _Family("LLAMA", permute_qk=True, rope_freqs=True, long_short_factors=True),
     # llama.cpp runs Mistral as its llama architecture
-    "mistral": _Family("LLAMA", permute_qk=True, rope_types=("default", "linear", "yarn", "llama3")),
-    "qwen2": _Family("QWEN2", rope_types=("default", "linear", "yarn")),
-    "qwen3": _Family("QWEN3", rope_types=("default", "linear", "yarn")),
-    "phi3": _Family("PHI3"),
+    "mistral": _Family("LLAMA", permute_qk=True, rope_freqs=True, long_short_factors=True),
+    "qwen2": _Family("QWEN2", native_yarn=True),
+    "qwen3": _Family("QWEN3", native_yarn=True),
+    "phi3": _Family("PHI3", long_short_factors=True),
     "gemma": _Family("GEMMA", norm_offset=1.0),
     "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46,
                       sliding_window_layers=True),
@@ -111,7 +114,8 @@ def write_gguf(
         raise ExportError(f"{model_dir}: model_type {config.model_type!r} has no GGUF export; the families exported "
                           f"are {', '.join(sorted(FAMILIES))}")
     arch = gguf.MODEL_ARCH[family.arch]
-    _check_exportable(config, family)
+    _check_query_scale(config, family)
+    rope = rope_in_file(config, family)
     tensors = _Tensors(model_dir, config, family, gguf)
     if gguf_type == "q4_k_m":
         tensors.check_k_quant_rows()
@@ -122,13 +126,11 @@ def write_gguf(
         writer.add_name(name or model_dir.resolve().name)
         writer.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPES[gguf_type]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _write_hyperparameters(writer, config, family, gguf, log)
+        _write_hyperparameters(writer, config, family, rope, gguf, log)
         _write_tokenizer(writer, model_dir, config.vocab_size, gguf)
         kept_f16 = []
-        rope = _rope_parameters(config)
-        if _rope_type(rope) == "llama3":
-            rotary_dims = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            writer.add_tensor("rope_freqs.weight", llama3_frequency_factors(rope, rotary_dims))
+        for tensor_name, factors in rope.factor_tensors:
+            writer.add_tensor(tensor_name, factors)
         for tensor_name, data in tensors:
             array, quant = _encode(data, gguf_type, tensors.k_quant(tensor_name), gguf)
             if gguf_type == "q8_0" and data.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
@@ -152,17 +154,7 @@ def write_gguf(
 # ---------------------------------------------------------------------- hyperparameters
 
 
-def _rope_parameters(config) -> dict[str, Any]:
-    """The RoPE parameters of the full-attention layers (Transformers 5's rope_parameters, per
-    layer type for Gemma 3; rope_scaling and rope_theta in older configs)."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if "full_attention" in parameters:
-        parameters = parameters["full_attention"]
-    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return {**parameters, "rope_theta": theta}
-
-
-def _write_hyperparameters(writer, config, family: _Family, gguf, log: Callable[..., None]) -> None:
+def _write_hyperparameters(writer, config, family: _Family, rope: RopeInFile, gguf, log: Callable[..., None]) -> None:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_context_length(config.max_position_embeddings)
@@ -176,21 +168,23 @@ def _write_hyperparameters(writer, config, family: _Family, gguf, log: Callable[
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
 
-    rope = _rope_parameters(config)
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor",
-                                                             getattr(config, "partial_rotary_factor", 1.0))))
-    if _rope_type(rope) == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif _rope_type(rope) == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        if rope.get("beta_fast") is not None:
-            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
-        if rope.get("beta_slow") is not None:
-            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+    parameters = _rope_parameters(config)
+    writer.add_rope_freq_base(float(parameters["rope_theta"]))
+    writer.add_rope_dimension_count(_rotary_dims(config, parameters))
+    if rope.scaling_type is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType[rope.scaling_type])
+    if rope.factor is not None:
+        writer.add_rope_scaling_factor(rope.factor)
+    if rope.original_context is not None:
+        writer.add_rope_scaling_orig_ctx_len(rope.original_context)
+    if rope.beta_fast is not None:
+        writer.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
+    if rope.beta_slow is not None:
+        writer.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
+    if rope.attention_factor != 1.0:
+        writer.add_rope_scaling_attn_factors(rope.attention_factor)
+    if rope.note is not None:
+        log(rope.note)
 
     if family.softcaps:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -217,41 +211,9 @@ def _write_sliding_window(writer, config, family: _Family, log: Callable[..., No
             f"window of {window} tokens: on longer inputs its outputs differ from the model's.")
 
 
-# YaRN parameters llama.cpp would not take as Transformers does: the attention scaling is
-# llama.cpp's own 0.1 * ln(factor) + 1, which is Transformers' default.
-_YARN_UNWRITTEN = ("attention_factor", "mscale", "mscale_all_dim")
-
-
-def _rope_type(rope: dict[str, Any]) -> str:
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def llama3_frequency_factors(rope: dict[str, Any], rotary_dims: int) -> np.ndarray:
-    """Llama 3's RoPE scaling as the factors llama.cpp divides each frequency by: wavelengths
-    shorter than original_context / high_freq_factor keep theirs (1), those longer than
-    original_context / low_freq_factor are slowed by factor, the ones between interpolate."""
-    factor = rope["factor"]
-    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    original = rope["original_max_position_embeddings"]
-    frequencies = 1.0 / rope["rope_theta"] ** (np.arange(0, rotary_dims, 2, dtype=np.float64) / rotary_dims)
-    wavelengths = 2 * np.pi / frequencies
-    smooth = np.clip((original / wavelengths - low) / (high - low), 0.0, 1.0)
-    return (1.0 / ((1.0 - smooth) / factor + smooth)).astype(np.float32)
-
-
-def _check_exportable(config, family: _Family) -> None:
-    """Refuses what llama.cpp would run differently from the model: a RoPE type other than
-    default and linear; Gemma 2/3 queries scaled otherwise than llama.cpp scales them, by
+def _check_query_scale(config, family: _Family) -> None:
+    """Refuses Gemma 2/3 queries scaled otherwise than llama.cpp scales them: by
     1/sqrt(head_dim), or by 1/sqrt(hidden/heads) for the 27B (told by its layer count)."""
-    rope = _rope_parameters(config)
-    rope_type = _rope_type(rope)
-    if rope_type not in family.rope_types:
-        raise ExportError(f"config.json: RoPE type {rope_type!r} has no GGUF export for {config.model_type} yet "
-                          f"({', '.join(family.rope_types)} do)")
-    unwritten = sorted(key for key in _YARN_UNWRITTEN if rope.get(key) is not None) if rope_type == "yarn" else []
-    if unwritten or (rope_type == "yarn" and rope.get("truncate") is False):
-        raise ExportError(f"config.json: YaRN's {', '.join(unwritten) or 'truncate'} has no GGUF export yet (factor, "
-                          "original_max_position_embeddings, beta_fast and beta_slow do)")
     if not family.query_scale_checked:
         return
     expected = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -260,6 +222,120 @@ def _check_exportable(config, family: _Family) -> None:
     if config.query_pre_attn_scalar != expected:
         raise ExportError(f"config.json: query_pre_attn_scalar {config.query_pre_attn_scalar} is not the {expected} "
                           f"llama.cpp uses for a {config.num_hidden_layers}-layer {config.model_type}; no GGUF export")
+
+
+# --------------------------------------------------------------------------------- RoPE
+#
+# llama.cpp turns pair i of n rotary dimensions at position p by p * theta^(-2i/n) / f_i * s and
+# scales cos and sin by m (ggml's rope_yarn), where f_i are the frequency factors of a tensor
+# (absent: 1), s is 1 / the linear factor and m is rope.scaling.attn_factor; with YaRN, s is
+# mixed with 1 over a ramp of the pairs and m gains llama.cpp's own 0.1 ln(factor) + 1.
+#
+# Where the graph reads frequency factors, the file holds Transformers' own table for the model
+# (its rope init function): f_i = default frequency / the model's, m = its cos/sin scale. Llama's
+# rope_freqs carries every type whose frequencies do not depend on the sequence (YaRN with any
+# option, Llama 3's); LongRoPE (Llama, Phi-3) is the pair of tables llama.cpp picks between. Qwen
+# 2/3 read none: YaRN goes as llama.cpp's own, which rounds the ramp's ends (Transformers'
+# truncate), with m relative to its own scale. Dynamic NTK stretches theta only past
+# max_position_embeddings: up to there it is the default RoPE, and so is the file.
+
+_TABLE_TYPES = ("yarn", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeInFile:
+    """How a GGUF carries a model's RoPE scaling (its base and dimensions aside)."""
+
+    scaling_type: str | None = None  # gguf.RopeScalingType member; None: not written (no scaling)
+    factor: float | None = None  # linear and YaRN: how many times the context is stretched
+    original_context: int | None = None  # YaRN and LongRoPE: the pretraining context
+    beta_fast: float | None = None  # YaRN's ramp, where the config sets it (else llama.cpp's 32 and 1)
+    beta_slow: float | None = None
+    attention_factor: float = 1.0  # rope.scaling.attn_factor
+    factor_tensors: tuple[tuple[str, np.ndarray], ...] = ()  # (tensor name, frequency factors)
+    note: str | None = None  # what llama.cpp runs differently from the model, for the log
+
+
+def rope_in_file(config, family: _Family) -> RopeInFile:
+    """How the file carries config's RoPE (see the section's comment); an ExportError naming
+    the key where llama.cpp's graph for the family cannot rotate as Transformers does."""
+    parameters = _rope_parameters(config)
+    rope_type = _rope_type(parameters)
+    if rope_type == "default":
+        return RopeInFile()
+    if rope_type == "linear":
+        return RopeInFile("LINEAR", factor=float(parameters["factor"]))
+    if rope_type == "dynamic":
+        context = config.max_position_embeddings
+        return RopeInFile(note=f"Note: llama.cpp has no dynamic NTK RoPE; the file rotates as the model does up to its "
+                               f"{context:,} positions (where dynamic NTK leaves theta as it is), not past them.")
+    if rope_type not in _TABLE_TYPES:
+        raise ExportError(f"config.json: rope_parameters.rope_type {rope_type!r} has no GGUF export (default, linear, "
+                          f"dynamic, {', '.join(_TABLE_TYPES)} do)")
+    if rope_type == "longrope" and family.long_short_factors:
+        original = int(parameters["original_max_position_embeddings"])
+        short, attention = _transformers_factors(config, parameters)
+        long, _ = _transformers_factors(config, parameters, seq_len=original + 1)  # Transformers' switch
+        return RopeInFile(
+            "LONGROPE", original_context=original, attention_factor=attention,
+            factor_tensors=(("rope_factors_long.weight", long), ("rope_factors_short.weight", short)),
+            note=f"Note: llama.cpp picks LongRoPE's long factors by its context size (above {original:,} positions), "
+                 "Transformers by the sequence's length: in a longer llama.cpp context, shorter prompts run with the "
+                 "long factors.",
+        )
+    if rope_type != "longrope" and family.rope_freqs:
+        factors, attention = _transformers_factors(config, parameters)
+        return RopeInFile(attention_factor=attention, factor_tensors=(("rope_freqs.weight", factors),))
+    if rope_type == "yarn" and family.native_yarn:
+        if parameters.get("truncate") is False:
+            raise ExportError(f"config.json: rope_parameters.truncate false has no GGUF export for "
+                              f"{config.model_type}: llama.cpp's YaRN rounds the ramp's ends (truncate true); the "
+                              "llama and mistral exports carry it")
+        original = int(parameters["original_max_position_embeddings"])
+        factor = parameters.get("factor") or config.max_position_embeddings / original
+        _, attention = _transformers_factors(config, parameters)
+        own_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        beta_fast, beta_slow = (parameters.get(key) for key in ("beta_fast", "beta_slow"))
+        return RopeInFile(
+            "YARN", factor=float(factor), original_context=original, attention_factor=attention / own_scale,
+            beta_fast=None if beta_fast is None else float(beta_fast),
+            beta_slow=None if beta_slow is None else float(beta_slow),
+        )
+    native = ", yarn" if family.native_yarn else ""
+    raise ExportError(f"config.json: rope_parameters.rope_type {rope_type!r} has no GGUF export for "
+                      f"{config.model_type}: llama.cpp's graph for it reads no frequency factors (default, linear, "
+                      f"dynamic{native} do)")
+
+
+def _transformers_factors(config, parameters: dict[str, Any], seq_len: int | None = None) -> tuple[np.ndarray, float]:
+    """Transformers' RoPE table for config (its rope init function, at seq_len) as llama.cpp's
+    frequency factors, each default frequency over the model's, and its cos/sin scale."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[_rope_type(parameters)](config, torch.device("cpu"), seq_len=seq_len)
+    dims = _rotary_dims(config, parameters)
+    default = float(parameters["rope_theta"]) ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
+    return (default / inv_freq.double().numpy()).astype(np.float32), float(attention)
+
+
+def _rope_parameters(config) -> dict[str, Any]:
+    """The RoPE parameters of the full-attention layers (Transformers 5's rope_parameters, per
+    layer type for Gemma 3; rope_scaling and rope_theta in older configs)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "full_attention" in parameters:
+        parameters = parameters["full_attention"]
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return {**parameters, "rope_theta": theta}
+
+
+def _rope_type(parameters: dict[str, Any]) -> str:
+    return parameters.get("rope_type", parameters.get("type", "default"))
+
+
+def _rotary_dims(config, parameters: dict[str, Any]) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(head_dim * parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
 
 
 # ---------------------------------------------------------------------------- tokenizer

@@ -248,12 +248,21 @@ def test_model_and_file_errors(tmp_path, family_dirs):
 @pytest.mark.parametrize(
     ("family", "change", "message"),
     [
-        ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}},
-         "config.json: RoPE type 'dynamic' has no GGUF export for llama yet (default, linear, yarn, llama3 do)"),
         ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                       "original_max_position_embeddings": 64, "attention_factor": 2.0}},
-         "config.json: YaRN's attention_factor has no GGUF export yet (factor, original_max_position_embeddings, "
-         "beta_fast and beta_slow do)"),
+                                       "original_max_position_embeddings": 64, "truncate": False}},
+         "config.json: rope_parameters.truncate false has no GGUF export for qwen2: llama.cpp's YaRN rounds the ramp's "
+         "ends (truncate true); the llama and mistral exports carry it"),
+        ("gemma2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 64}},
+         "config.json: rope_parameters.rope_type 'yarn' has no GGUF export for gemma2: llama.cpp's graph for it reads "
+         "no frequency factors (default, linear, dynamic do)"),
+        ("qwen3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+                                       "long_factor": [2.0] * 32, "original_max_position_embeddings": 64}},
+         "config.json: rope_parameters.rope_type 'longrope' has no GGUF export for qwen3: llama.cpp's graph for it "
+         "reads no frequency factors (default, linear, dynamic, yarn do)"),
+        ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}},
+         "config.json: rope_parameters.rope_type 'proportional' has no GGUF export (default, linear, dynamic, yarn, "
+         "llama3, longrope do)"),
         ("gemma2", {"query_pre_attn_scalar": 32},
          "config.json: query_pre_attn_scalar 32 is not the 64 llama.cpp uses for a 2-layer gemma2; no GGUF export"),
     ],

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_models import FAMILIES, STORIES, llama_cpp_or_skip, tiny_model  # noqa: E402
+from gguf_models import DIMENSIONS, FAMILIES, STORIES, llama_cpp_or_skip, tiny_model  # noqa: E402
 from shared_data import SHARED, require  # noqa: E402
 
 llama_cpp = llama_cpp_or_skip()
@@ -136,25 +136,59 @@ def test_every_family_and_type_runs_in_llama_cpp(family_dirs, tmp_path, stories_
 
 
 # Original contexts of 8 and 16 tokens put the scaled frequencies where a short prompt feels them.
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+             "short_factor": np.linspace(1.0, 3.0, DIMENSIONS["head_dim"] // 2).tolist(),
+             "long_factor": np.linspace(1.0, 6.0, DIMENSIONS["head_dim"] // 2).tolist()}
+# name: the config's changes
 ROPE_SCALINGS = {
-    "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8},
+    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    "yarn": {"rope_parameters": _YARN},
+    # Transformers' other YaRN options: its own cos/sin scale, a narrower ramp, the ramp's ends not rounded
+    "yarn-options": {"rope_parameters": {**_YARN, "attention_factor": 1.3, "beta_fast": 16.0, "truncate": False}},
+    "yarn-scale": {"rope_parameters": {**_YARN, "attention_factor": 1.3, "beta_fast": 16.0}},
+    "yarn-mscale": {"rope_parameters": {**_YARN, "mscale": 0.707, "mscale_all_dim": 1.0}},  # DeepSeek's cos/sin scale
+    # The prompt is longer than 8 tokens; llama.cpp's context of 64 (rounded up to 256) is not
+    # longer than 256: both pick the long factors in the first, the short ones in the second.
+    "longrope-long": {"rope_parameters": {**_LONGROPE, "original_max_position_embeddings": 8}},
+    "longrope-short": {"rope_parameters": {**_LONGROPE, "original_max_position_embeddings": 256},
+                       "max_position_embeddings": 1024},
 }
 
 
-@pytest.mark.parametrize(("family", "scaling"), [("llama", "llama3"), ("llama", "yarn"), ("qwen2", "yarn"),
-                                                 ("qwen3", "yarn")])
+@pytest.mark.parametrize(("family", "scaling"), [
+    ("llama", "llama3"), ("llama", "yarn"), ("llama", "yarn-options"), ("llama", "yarn-mscale"), ("qwen2", "yarn"),
+    ("qwen2", "yarn-scale"), ("qwen3", "yarn-mscale"), ("llama", "longrope-long"), ("phi3", "longrope-long"),
+    ("phi3", "longrope-short"),
+])  # fmt: skip
 def test_rope_scaling_runs_as_in_transformers(tmp_path, stories_ids, family, scaling):
-    """Llama 3.1's RoPE (frequencies slowed by up to `factor` by wavelength, as the rope_freqs
-    tensor llama.cpp reads) and YaRN (llama.cpp's own) give Transformers' logits, far from the
-    same weights' with unscaled RoPE."""
-    model_dir = tiny_model(tmp_path / "scaled", family, rope_parameters=ROPE_SCALINGS[scaling])
+    """Llama 3.1's RoPE, YaRN with every option and LongRoPE on the Llama and Phi-3 graphs (as
+    Transformers' frequency tables in the factor tensors llama.cpp reads), YaRN on Qwen's
+    (llama.cpp's own, with Transformers' cos/sin scale) give Transformers' logits, far from
+    the same weights' with unscaled RoPE."""
+    changes = ROPE_SCALINGS[scaling]
+    if family == "phi3":  # Phi-3 reads its pretraining context from beside the RoPE parameters
+        original = changes["rope_parameters"]["original_max_position_embeddings"]
+        changes = {**changes, "original_max_position_embeddings": original}
+    model_dir = tiny_model(tmp_path / "scaled", family, **changes)
     ids = stories_ids[2]
     got = llama_cpp_logits(write_gguf(model_dir, tmp_path / "model.gguf", "f16", **QUIET), ids)
     assert _relative_error(got, hf_logits(model_dir, ids)) < BOUNDS["f16"][0]
     unscaled = tiny_model(tmp_path / "unscaled", family)  # the same weights (seeded)
     assert _relative_error(got, hf_logits(unscaled, ids)) > 10 * BOUNDS["f16"][0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dynamic_ntk_runs_as_in_transformers_within_the_context(tmp_path, stories_ids, family):
+    """Dynamic NTK leaves theta as it is up to max_position_embeddings, and the file's RoPE is the default."""
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    model_dir = tiny_model(tmp_path / "dynamic", family, rope_parameters=rope)
+    logged = []
+    path = write_gguf(model_dir, tmp_path / "model.gguf", "f16", log=logged.append)
+    assert any("llama.cpp has no dynamic NTK RoPE" in line for line in logged)
+    ids = stories_ids[2]
+    assert _relative_error(llama_cpp_logits(path, ids), hf_logits(model_dir, ids)) < BOUNDS["f16"][0]
 
 
 BYTE_LEVEL = ("gpt2", "llama3", "qwen2.5")
