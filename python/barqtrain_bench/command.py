@@ -1,4 +1,4 @@
-"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data]` command, which `barqtrain` loads
+"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data|scaling]` command, which `barqtrain` loads
 through its "barqtrain.commands" entry point."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from barqtrain_bench import attention, data_wait, e2e, lora, ops, qlora, xent
+from barqtrain_bench import attention, data_wait, e2e, lora, ops, qlora, scaling, scaling_worker, xent
 from barqtrain_bench.e2e_worker import BARQTRAIN_VARIANTS
 from barqtrain_bench.models import BENCHMARK_MODELS, SELECTABLE_MODELS
 from barqtrain_bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "all")
+SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "scaling", "all")
 ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "bitsandbytes beside them; 'e2e' fine-tunes real model shapes with LoRA, one "
             "process per variant, and with --profile splits each step's kernel time by category; 'data' times "
             "how long a LoRA training step waits for its batch with "
-            "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening. Without a suite, all run."
+            "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening; 'scaling' trains the 8B "
+            "shape (LoRA, QLoRA) and a 70B shape (QLoRA) on 1, 2, 4 and 8 GPUs, one torchrun launch per point, "
+            "beside HF + PEFT under Accelerate's FSDP2. Without a suite, all but scaling run."
         ),
     )
     parser.add_argument("suite", nargs="?", choices=SUITES, default="all", help="which benchmark (default: all)")
@@ -41,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=("hf", "liger", "unsloth"),
         metavar="NAMES",
         help="baselines, comma-separated, 'none' for none: hf, liger, unsloth (e2e only), compile "
-        "(torch.compile of the HF module, ops only) (default: hf,liger,unsloth)",
+        "(torch.compile of the HF module, ops only); scaling compares with hf only (default: hf,liger,unsloth)",
     )
     ops_options = parser.add_argument_group("per-op options")
     ops_options.add_argument(
@@ -51,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAMES",
         help=f"ops, comma-separated: {', '.join(OP_BENCHMARKS)} (default: all)",
     )
-    e2e_options = parser.add_argument_group("end-to-end and data options")
+    e2e_options = parser.add_argument_group("end-to-end, data and scaling options")
     e2e_options.add_argument(
         "--models",
         type=names_from(SELECTABLE_MODELS),
@@ -90,7 +92,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     e2e_options.add_argument(
         "--tiny", action="store_true",
-        help="a tiny model instead of --models (e2e) or the 1B shape (data): tests the harness, on a CPU too"
+        help="a tiny model instead of --models (e2e), the 1B shape (data) or --cases (scaling, with CPU processes "
+        "in place of GPUs): tests the harness, on a CPU too"
+    )
+    scaling_options = parser.add_argument_group("scaling options")
+    scaling_options.add_argument(
+        "--cases",
+        type=names_from(scaling_worker.BENCHMARK_CASES),
+        default=scaling_worker.BENCHMARK_CASES,
+        metavar="NAMES",
+        help=f"what to train, comma-separated: {', '.join(scaling_worker.BENCHMARK_CASES)} (default: all)",
+    )
+    scaling_options.add_argument(
+        "--gpus",
+        type=counts,
+        metavar="COUNTS",
+        help="GPU counts, comma-separated, e.g. 1,2 (default: 1, 2, 4, 8 as far as the machine has GPUs)",
+    )
+    scaling_options.add_argument(
+        "--strategy",
+        choices=scaling_worker.STRATEGIES,
+        help="BarqTrain's distributed.strategy for every case (default: ddp for the 8B shape, which fits on one "
+        "GPU, fsdp for the 70B shape)",
+    )
+    scaling_options.add_argument(
+        "--time-budget",
+        type=int_at_least(1),
+        metavar="SECONDS",
+        help="stop a point still running after this many seconds and skip those not started (default: no limit)",
     )
     parser.set_defaults(run=run)
 
@@ -102,15 +131,22 @@ def existing_directory(text: str) -> Path:
     return path
 
 
+def counts(text: str) -> tuple[int, ...]:
+    """Comma-separated counts of at least 1, e.g. '1,2,4', duplicates dropped."""
+    count = int_at_least(1)
+    return tuple(dict.fromkeys(count(part.strip()) for part in text.split(",") if part.strip()))
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
     import torch
 
-    # Without a GPU only e2e and data have something to run, and only with --tiny: anything
-    # else measures nothing, which is a failure (exit 2), not a result.
-    if not torch.cuda.is_available() and not (args.tiny and args.suite in ("e2e", "data", "all")):
-        tiny = " (--tiny runs the e2e and data harness on the CPU)" if args.suite in ("e2e", "data", "all") else ""
+    # Without a GPU only e2e, data and scaling have something to run, and only with --tiny:
+    # anything else measures nothing, which is a failure (exit 2), not a result.
+    tiny_suites = ("e2e", "data", "scaling", "all")
+    if not torch.cuda.is_available() and not (args.tiny and args.suite in tiny_suites):
+        tiny = " (--tiny runs the e2e, data and scaling harness on the CPU)" if args.suite in tiny_suites else ""
         print(f"barqtrain bench {args.suite}: needs a CUDA GPU and none is visible; nothing was measured{tiny}",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -145,4 +181,16 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.suite in ("data", "all"):
         data_wait.run_data_benchmark(args.tiny, args.steps, args.warmup, args.out, args.command_line)
+    if args.suite == "scaling":  # not in "all": it takes every GPU of the machine, in launches of its own
+        scaling.run_scaling_benchmark(
+            scaling_worker.TINY_CASES if args.tiny else args.cases,
+            scaling.gpu_counts_to_run(args.gpus, args.tiny),
+            [name for name in args.compare if name in scaling.BASELINES],
+            args.strategy,
+            args.steps,
+            args.warmup,
+            args.out,
+            args.command_line,
+            args.time_budget,
+        )
     return 0

@@ -168,13 +168,19 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
         }
 
 
-def _worker_environment(spec: VariantSpec) -> dict[str, str]:
-    # The worker must import this very copy of barqtrain and of this package, also when they were
-    # found through a sys.path entry (a source checkout, a test runner) rather than an install.
+def worker_environment() -> dict[str, str]:
+    """This process's environment for a worker process, which must import this very copy of
+    barqtrain and of this package, also when they were found through a sys.path entry (a source
+    checkout, a test runner) rather than an install."""
     roots = (Path(package.__file__).resolve().parent.parent for package in (barqtrain, barqtrain_bench))
     package_roots = dict.fromkeys(str(root) for root in roots)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, (*package_roots, environment.get("PYTHONPATH"))))
+    return environment
+
+
+def _worker_environment(spec: VariantSpec) -> dict[str, str]:
+    environment = worker_environment()
     if spec.variant == "unsloth":  # set from the start: Hugging Face's libraries read them on import
         environment.update(UNSLOTH_ENVIRONMENT)
     return environment

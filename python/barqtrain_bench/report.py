@@ -27,6 +27,12 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     )
 
 
+def format_markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """The same table in GitHub Markdown, for results pasted into the docs."""
+    lines = [columns, ["---"] * len(columns), *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+
+
 def problem_notes(rows: Sequence[dict[str, Any]], label_keys: Sequence[str]) -> str:
     """One line per row that did not run: its label, its status and why ('reason' or 'error')."""
     return "\n".join(
