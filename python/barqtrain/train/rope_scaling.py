@@ -76,7 +76,7 @@ def apply_rope_scaling(model: nn.Module, scaling: RopeScalingConfig) -> str:
     except (ValueError, KeyError) as error:
         raise ConfigError(f"model.rope_scaling: Transformers refuses it for this model ({error})") from None
     for name, module in rotary:
-        rebuilt = type(module)(config=hf_config, device=module.inv_freq.device)
+        rebuilt = type(module)(config=hf_config).to(module.inv_freq.device)
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attribute, rebuilt)
     return f"RoPE: {scaling.type} scaling by {scaling.factor:g}, for a context of {context:,} positions."
