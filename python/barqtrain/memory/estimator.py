@@ -570,24 +570,27 @@ def weight_bytes(model: ModelShape, config: TrainConfig) -> tuple[int, str]:
             total += compute * numel
             kept_16bit += 1
         else:
-            total += quantized_bytes(out, inp, quant_type, double_quant)
+            total += quantized_bytes(out, inp, quant_type, double_quant, config.qlora.group_size)
         total += compute * out if bias else 0
     total *= model.layers
     total += compute * (model.layers * model.layer_norm_parameters() + model.hidden + model.embedding_parameters())
-    how = quant_type + (" + double-quantized absmax" if double_quant and quant_type != "int8" else "")
+    how = quant_type + (" + double-quantized absmax" if double_quant and quant_type in ("nf4", "fp4") else "")
     if kept_16bit:
         how += f"; {kept_16bit} projections a layer stay 16-bit (shape)"
     return total, f"{how}, embeddings and head {_compute_precision(config)}"
 
 
-def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool) -> int:
+def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool, group_size: int | None = None) -> int:
     """Bytes of one quantized weight [out, inp] and its quantization state, as barqtrain.quant
-    stores them (each tensor rounded up to the allocator's 512-byte blocks)."""
+    stores them (each tensor rounded up to the allocator's 512-byte blocks); group_size:
+    ternary's (None: a scale per row)."""
     from barqtrain.ops.quant import ABSMAX_BLOCK, BLOCK
 
     numel = out * inp
     if quant_type == "int8":
         return _allocated(numel) + _allocated(4 * out)  # int8 codes, fp32 row absmax
+    if quant_type == "ternary":
+        return _allocated(numel // 4) + _allocated(4 * out * (inp // (group_size or inp)))  # 2-bit codes, fp32 scales
     blocks = numel // BLOCK
     packed = _allocated(numel // 2)  # two 4-bit codes a byte
     if not double_quant:

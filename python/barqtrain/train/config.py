@@ -151,15 +151,21 @@ class LoraConfig:
 
 @dataclass
 class QloraConfig:
-    quant_type: Literal["nf4", "fp4", "int8"] = _doc(
-        "the base weights' format: nf4 or fp4 (4 bits, blocks of 64, bitsandbytes' layout) or int8 (an absmax per "
-        "row: twice the memory of 4 bits, closer to the 16-bit weights)",
+    quant_type: Literal["nf4", "fp4", "int8", "ternary"] = _doc(
+        "the base weights' format: nf4 or fp4 (4 bits, blocks of 64, bitsandbytes' layout), int8 (an absmax per "
+        "row: twice the memory of 4 bits, closer to the 16-bit weights) or ternary (experimental: {-1, 0, +1} with "
+        "an absmean scale, 2 bits a weight, far from the 16-bit weights unless the model was trained ternary)",
         "nf4",
     )
     double_quant: bool = _doc(
         "nf4/fp4: quantize the per-block absmax too (8 bits, blocks of 256): 0.37 fewer bits per weight; "
-        "int8 has no block absmax, so this must stay true (the default) with it",
+        "int8 and ternary have no block absmax, so this must stay true (the default) with them",
         True,
+    )
+    group_size: int | None = _doc(
+        "ternary: weights of a row that share one scale, a multiple of 32 dividing every quantized layer's "
+        "in_features; null: one scale per output channel",
+        None,
     )
 
 
@@ -364,9 +370,13 @@ def _check(config: TrainConfig) -> None:
     targets = config.lora.target_modules
     if (isinstance(targets, list) and not targets) or (isinstance(targets, str) and not targets.strip()):
         raise ConfigError("lora.target_modules: names no module; use 'all-linear' or a list such as [q_proj, v_proj]")
-    if config.qlora.quant_type == "int8" and not config.qlora.double_quant:
-        raise ConfigError("qlora.double_quant: applies to nf4/fp4 only (int8 keeps one fp32 absmax per row); "
-                          "remove it with quant_type: int8")  # fmt: skip
+    if config.qlora.quant_type in ("int8", "ternary") and not config.qlora.double_quant:
+        raise ConfigError(f"qlora.double_quant: applies to nf4/fp4 only ({config.qlora.quant_type} keeps one fp32 "
+                          f"scale per row or group); remove it with quant_type: {config.qlora.quant_type}")  # fmt: skip
+    group_size = config.qlora.group_size
+    if group_size is not None and (config.qlora.quant_type != "ternary" or group_size <= 0 or group_size % 32):
+        raise ConfigError(f"qlora.group_size: applies to quant_type ternary only, a positive multiple of 32; got "
+                          f"{group_size} with quant_type {config.qlora.quant_type}")  # fmt: skip
     if config.model.compile == "model" and (config.method == "qlora" or config.gradient_checkpointing):
         reason = "a quantized base (method qlora)" if config.method == "qlora" else "gradient checkpointing"
         raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")

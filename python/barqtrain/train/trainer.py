@@ -210,20 +210,27 @@ def load_quantized_base(
 
     qlora = config.qlora
     try:
-        return load_quantized(config.model.path, qlora.quant_type, qlora.double_quant, dtype, device)
+        return load_quantized(config.model.path, qlora.quant_type, qlora.double_quant, dtype, device, qlora.group_size)
     except (FileNotFoundError, ValueError) as error:
         log(f"QLoRA: the checkpoint cannot be streamed quantized ({error}); loading it in 16 bits, then quantizing.")
         return None
 
 
 def quantize_base(model: torch.nn.Module, config: TrainConfig) -> None:
-    """QLoRA: every linear layer but the output head to 4 bits or int8 (barqtrain.quant, no
-    bitsandbytes), in place; a layer whose shape the format does not take stays 16-bit."""
+    """QLoRA: every linear layer but the output head to 4 bits, int8 or ternary (barqtrain.quant,
+    no bitsandbytes), in place; a layer whose shape the format does not take stays 16-bit."""
     from barqtrain.quant import quantize_model
+    from barqtrain.quant.linear import check_group_size, quantizable
 
     qlora = config.qlora
     try:
-        quantize_model(model, qlora.quant_type, qlora.double_quant)
+        for name, module in model.named_modules():
+            if quantizable(name, module, qlora.quant_type):
+                check_group_size(name, module, qlora.group_size)
+    except ValueError as error:
+        raise ConfigError(f"qlora.group_size: {str(error).removeprefix('barqtrain: ')}") from None
+    try:
+        quantize_model(model, qlora.quant_type, qlora.double_quant, group_size=qlora.group_size)
     except ValueError:
         raise ConfigError(
             f"method: qlora: no linear layer of model {config.model.path or config.model.name} can be quantized "
@@ -233,18 +240,20 @@ def quantize_base(model: torch.nn.Module, config: TrainConfig) -> None:
 
 def log_quantized_base(model: torch.nn.Module, config: TrainConfig, log: Callable[..., None]) -> None:
     """One line: how many linear layers are quantized and how, and which stayed 16-bit (in_features
-    not a multiple of 64 for 4 bits, 16 for int8; out_features not a multiple of 8)."""
-    from barqtrain.quant import Linear4bit, Linear8bit
-    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE
+    not a multiple of 64 for 4 bits, 16 for int8, 32 for ternary; out_features not a multiple of 8)."""
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, QUANTIZED_LINEAR_TYPES
 
     qlora = config.qlora
-    quantized = [name for name, module in model.named_modules() if isinstance(module, (Linear4bit, Linear8bit))]
+    quantized = [name for name, module in model.named_modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)]
     kept = [
         name for name, module in model.named_modules()
         if type(module) is torch.nn.Linear and not name.endswith("lm_head")
     ]
     if qlora.quant_type == "int8":
         line = f"QLoRA: {len(quantized)} linear layers quantized to int8 (an absmax per row)"
+    elif qlora.quant_type == "ternary":
+        scale = "output channel" if qlora.group_size is None else f"group of {qlora.group_size}"
+        line = f"QLoRA: {len(quantized)} linear layers quantized to ternary (2 bits a weight, a scale per {scale})"
     else:
         absmax = "double-quantized absmax" if qlora.double_quant else "fp32 absmax"
         block = IN_FEATURES_MULTIPLE[qlora.quant_type]

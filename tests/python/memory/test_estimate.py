@@ -32,6 +32,7 @@ from barqtrain.memory.estimator import (
     weight_bytes,
 )
 from barqtrain.quant import quantize_model
+from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
 from barqtrain.train.config import NAMED_MODELS, ConfigError, config_from_dict
 from torch import nn
 
@@ -94,13 +95,13 @@ def _allocated(nbytes: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "quant_type, double_quant", [("nf4", True), ("nf4", False), ("fp4", True), ("int8", True)]
+    "quant_type, double_quant", [("nf4", True), ("nf4", False), ("fp4", True), ("int8", True), ("ternary", True)]
 )
 @pytest.mark.parametrize("intermediate", [128, 172])  # 172: gate, up and down stay 16-bit (shapes)
 def test_quantized_weights_are_what_quantize_model_keeps(quant_type, double_quant, intermediate):
     model = tiny_model("llama", dtype=torch.bfloat16, intermediate_size=intermediate)
     quantize_model(model, quant_type, double_quant)
-    quantized = {name for name, module in model.named_modules() if type(module).__name__ in ("Linear4bit", "Linear8bit")}
+    quantized = {name for name, module in model.named_modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)}
     # The 16-bit parameters and the quantized layers' tensors (codes and quantization state,
     # frozen parameters and buffers, each its own allocation); not the rotary embedding's
     # frequencies, which are no weights.

@@ -131,6 +131,21 @@ def test_qlora_int8_base(tmp_path):
     assert (linear.quant_type, linear.compute_dtype, linear.int8_weight.dtype) == ("int8", torch.bfloat16, torch.int8)
 
 
+def test_qlora_ternary_base(tmp_path):
+    lines = []
+    config = qlora_config(tmp_path / "run", 1, precision="bf16", gradient_checkpointing=False)
+    config.qlora.quant_type, config.qlora.group_size = "ternary", 32
+    model = build_model(config, torch.device("cpu"), lines.append)
+    assert "QLoRA: 14 linear layers quantized to ternary (2 bits a weight, a scale per group of 32)." in lines
+    assert any("lora" in str(line) and "14       patched" in str(line) for line in lines)  # barqtrain's LoRA over ternary
+    linear = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    assert (linear.quant_type, linear.compute_dtype, linear.ternary_weight.dtype) == ("ternary", torch.bfloat16, torch.uint8)
+    assert linear.weight_scale.shape == (linear.out_features, linear.in_features // 32)
+    config.qlora.group_size = 96  # a multiple of 32 that does not divide the layers' in_features
+    with pytest.raises(ConfigError, match=r"qlora.group_size: group_size 96 does not divide model\.layers\.0\..*in_features"):
+        build_model(config, torch.device("cpu"), quiet)
+
+
 def test_qlora_keeps_layers_the_block_does_not_divide_in_16_bits(model_dir, alpaca_jsonl, tmp_path):
     lines = []
     config = from_template("qlora", model_dir, alpaca_jsonl, tmp_path / "run", gradient_checkpointing=False)
