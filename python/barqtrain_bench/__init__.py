@@ -17,6 +17,8 @@ qlora.py        NF4 dequantization, the 4-bit GEMM and the QLoRA linear
 e2e.py          end-to-end suite: one worker process per (model, variant)
 e2e_worker.py   one variant: build, patch, LoRA, train, measure (python -m barqtrain_bench.e2e_worker)
 profile.py      a variant's kernel time per step by category (e2e --profile)
+scaling.py      several-GPU suite: one torchrun launch per (case, variant, GPU count)
+scaling_worker.py  one rank of a launch: build layer by layer, spread, train, measure
 models.py       the model shapes and workloads
 data_wait.py    how long a training step waits for its batch (bench data)
 tokenizer.py    tokenizer throughput against HF tokenizers and tiktoken (python -m barqtrain_bench.tokenizer)
