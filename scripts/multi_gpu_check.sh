@@ -83,9 +83,11 @@ start=$SECONDS
 scaling_status=${PIPESTATUS[0]}
 scaling_seconds=$((SECONDS - start))
 scaling_outcome=$([[ $scaling_status -eq 0 ]] && echo PASS || echo FAIL)
-echo "$scaling_outcome  bench scaling at $WORLD_SIZES GPUs ($scaling_seconds s); $OUTDIR/scaling/scaling.md" | tee -a "$LOG"
+echo "$scaling_outcome  bench scaling at $WORLD_SIZES GPUs ($scaling_seconds s): $OUTDIR/scaling/scaling.md" |
+  tee -a "$LOG"
 
 sizes_json="[${WORLD_SIZES// /, }]"
-printf '{"outcome": "%s", "gpus": %d, "world_sizes": %s, "seconds": %d, "scaling": {"outcome": "%s", "seconds": %d}}\n' \
-  "$outcome" "$GPUS" "$sizes_json" "$test_seconds" "$scaling_outcome" "$scaling_seconds" >"$OUTDIR/summary.json"
+scaling_json=$(printf '{"outcome": "%s", "seconds": %d}' "$scaling_outcome" "$scaling_seconds")
+printf '{"outcome": "%s", "gpus": %d, "world_sizes": %s, "seconds": %d, "scaling": %s}\n' \
+  "$outcome" "$GPUS" "$sizes_json" "$test_seconds" "$scaling_json" >"$OUTDIR/summary.json"
 [[ $status -eq 0 && $scaling_status -eq 0 ]]
