@@ -1,15 +1,15 @@
-"""`barqtrain bench qlora`: the 4-bit base of QLoRA on the 8B LoRA shapes.
+"""`barqtrain bench qlora`: the quantized bases of QLoRA on the 8B LoRA shapes.
 
   dequant : NF4 (double-quantized absmax) -> bf16 standalone, as % of the copy ceiling measured
             in the same run (bytes: 0.5 read + 2 written per element, plus the absmax bytes);
             bitsandbytes' dequantize_4bit beside it, and a device copy moving the same bytes (at
             these sizes, 37-147 MB, a copy itself stays below the 1 GiB ceiling).
-  gemm    : the fused dequant-GEMMs (x Wᵀ forward, dy W backward), NF4 and int8, against the
+  gemm    : the fused dequant-GEMMs (x Wᵀ forward, dy W backward), NF4, int8 and ternary, against the
             bf16 cuBLAS GEMM of the same shape, and bitsandbytes' dequantize + matmul, at 8192
             tokens x 4096 -> 14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096).
-  step    : one LoRA linear forward + backward (r 16, bf16 adapters) over the NF4 and the int8
-            base against the same over the bf16 base, and bitsandbytes + PEFT's Linear4bit LoRA
-            layer; with the GPU memory each base weight takes.
+  step    : one LoRA linear forward + backward (r 16, bf16 adapters) over the NF4, the int8 and
+            the ternary base against the same over the bf16 base, and bitsandbytes + PEFT's
+            Linear4bit LoRA layer; with the GPU memory each base weight takes.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def _gemm_rows(quant: Any, bnb: Any, device: torch.device) -> list[dict[str, Any
     for in_features, out_features in SHAPES[:2]:
         weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
         packed, packed8 = quant.quantize_4bit(weight), quant.quantize_int8(weight)
+        ternary = quant.quantize_ternary(weight)
         for direction, a_cols in (("forward x Wᵀ", in_features), ("backward dy W", out_features)):
             grad_input = direction.startswith("backward")
             a = torch.randn(TOKENS, a_cols, device=device, dtype=torch.bfloat16)
@@ -81,9 +82,11 @@ def _gemm_rows(quant: Any, bnb: Any, device: torch.device) -> list[dict[str, Any
             cublas_ms = _time(lambda: a @ dense)
             fused_ms = _time(lambda: quant.matmul_4bit(a, packed, grad_input=grad_input))
             int8_ms = _time(lambda: quant.matmul_int8(a, packed8, grad_input=grad_input))
+            ternary_ms = _time(lambda: quant.matmul_ternary(a, ternary, grad_input=grad_input))
             row = {"case": f"{TOKENS}x{a_cols} -> {in_features if grad_input else out_features}", "direction": direction,
                    "cublas_bf16_ms": cublas_ms, "fused_4bit_ms": fused_ms, "fused_vs_cublas": fused_ms / cublas_ms,
-                   "fused_int8_ms": int8_ms, "int8_vs_cublas": int8_ms / cublas_ms}  # fmt: skip
+                   "fused_int8_ms": int8_ms, "int8_vs_cublas": int8_ms / cublas_ms,
+                   "fused_ternary_ms": ternary_ms, "ternary_vs_cublas": ternary_ms / cublas_ms}  # fmt: skip
             if bnb is not None:
                 bnb_packed, state = _bnb_state(bnb, weight)
 
@@ -104,6 +107,7 @@ def _step_rows(quant: Any, bnb: Any, peft: Any, device: torch.device) -> list[di
         weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
         packed = quant.Weight4bit(quant.quantize_4bit(weight))
         packed8 = quant.Weight8bit(quant.quantize_int8(weight))
+        ternary = quant.WeightTernary(quant.quantize_ternary(weight))
         lora_A = (torch.randn(RANK, in_features, device=device, dtype=torch.bfloat16) * 0.01).requires_grad_()
         lora_B = (torch.randn(out_features, RANK, device=device, dtype=torch.bfloat16) * 0.01).requires_grad_()
         x = torch.randn(TOKENS, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -114,13 +118,16 @@ def _step_rows(quant: Any, bnb: Any, peft: Any, device: torch.device) -> list[di
             y.backward(dy)
 
         bf16_ms, qlora_ms, int8_ms = _time(lambda: step(weight)), _time(lambda: step(packed)), _time(lambda: step(packed8))
-        p4, p8 = packed.packed, packed8.packed
+        ternary_ms = _time(lambda: step(ternary))
+        p4, p8, pt = packed.packed, packed8.packed, ternary.packed
         row = {"case": f"{TOKENS}x{in_features} -> {out_features} r{RANK}", "bf16_lora_ms": bf16_ms,
                "qlora_ms": qlora_ms, "qlora_vs_bf16_lora": qlora_ms / bf16_ms,
                "int8_qlora_ms": int8_ms, "int8_vs_bf16_lora": int8_ms / bf16_ms,
+               "ternary_qlora_ms": ternary_ms, "ternary_vs_bf16_lora": ternary_ms / bf16_ms,
                "bf16_weight_gib": weight.nbytes / 2**30,
                "4bit_weight_gib": (p4.packed.nbytes + p4.absmax.nbytes + p4.absmax2.nbytes) / 2**30,
-               "int8_weight_gib": (p8.q.nbytes + p8.row_absmax.nbytes) / 2**30}  # fmt: skip
+               "int8_weight_gib": (p8.q.nbytes + p8.row_absmax.nbytes) / 2**30,
+               "ternary_weight_gib": (pt.packed.nbytes + pt.scales.nbytes) / 2**30}  # fmt: skip
         if bnb is not None and peft is not None:
             layer = _bnb_peft_layer(bnb, peft, weight, device)
             row["bnb_peft_ms"] = _time(lambda: layer(x).backward(dy))
@@ -154,7 +161,8 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
     bnb = None if isinstance(bnb_functional, Unavailable) else sys.modules["bitsandbytes"]
     peft = None if isinstance(peft, Unavailable) else sys.modules["peft"]
     device = torch.device("cuda")
-    print(f"{device_name()}: QLoRA (NF4 with double-quantized absmax; int8 with an absmax per row), bf16", flush=True)
+    print(f"{device_name()}: QLoRA (NF4 with double-quantized absmax; int8 with an absmax per row; ternary with an "
+          "absmean scale per row), bf16", flush=True)  # fmt: skip
     ceilings = measure_ceilings(device)
     dequant, gemm, step = (_dequant_rows(quant, bnb, ceilings.copy_tbps, device), _gemm_rows(quant, bnb, device),
                            _step_rows(quant, bnb, peft, device))  # fmt: skip
@@ -168,19 +176,23 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
     print()
     print(format_table(
         ("GEMM", "direction", "cuBLAS bf16 ms", "fused NF4 ms", "x cuBLAS", "fused int8 ms", "x cuBLAS",
-         "bnb dequant+matmul ms"),
+         "fused ternary ms", "x cuBLAS", "bnb dequant+matmul ms"),
         [(r["case"], r["direction"], format_value(r["cublas_bf16_ms"], ".3f"), format_value(r["fused_4bit_ms"], ".3f"),
           format_value(r["fused_vs_cublas"], ".2f"), format_value(r["fused_int8_ms"], ".3f"),
-          format_value(r["int8_vs_cublas"], ".2f"), format_value(r.get("bnb_dequant_matmul_ms"), ".3f")) for r in gemm],
+          format_value(r["int8_vs_cublas"], ".2f"), format_value(r["fused_ternary_ms"], ".3f"),
+          format_value(r["ternary_vs_cublas"], ".2f"), format_value(r.get("bnb_dequant_matmul_ms"), ".3f"))
+         for r in gemm],
     ))  # fmt: skip
     print()
     print(format_table(
-        ("LoRA linear fwd+bwd", "bf16 base ms", "NF4 base ms", "x bf16", "int8 base ms", "x bf16", "bnb+PEFT ms",
-         "base GiB bf16/NF4/int8"),
+        ("LoRA linear fwd+bwd", "bf16 base ms", "NF4 base ms", "x bf16", "int8 base ms", "x bf16", "ternary base ms",
+         "x bf16", "bnb+PEFT ms", "base GiB bf16/NF4/int8/ternary"),
         [(r["case"], format_value(r["bf16_lora_ms"], ".3f"), format_value(r["qlora_ms"], ".3f"),
           format_value(r["qlora_vs_bf16_lora"], ".2f"), format_value(r["int8_qlora_ms"], ".3f"),
-          format_value(r["int8_vs_bf16_lora"], ".2f"), format_value(r.get("bnb_peft_ms"), ".3f"),
-          f"{r['bf16_weight_gib']:.3f}/{r['4bit_weight_gib']:.3f}/{r['int8_weight_gib']:.3f}") for r in step],
+          format_value(r["int8_vs_bf16_lora"], ".2f"), format_value(r["ternary_qlora_ms"], ".3f"),
+          format_value(r["ternary_vs_bf16_lora"], ".2f"), format_value(r.get("bnb_peft_ms"), ".3f"),
+          f"{r['bf16_weight_gib']:.3f}/{r['4bit_weight_gib']:.3f}/{r['int8_weight_gib']:.3f}/"
+          f"{r['ternary_weight_gib']:.3f}") for r in step],
     ))  # fmt: skip
     payload = {"benchmark": "qlora", "environment": collect_environment(command_line), "ceilings": ceilings.to_json(),
                "dequant": dequant, "gemm": gemm, "lora_step": step}  # fmt: skip

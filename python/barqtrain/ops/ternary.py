@@ -45,10 +45,12 @@ def pack_ternary(codes: torch.Tensor) -> torch.Tensor:
     rows, cols = codes.shape
     if cols % WEIGHTS_PER_WORD:
         raise ValueError(f"barqtrain: pack_ternary needs in_features a multiple of {WEIGHTS_PER_WORD}, got {cols}")
-    # weight e = 8 a + 2 q + h of a word goes to byte 2 h + a, bits 2 q (q < 4)
-    stored = (codes.to(torch.int32) + 1).reshape(rows, cols // WEIGHTS_PER_WORD, 2, 4, 2).permute(0, 1, 4, 2, 3)
-    shifts = torch.arange(0, 8, 2, device=codes.device, dtype=torch.int32)
-    return (stored << shifts).sum(dim=-1).to(torch.uint8).reshape(rows, cols // 4)
+    # weight e = 8 a + 2 q + h of a word goes to byte 2 h + a, bits 2 q (q < 4); a byte a weight
+    # at most, so that packing a large weight needs little memory beside it
+    stored = (codes.to(torch.int8) + 1).view(torch.uint8)
+    stored = stored.reshape(rows, cols // WEIGHTS_PER_WORD, 2, 4, 2).permute(0, 1, 4, 2, 3)  # [row, word, h, a, q]
+    packed = stored[..., 0] | (stored[..., 1] << 2) | (stored[..., 2] << 4) | (stored[..., 3] << 6)
+    return packed.reshape(rows, cols // 4)
 
 
 def unpack_ternary(packed: torch.Tensor) -> torch.Tensor:
@@ -109,10 +111,12 @@ def quantize_ternary(weight: torch.Tensor, group_size: int | None = None) -> Pac
     if group_size <= 0 or group_size % TERNARY_MULTIPLE or cols % group_size:
         raise ValueError(f"barqtrain: group_size must be a multiple of {TERNARY_MULTIPLE} that divides in_features "
                          f"({cols}), got {group_size}")  # fmt: skip
-    groups = weight.float().reshape(rows, cols // group_size, group_size)
-    scales = groups.abs().mean(dim=-1)
+    # One fp32 copy of the weight at a time (the sum of |W| needs no second one), divided in place.
+    groups = weight.to(torch.float32, copy=True).reshape(rows, cols // group_size, group_size)
+    scales = torch.linalg.vector_norm(groups, ord=1, dim=-1) / group_size
     safe = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)  # a zero group: every t is 0
-    codes = (groups / safe).round().clamp(-1, 1).reshape(rows, cols)
+    codes = groups.div_(safe).round_().clamp_(-1, 1).to(torch.int8).reshape(rows, cols)
+    del groups  # freed before packing
     return PackedTernary(pack_ternary(codes), scales, weight.dtype)
 
 

@@ -15,5 +15,6 @@ def qlora_linear(x: torch.Tensor, weight: QuantizedWeight, lora: LoraAdapter | N
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ + b + s · dropout(x) Aᵀ Bᵀ with W quantized; differentiable in x, A, B (and b)."""
     if not isinstance(weight, QuantizedWeight):
-        raise TypeError(f"barqtrain: qlora_linear needs a Weight4bit, Weight8bit or WeightTernary base, got {type(weight).__name__}")
+        raise TypeError(f"barqtrain: qlora_linear needs a Weight4bit, Weight8bit or WeightTernary base, "
+                        f"got {type(weight).__name__}")
     return lora_linear(x, Projection(weight, bias, lora))

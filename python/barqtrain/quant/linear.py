@@ -22,6 +22,9 @@ from barqtrain.quant.weight import (
 )
 
 BNB_LINEAR_4BIT_CLASS = "bitsandbytes.nn.modules.Linear4bit"
+# The 1-byte floating-point dtype whose views carry a quantized layer's uint8/int8 tensors
+# through FSDP2 (as bitsandbytes' quant_storage carries its 4-bit data through FSDP).
+SHARDING_CARRIER = torch.float8_e4m3fn
 QUANT_TYPES = (*quant_ops.QUANT_TYPES, "int8", "ternary")
 # in_features must be a multiple of this for the format (the 4-bit blocks of 64 run along a
 # row; the int8 GEMM reads a row 16 bytes at a time, the ternary one 32 weights at a time).
@@ -43,7 +46,8 @@ def check_group_size(name: str, module: nn.Linear, group_size: int | None) -> No
     """A ternary group_size must divide the in_features of every layer it quantizes."""
     if group_size is not None and module.in_features % group_size:
         raise ValueError(f"barqtrain: group_size {group_size} does not divide {name}'s in_features "
-                         f"{module.in_features}; pick one that divides every layer's, or none (a scale per row)")  # fmt: skip
+                         f"{module.in_features}; pick one that divides every layer's, "
+                         "or none (a scale per row)")  # fmt: skip
 
 
 class _QuantizedLinear(nn.Linear):
@@ -52,20 +56,41 @@ class _QuantizedLinear(nn.Linear):
     module holds.
 
     The quantized data, and the scales that grow with it, are frozen parameters (never
-    trained), so that FSDP2 shards them on dim 0 with the rest of the layer and gathers
-    them whole for the layer's forward and backward: the fused dequant-GEMM sees the exact
-    tensors, and each rank stores 1/N of them. Fixed-size tables (the absmax code, its
-    offset) are buffers, which every rank holds whole. state_dict and .to() carry both."""
+    trained), so that FSDP2 can shard them on dim 0 with the rest of the layer (after
+    carry_for_sharding) and gather them whole for the layer's forward and backward: the
+    fused dequant-GEMM sees the exact tensors, and each rank stores 1/N of them. Fixed-size
+    tables (the absmax code, its offset) are buffers, which every rank holds whole.
+    state_dict and .to() carry both."""
 
     def __init__(self, shape: tuple[int, int], compute_dtype: torch.dtype, bias: torch.Tensor | None) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a 16-bit weight
         self.out_features, self.in_features = shape
         self.compute_dtype = compute_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        self._frozen_dtypes: dict[str, torch.dtype] = {}
 
     def register_frozen(self, name: str, tensor: torch.Tensor | None) -> None:
         """tensor as the frozen parameter `name` (None: the parameter is absent)."""
+        if tensor is not None:
+            self._frozen_dtypes[name] = tensor.dtype
         self.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
+
+    def frozen(self, name: str) -> torch.Tensor | None:
+        """Frozen parameter `name` in its own dtype (a view of its bytes where they are carried
+        for sharding)."""
+        tensor = getattr(self, name)
+        return None if tensor is None else tensor.view(self._frozen_dtypes[name])
+
+    def carry_for_sharding(self) -> None:
+        """The integer frozen parameters as SHARDING_CARRIER views of their bytes (no copy):
+        FSDP2 shards only floating-point parameters (it makes DTensor parameters of them,
+        and an integer one cannot be made frozen). frozen() reads them back bit for bit.
+        Used only on a model that FSDP2 then shards: a dtype cast of the module (.half())
+        would convert the carried bytes as if they were numbers."""
+        for name, dtype in self._frozen_dtypes.items():
+            if not dtype.is_floating_point:
+                carried = self._parameters[name].detach().view(SHARDING_CARRIER)
+                self._parameters[name] = nn.Parameter(carried, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -91,8 +116,9 @@ class Linear4bit(_QuantizedLinear):
     @property
     def weight(self) -> Weight4bit:
         return Weight4bit(
-            Packed4bit(self.packed, self.absmax, (self.out_features, self.in_features), self.compute_dtype,
-                       self.quant_type, self.absmax_code, self.absmax2, self.absmax_offset)
+            Packed4bit(self.frozen("packed"), self.frozen("absmax"), (self.out_features, self.in_features),
+                       self.compute_dtype, self.quant_type, self.absmax_code, self.frozen("absmax2"),
+                       self.absmax_offset)
         )
 
     def extra_repr(self) -> str:
@@ -117,7 +143,7 @@ class Linear8bit(_QuantizedLinear):
 
     @property
     def weight(self) -> Weight8bit:
-        return Weight8bit(Packed8bit(self.int8_weight, self.row_absmax, self.compute_dtype))
+        return Weight8bit(Packed8bit(self.frozen("int8_weight"), self.frozen("row_absmax"), self.compute_dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \

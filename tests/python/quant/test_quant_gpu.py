@@ -1,7 +1,7 @@
 """barqtrain.quant on a GPU: bit-exact with bitsandbytes' CUDA kernels (quantize, double
-quantization, dequantize), the fused 4-bit and int8 dequant-GEMMs against float64, 50 QLoRA
-steps of a tiny Llama matching bitsandbytes + PEFT, and the device memory peak of streaming
-quantized loading. Each test says what it compares in its failure."""
+quantization, dequantize), the fused 4-bit, int8 and ternary dequant-GEMMs against float64, 50
+QLoRA steps of a tiny Llama matching bitsandbytes + PEFT, and the device memory peak of
+streaming quantized loading. Each test says what it compares in its failure."""
 
 from __future__ import annotations
 
@@ -87,6 +87,32 @@ def test_int8_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, m, n,
             assert (ours.double() - dense_exact).norm() / dense_exact.norm() <= 1.5 * torch_error + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 200, 32), (1031, 4096, 1056), (77, 4104, 4096)])
+def test_ternary_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, group_size, m, n, k):
+    weight = fresh_weight((n, k), dtype)
+    weight[1] *= 30  # rows of very different scales
+    packed = quant.quantize_ternary(weight, group_size)
+    dense = quant.dequantize_ternary(packed)  # t * scale rounded once: the values the GEMM multiplies by
+    for grad_input, a_cols in ((False, k), (True, n)):
+        a = torch.randn(m, a_cols, device="cuda", dtype=dtype)
+        exact = a.double() @ (dense.double() if grad_input else dense.double().T)
+        ours = quant.matmul_ternary(a, packed, grad_input=grad_input)
+        torch_out = a @ (dense if grad_input else dense.T)
+        error = (ours.double() - exact).norm() / exact.norm()
+        torch_error = (torch_out.double() - exact).norm() / exact.norm()
+        assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
+
+
+def test_ternary_quantizer_agrees_with_the_cpu_reference():
+    weight = fresh_weight((512, 1024), torch.bfloat16)
+    on_gpu, on_cpu = quant.quantize_ternary(weight, 128), quant.quantize_ternary(weight.cpu(), 128)
+    torch.testing.assert_close(on_gpu.scales.cpu(), on_cpu.scales, rtol=1e-6, atol=0)
+    differing = (on_gpu.packed.cpu() != on_cpu.packed).float().mean().item()
+    assert differing < 1e-3, f"{differing:.2%} of the packed bytes differ (only exact ties of |W| / scale = 0.5 may)"
+
+
 def test_int8_linear_gradient_is_the_backward_gemm():
     linear = quant.Linear8bit.from_linear(nn.Linear(256, 72, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(2, 37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -130,7 +156,7 @@ def test_fifty_qlora_steps_match_bitsandbytes_and_peft(bnb, precision):
         assert abs(loss - want) <= 1e-2 * abs(want), f"step {step}: barqtrain {loss} vs bitsandbytes+PEFT {want}"
 
 
-@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
 def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing(quant_type):
     model = tiny_model("llama", torch.bfloat16).cuda()
     quant.quantize_model(model, quant_type)
@@ -140,9 +166,16 @@ def test_barqtrain_quantized_model_trains_on_cuda_with_checkpointing(quant_type)
     assert losses[-1] < 0.9 * losses[0]
 
 
-def test_streaming_4bit_load_peaks_at_the_4bit_model_plus_one_16bit_tensor(tmp_path):
-    """The whole bf16 model is ~150 MiB; its 4-bit form ~60 MiB (embedding and head kept in
-    bf16, 16 MiB each), its largest tensor 16 MiB: a load that held the 16-bit model fails."""
+# The largest tensors a load holds beside the quantized model, in units of the largest 16-bit
+# tensor: that tensor, and for ternary (quantized with PyTorch arithmetic) its fp32 copy too.
+TRANSIENT_16BIT_TENSORS = {"nf4": 1, "ternary": 3}
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "ternary"])
+def test_streaming_load_peaks_at_the_quantized_model_plus_one_tensors_transients(tmp_path, quant_type):
+    """The whole bf16 model is ~150 MiB; its 4-bit form ~60 MiB, its ternary form ~45 MiB
+    (embedding and head kept in bf16, 16 MiB each), its largest tensor 16 MiB: a load that held
+    the 16-bit model fails."""
     config = transformers.LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                                       num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
     source = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -153,15 +186,16 @@ def test_streaming_4bit_load_peaks_at_the_4bit_model_plus_one_16bit_tensor(tmp_p
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = quant.load_4bit(tmp_path, device="cuda")
+    model = quant.load_quantized(tmp_path, quant_type, device="cuda")
     peak = torch.cuda.max_memory_allocated() - before
     quantized = torch.cuda.memory_allocated() - before
-    bound = 1.1 * (quantized + largest_16bit)
-    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > 1.1 x (4-bit model {quantized / 2**20:.1f} + largest " \
-                          f"16-bit tensor {largest_16bit / 2**20:.1f}) MiB"
+    transients = TRANSIENT_16BIT_TENSORS[quant_type]
+    bound = 1.1 * (quantized + transients * largest_16bit)
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > 1.1 x ({quant_type} model {quantized / 2**20:.1f} + " \
+                          f"{transients} x the largest 16-bit tensor {largest_16bit / 2**20:.1f}) MiB"
     assert bound < full_16bit, "the model is too small for the bound to tell streaming from a full 16-bit load"
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda()
-    quant.quantize_model(reference)
+    quant.quantize_model(reference, quant_type)
     ids = torch.randint(0, 8192, (2, 33), device="cuda")
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)

@@ -46,7 +46,9 @@ def absmean_reference(weight: torch.Tensor, group_size: int) -> tuple[torch.Tens
 @pytest.mark.parametrize("group_size", [None, 32, 128])
 def test_quantizer_is_the_absmean_rule(dtype, group_size):
     weight = fresh_weight((48, 256), dtype)
+    original = weight.clone()
     packed = ternary.quantize_ternary(weight, group_size)
+    assert torch.equal(weight, original), "the quantizer works on a copy"
     assert packed.shape == (48, 256) and packed.dtype == dtype and packed.group_size == (group_size or 256)
     t, scales = absmean_reference(weight, group_size or 256)
     torch.testing.assert_close(packed.scales.double(), scales, rtol=1e-6, atol=0)
