@@ -80,7 +80,7 @@ def test_qlora_export_merges_into_the_16_bit_base(qlora_run, tmp_path, capsys):
 
     run_dir, _, _ = qlora_run
     assert cli.main(["export", str(run_dir), "--merge", "--out", str(tmp_path / "merged")]) == 0
-    assert "QLoRA run: the adapter trained over the quantization (4-bit or int8)" in capsys.readouterr().out
+    assert "QLoRA run: the adapter trained over the quantization (4-bit, int8 or ternary)" in capsys.readouterr().out
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run_dir / "base"), run_dir / "adapter")
     input_ids, _ = task.make_batch(4, torch.Generator().manual_seed(0))
