@@ -30,7 +30,7 @@ _TOKENIZER_SUFFIXES = (".tiktoken",)
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                 "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # The end-of-turn token the built-in chat templates write after each assistant message.
-_BUILT_IN_END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+BUILT_IN_END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 
 class ExportError(ConfigError):
@@ -236,8 +236,8 @@ def trained_end_token(data: dict[str, Any], tokenizer_dir: Path | None) -> tuple
 def _chat_end_of_turn(chat_template: str, tokenizer_dir: Path) -> str | None:
     """The end-of-turn token a chat template writes right after an assistant message (the
     last of what is learned), found by rendering a short conversation as the reader does."""
-    if chat_template in _BUILT_IN_END_OF_TURN:
-        return _BUILT_IN_END_OF_TURN[chat_template]
+    if chat_template in BUILT_IN_END_OF_TURN:
+        return BUILT_IN_END_OF_TURN[chat_template]
     from barqtrain.data.chat_template import ChatTemplate
 
     template = ChatTemplate.load(chat_template, tokenizer_dir)

@@ -4,24 +4,28 @@ BarqTrain's ops compute the prompt, and fall back to Transformers' own where a c
 needs it). Greedy by default; --temperature > 0 samples (seeded by --seed, so a run repeats).
 It stops at the model's EOS, at the token the run's data ends each response with, and with
 --chat at the chat template's end-of-turn tokens; --chat wraps the prompt as a user message in
-the model's (or the run's) chat template, followed by the assistant's generation prompt."""
+the model's (or the run's, or a built-in) chat template, followed by the assistant's
+generation prompt. The text is printed as the tokens come."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
 from barqtrain.train.config import UsageError
+from barqtrain.train.export import BUILT_IN_END_OF_TURN
 from barqtrain.train.inference import LoadedModel, add_model_arguments, device_of, load_model
 
 DESCRIPTION = (
     "Generate text from a run's model (or a Hugging Face model directory) with a KV cache, greedy or sampled, "
-    "stopping at the end-of-turn token; --chat uses the model's chat template."
+    "stopping at the end-of-turn token; --chat uses the model's chat template. The text is printed as it is generated."
 )
 
 
@@ -41,8 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "user's message)")
     parser.add_argument("--chat", action="store_true", help="render the prompt with the chat template first")
     parser.add_argument("--chat-template", metavar="TEMPLATE",
-                        help="with --chat: 'model', a tokenizer_config.json or .jinja file, or a template "
-                             "(default: the run's data.chat_template, else 'model')")
+                        help="with --chat: 'model', chatml or llama3 (the data reader's built-in templates), a "
+                             "tokenizer_config.json or .jinja file, or a template (default: the run's "
+                             "data.chat_template, else 'model')")
     parser.add_argument("--max-new-tokens", type=int, default=Sampling.max_new_tokens, metavar="N")
     parser.add_argument("--temperature", type=float, default=Sampling.temperature,
                         help="0 (the default): greedy; above 0: sample at this temperature")
@@ -65,7 +70,7 @@ def check_sampling(sampling: Sampling) -> None:
 
 def stop_ids(loaded: LoadedModel, end_of_turn: tuple[str, ...] = ()) -> list[int]:
     """The ids generation stops at: the generation config's EOS, the run's trained end token and
-    the given end-of-turn tokens (each a single token of the vocabulary)."""
+    the chat template's end-of-turn tokens, each of which must be one token of the vocabulary."""
     from barqtrain.data import Tokenizer
 
     eos = loaded.model.generation_config.eos_token_id
@@ -76,14 +81,56 @@ def stop_ids(loaded: LoadedModel, end_of_turn: tuple[str, ...] = ()) -> list[int
         tokenizer = Tokenizer.from_file(str(loaded.tokenizer_dir))
         for text in end_of_turn:
             encoded = tokenizer.encode(text, add_special_tokens=False)
-            if len(encoded) == 1:
-                ids.append(encoded[0])
+            if len(encoded) != 1:
+                raise UsageError(f"--chat: the template ends a turn with {text!r}, which is not one token of "
+                                 f"{loaded.tokenizer_dir} ({len(encoded)} tokens), so generation could not stop at it; "
+                                 "give --chat-template a template whose end-of-turn token the tokenizer has")
+            ids.append(encoded[0])
     return sorted(set(ids))
 
 
+class TextStream:
+    """A streamer for Transformers' generate (which calls put with the prompt, then with each
+    new token, then end): writes the text of the new tokens as they come, up to the first stop
+    token. What is written is always the decoded text of the tokens so far, as far as it will
+    stay: a character whose bytes are split over tokens decodes as U+FFFD until its last byte
+    comes, so it waits and is written whole."""
+
+    def __init__(self, tokenizer, stops: list[int], out: TextIO) -> None:
+        self._tokenizer, self._stops, self._out = tokenizer, set(stops), out
+        self._ids: list[int] = []
+        self._written = 0  # characters of the decoded text written
+        self._prompt_seen = False
+        self._stopped = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True  # the prompt, not printed
+            return
+        for token in value.reshape(-1).tolist():
+            self._stopped = self._stopped or token in self._stops
+            if self._stopped:
+                return
+            self._ids.append(token)
+        self._write_decoded(final=False)
+
+    def end(self) -> None:
+        self._write_decoded(final=True)
+
+    def _write_decoded(self, final: bool) -> None:
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        settled = text if final else text.rstrip("\ufffd")
+        if len(settled) > self._written:
+            self._out.write(settled[self._written:])
+            self._out.flush()
+            self._written = len(settled)
+
+
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], stops: list[int], sampling: Sampling) -> list[int]:
-    """The new token ids after prompt_ids, the stop token (when reached) not included."""
+def generate(model, prompt_ids: list[int], stops: list[int], sampling: Sampling,
+             streamer: TextStream | None = None) -> list[int]:
+    """The new token ids after prompt_ids, the stop token (when reached) not included; each
+    token also goes to streamer as it is produced."""
     check_sampling(sampling)
     if not prompt_ids:
         raise UsageError("--prompt: encodes to no token; give some text")
@@ -94,7 +141,7 @@ def generate(model, prompt_ids: list[int], stops: list[int], sampling: Sampling)
     input_ids = torch.tensor([prompt_ids], device=model.device)
     output = model.generate(
         input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=sampling.max_new_tokens, use_cache=True,
-        eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, **options,
+        eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0, streamer=streamer, **options,
     )[0, len(prompt_ids):].tolist()
     end = next((i for i, token in enumerate(output) if token in stops), len(output))
     return output[:end]
@@ -114,15 +161,33 @@ def prompt_ids(
         return tokenizer.encode(prompt), ()
     name = chat_template or loaded.data.get("chat_template") or "model"
     if name in BUILT_IN:
-        raise UsageError(f"--chat: the run's data.chat_template is the built-in {name!r}, rendered by the data reader "
-                         "only; pass --chat-template with its Jinja template (a .jinja file or tokenizer_config.json)")
+        return built_in_chat_prompt(name, prompt, loaded.tokenizer_dir), (BUILT_IN_END_OF_TURN[name],)
     if name == "model" and not _has_chat_template(loaded.tokenizer_dir):
         raise UsageError(f"--chat: {loaded.tokenizer_dir} has no chat template (a base model's tokenizer usually has "
-                         "none); pass --chat-template with a .jinja file, a tokenizer_config.json or a template string")
+                         f"none); pass --chat-template {' or '.join(BUILT_IN)} (built in), a .jinja file, a "
+                         "tokenizer_config.json or a template string")
     template = ChatTemplate.load(name, loaded.tokenizer_dir)
     text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     # As apply_chat_template(tokenize=True): the template writes the special tokens itself.
     return tokenizer.encode(text, add_special_tokens=False), template.end_of_turn_tokens
+
+
+def built_in_chat_prompt(name: str, prompt: str, tokenizer_dir: Path) -> list[int]:
+    """The tokens the data reader's built-in template `name` puts before an assistant's reply
+    to the user message prompt, as training saw them: the reader itself reads a conversation of
+    that message and an empty reply, which is cut where the reply's learned tokens begin."""
+    from barqtrain.data import ReaderError, read_dataset
+
+    conversation = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]}
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "prompt.jsonl"
+        path.write_text(json.dumps(conversation) + "\n", encoding="utf-8")
+        try:
+            record = read_dataset(path, "messages", str(tokenizer_dir), chat_template=name, add_eos=False)[0]
+        except ReaderError as error:
+            raise UsageError(f"--prompt: the {name} template cannot render it ({error})") from None
+    reply = next(i for i, label in enumerate(record["labels"]) if label != -100)
+    return record["input_ids"][:reply]
 
 
 def _has_chat_template(tokenizer_dir: Path) -> bool:
@@ -142,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, device_of(args.device), base=args.base, patch=not args.no_patch,
                         log=lambda *a, **k: print(*a, **k, file=sys.stderr))
     ids, end_of_turn = prompt_ids(loaded, args.prompt, args.chat, args.chat_template)
-    new = generate(loaded.model, ids, stop_ids(loaded, end_of_turn), sampling)
-    print(Tokenizer.from_file(str(loaded.tokenizer_dir)).decode(new, skip_special_tokens=True))
+    stops = stop_ids(loaded, end_of_turn)
+    stream = TextStream(Tokenizer.from_file(str(loaded.tokenizer_dir)), stops, sys.stdout)
+    generate(loaded.model, ids, stops, sampling, stream)
+    print()
     return 0

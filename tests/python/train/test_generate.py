@@ -1,7 +1,8 @@
 """`barqtrain generate`: the patched stories260K Llama, with its KV cache, generates the greedy
 tokens of the unpatched Transformers model and of a cache-free argmax loop; sampling repeats
 with its seed and is Transformers' own sampling; generation stops at the stop tokens; --chat
-renders the prompt as apply_chat_template does."""
+renders the prompt as apply_chat_template does, with the model's template or a built-in one;
+the text is streamed as the tokens come, multi-byte characters split over tokens written whole."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from shared_data import SHARED, require  # noqa: E402
 
 from barqtrain.cli import main  # noqa: E402
 from barqtrain.data import Tokenizer  # noqa: E402
-from barqtrain.train.generate_command import Sampling, generate, prompt_ids, stop_ids  # noqa: E402
-from barqtrain.train.inference import load_model  # noqa: E402
+from barqtrain.train.generate_command import Sampling, TextStream, generate, prompt_ids, stop_ids  # noqa: E402
+from barqtrain.train.inference import LoadedModel, load_model  # noqa: E402
 
 STORIES = SHARED / "models" / "stories260K-hf"
-require(STORIES / "model.safetensors")
+TOKENIZERS = SHARED / "tokenizers"
+BYTE_LEVEL = ("gpt2", "llama3", "qwen2.5")
+require(STORIES / "model.safetensors", *(TOKENIZERS / name / "tokenizer.json" for name in BYTE_LEVEL))
 PROMPTS = ("Once upon a time", "The little dog", "Lily and Tom went to the park")
 CPU = torch.device("cpu")
 NEW_TOKENS = 24
@@ -112,6 +115,108 @@ def test_chat_prompt_is_apply_chat_templates(tmp_path, patched):
     assert "</s>" in end_of_turn and stop_ids(loaded, end_of_turn) == [2]
 
 
+# The plain ChatML template (Qwen 2.5's own adds a default system prompt, which the built-in does not).
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHAT_PROMPTS = ("Tell me a story", "  two leading spaces,\ttabs\nand a new line ", "naïve café, 東京 🙂")
+
+
+def _llama3_adding_bos(directory: Path) -> Path:
+    """The llama3 tokenizer with the post-processor of Meta's tokenizer.json, which adds
+    <|begin_of_text|> (the shared copy's adds nothing); its tokenizer_config has Meta's template."""
+    tokenizer = json.loads((TOKENIZERS / "llama3" / "tokenizer.json").read_text())
+    bos = "<|begin_of_text|>"
+    tokenizer["post_processor"] = {"type": "Sequence", "processors": [tokenizer["post_processor"], {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [128000], "tokens": [bos]}},
+    }]}
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    shutil.copy(TOKENIZERS / "llama3" / "tokenizer_config.json", directory)
+    return directory
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+@pytest.mark.parametrize(("name", "jinja"), [("chatml", CHATML), ("llama3", None)])
+def test_built_in_chat_prompt_is_apply_chat_templates(tmp_path, name, jinja, prompt):
+    """The data reader's chatml and llama3 (the run's data.chat_template, or --chat-template):
+    the tokens it puts before a reply, against Transformers rendering ChatML with Qwen 2.5's
+    tokenizer, and Meta's Llama 3 template with Llama 3's."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = TOKENIZERS / "qwen2.5" if name == "chatml" else _llama3_adding_bos(tmp_path / "llama3")
+    run = LoadedModel(model=None, tokenizer_dir=tokenizer_dir, data={"chat_template": name}, end_token=None,
+                      description="a run")
+    ids, end_of_turn = prompt_ids(run, prompt, chat=True, chat_template=None)
+    messages = [{"role": "user", "content": prompt}]
+    expected = AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
+        messages, chat_template=jinja, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == list(expected)
+    assert end_of_turn == ({"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}[name],)
+
+
+class _Writes:
+    """An output stream that keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+STREAMED_TEXT = "naïve café, 東京の空 🙂🎉 — ok"
+
+
+@pytest.mark.parametrize("name", ["stories260K", *BYTE_LEVEL])
+def test_stream_writes_whole_characters_as_the_tokens_come(name):
+    """SentencePiece byte fallback (stories260K has no token for 東) and byte-level BPE split
+    characters over tokens; the stream writes each character once its last byte has come."""
+    tokenizer = Tokenizer.from_file(str(STORIES if name == "stories260K" else TOKENIZERS / name))
+    ids = tokenizer.encode(STREAMED_TEXT, add_special_tokens=False)
+    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # a character is split
+    out = _Writes()
+    stream = TextStream(tokenizer, stops=[], out=out)
+    stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not written
+    written_before_end = []
+    for token in ids:
+        stream.put(torch.tensor([token]))
+        written_before_end.append("".join(out.writes))
+    stream.end()
+    assert "".join(out.writes) == tokenizer.decode(ids)
+    assert written_before_end[-1] == tokenizer.decode(ids)  # nothing was left for end()
+    assert not any("\ufffd" in text for text in out.writes)
+    assert len(out.writes) > len(ids) // 2  # written as it came
+
+
+def test_stream_ends_at_the_first_stop_token():
+    tokenizer = Tokenizer.from_file(str(STORIES))
+    ids = tokenizer.encode("Once upon a time there was a dog", add_special_tokens=False)
+    out = _Writes()
+    stream = TextStream(tokenizer, stops=[ids[4]], out=out)
+    stream.put(torch.tensor([[1]]))
+    for token in ids:
+        stream.put(torch.tensor([token]))
+    stream.end()
+    assert "".join(out.writes) == tokenizer.decode(ids[:ids.index(ids[4])])
+
+
+def test_generate_streams_the_tokens_it_returns(patched):
+    out = _Writes()
+    new = generate(patched.model, _encode(PROMPTS[0]), [2], Sampling(max_new_tokens=20),
+                   streamer=TextStream(Tokenizer.from_file(str(STORIES)), [2], out))
+    assert "".join(out.writes) == Tokenizer.from_file(str(STORIES)).decode(new, skip_special_tokens=True)
+    assert len(out.writes) > 10
+
+
 def test_cli_prints_the_greedy_continuation(capsys, patched):
     assert main(["generate", str(STORIES), "--prompt", PROMPTS[0], "--max-new-tokens", "20"]) == 0
     new = generate(patched.model, _encode(PROMPTS[0]), [2], Sampling(max_new_tokens=20))
@@ -122,6 +227,7 @@ def test_cli_prints_the_greedy_continuation(capsys, patched):
     ("arguments", "message"),
     [
         (["--chat"], "has no chat template"),
+        (["--chat", "--chat-template", "chatml"], "the template ends a turn with '<|im_end|>', which is not one token"),
         (["--temperature", "-1"], "--temperature -1.0: must be 0 (greedy) or above"),
         (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     ],
