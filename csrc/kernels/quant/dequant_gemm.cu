@@ -444,8 +444,18 @@ void ternary_gemm(const TernaryGemmParams& p, cudaStream_t stream) {
               "), got " + std::to_string(p.group_size));
   require(is_aligned(p.packed, 8), "the ternary weight must be 8-byte aligned");
   require(p.scales != nullptr, "the ternary weight's scales are missing");
-  require(p.kernel != QuantGemmKernel::kHopper, "the ternary GEMM has no Hopper kernel yet; use kAuto or kGeneral");
+  // The Hopper kernel reads W's rows by TMA (16-byte aligned rows of k / 4 bytes) and one scale
+  // per 64 weights of a row; other shapes run the general kernel.
+  const bool hopper_shape = p.k % 64 == 0 && p.group_size % 64 == 0 && is_aligned(p.packed, 16);
+  require(p.kernel != QuantGemmKernel::kHopper || hopper_shape,
+          "the Hopper ternary GEMM needs in_features and group_size multiples of 64 and a 16-byte aligned weight");
   if (p.m == 0 || p.n == 0 || p.k == 0) return;
+  if (hopper_shape && use_hopper_kernel(p)) {  // never true in a build without the Hopper kernels
+#if BARQTRAIN_HOPPER_KERNELS
+    hopper::ternary_gemm_sm90(p, stream);
+    return;
+#endif
+  }
   dispatch<TernarySlices>(p, stream, "ternary_gemm");
 }
 

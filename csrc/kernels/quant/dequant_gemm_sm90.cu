@@ -1,4 +1,4 @@
-// The fused dequant-GEMMs (quant.h) on Hopper's warpgroup MMA (wgmma), sm_90a only.
+// The fused dequant-GEMMs (quant.h, ternary.h) on Hopper's warpgroup MMA (wgmma), sm_90a only.
 //
 // Why this version exists: the general kernel (dequant_gemm.cu) runs mma.sync, which on an
 // H100 peaks near a third of wgmma's rate; it measured 3.0-3.5x cuBLAS bf16 at the 8B
@@ -313,6 +313,94 @@ struct Int8Format {
   }
 };
 
+// Ternary (ternary.h), 2 bits a weight, a scale per group of a W row (ternary_gemm sends only
+// k and group_size multiples of 64 here: a step's 64 depth, or a 64-column half of the
+// backward's tile, lies in one group). Zeros past W's edges decode to t = -1, times the scale
+// 0 that step_scale gives there.
+template <typename T, QuantGemmOp kOp>
+struct TernaryFormat {
+  using Params = TernaryGemmParams;
+  static constexpr int kBitsPerValue = 2;
+  using Tile = StoredTile<kOp, kBitsPerValue>;
+  static constexpr int kTableFloats = 0;
+  static constexpr bool kStepScales = true;
+  static constexpr bool kScalesOutputColumns = false;
+
+  static const uint8_t* stored_bytes(const Params& p) { return p.packed; }
+  static __device__ void load_tables(const Params&, float*) {}
+  // Forward: slot = the tile's W row. Backward: slot = 64 * half + depth row (as NF4's).
+  static __device__ float step_scale(const Params& p, const float*, int slot, int step, int col_tile) {
+    const int64_t row = kOp == QuantGemmOp::kForward ? int64_t{col_tile} * kTileOut + slot
+                                                     : int64_t{step} * kTileDepth + slot % kTileDepth;
+    const int64_t col = kOp == QuantGemmOp::kForward ? int64_t{step} * kTileDepth
+                                                     : int64_t{col_tile} * kTileOut + slot / kTileDepth * kTileDepth;
+    if (row >= p.n || col >= p.k) return 0.0f;
+    return __ldg(p.scales + row * (p.k / p.group_size) + col / p.group_size);
+  }
+
+  // Forward: the thread's two W rows, 16 bytes each: word kb of a row is k-block kb, its
+  // weights 2q, 2q + 1 (pair q) and 2q + 8, 2q + 9 (pair q + 4) a fragment register each; the
+  // rows' scales as T pairs. Backward: for each of the 16 depth rows of the fragments, the
+  // codes of columns out_col, out_col + 1 (one pair of one word), and each two depth rows'
+  // scales as a T pair.
+  struct Raw {
+    uint32_t words[kOp == QuantGemmOp::kForward ? 2 * kKBlocks : 16];
+    uint32_t scale_pairs[kOp == QuantGemmOp::kForward ? 2 : 8];
+  };
+  static __device__ Raw load_raw(const uint8_t* stored, const float* scales, const ThreadCoords& t) {
+    Raw raw;
+    if constexpr (kOp == QuantGemmOp::kForward) {
+      const uint4* rows = reinterpret_cast<const uint4*>(stored + t.out_col() * Tile::kRowBytes);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint4 v = rows[r];
+        raw.words[4 * r] = v.x, raw.words[4 * r + 1] = v.y, raw.words[4 * r + 2] = v.z, raw.words[4 * r + 3] = v.w;
+      }
+      const float2 s = *reinterpret_cast<const float2*>(scales + t.out_col());
+      raw.scale_pairs[0] = attention::pack2<T>(s.x, s.x);
+      raw.scale_pairs[1] = attention::pack2<T>(s.y, s.y);
+    } else {
+      const int col = t.out_col();
+      const uint32_t* column = reinterpret_cast<const uint32_t*>(stored) + col / 16;
+      const int shift = 2 * (col % 16 / 2);
+      const float* half_scales = scales + kTileDepth * t.warpgroup;
+#pragma unroll
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // depth 2q, 2q + 1, then 2q + 8, 2q + 9
+          const int depth = 16 * kb + 2 * t.quad + 8 * half;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t word = column[(depth + e) * Tile::kRowBytes / 4];
+            raw.words[4 * kb + 2 * half + e] = (word >> shift) & quant::kTernaryPairMask;
+          }
+          const float2 s = *reinterpret_cast<const float2*>(half_scales + depth);
+          raw.scale_pairs[2 * kb + half] = attention::pack2<T>(s.x, s.y);
+        }
+      }
+    }
+    return raw;
+  }
+  static __device__ void fragment(const Raw& raw, int kb, const float*, const ThreadCoords& t, uint32_t (&a)[4]) {
+    if constexpr (kOp == QuantGemmOp::kForward) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // a[i]: W row out_col + (i & 1), depth + 8 * (i >> 1)
+        a[i] = quant::dequantize_ternary_pair<T>(raw.words[4 * (i & 1) + kb], t.quad + 4 * (i >> 1),
+                                                 raw.scale_pairs[i & 1]);
+      }
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // a[2 half]: column out_col at depth d, d + 1; a[2 half + 1]: out_col + 1
+        const uint32_t d0 = raw.words[4 * kb + 2 * half], d1 = raw.words[4 * kb + 2 * half + 1];
+        const uint32_t scale_pair = raw.scale_pairs[2 * kb + half];
+        a[2 * half] = quant::dequantize_ternary_codes<T>(quant::byte_perm(d0, d1, 0x5410u), scale_pair);
+        a[2 * half + 1] = quant::dequantize_ternary_codes<T>(quant::byte_perm(d0, d1, 0x7632u), scale_pair);
+      }
+    }
+  }
+  static __device__ float output_column_scale(const Params&, int64_t) { return 1.0f; }
+};
+
 // ---------------------------------------------------------------- shared memory
 
 template <typename T, QuantGemmOp kOp, template <typename, QuantGemmOp> class Format>
@@ -536,6 +624,9 @@ void dispatch(const Params& p, cudaStream_t stream, const char* name) {
 void nf4_gemm_sm90(const Nf4GemmParams& p, cudaStream_t stream) { dispatch<Nf4Format>(p, stream, "nf4_gemm (sm_90a)"); }
 void int8_gemm_sm90(const Int8GemmParams& p, cudaStream_t stream) {
   dispatch<Int8Format>(p, stream, "int8_gemm (sm_90a)");
+}
+void ternary_gemm_sm90(const TernaryGemmParams& p, cudaStream_t stream) {
+  dispatch<TernaryFormat>(p, stream, "ternary_gemm (sm_90a)");
 }
 
 }  // namespace barqtrain::kernels::hopper

@@ -38,11 +38,11 @@ __device__ __forceinline__ uint32_t dequantize_int8_pair(uint32_t pair, float ab
 
 __device__ __forceinline__ float int8_output_column_scale(float absmax) { return __fdiv_rn(absmax, 127.0f); }
 
-// Ternary (ternary.h): weights 2p and 2p + 1 of a 32-bit word of codes as a T pair
-// round_to_T(t * scale), given scale_pair = round_to_T(scale) in both halves. Each code c
-// (t + 1) goes under the exponent of a power of two, 1024 + c in fp16 or 128 + c in bf16
-// (exact), minus 1025 or 129 leaves t exactly, and t times the rounded scale is +-it or +0,
-// exact as well: 3 instructions a pair, both halves at once.
+// Ternary (ternary.h): two 2-bit codes c = t + 1, in bits 0-1 and 16-17 of `codes`, as a T
+// pair round_to_T(t * scale), given scale_pair: the rounded scale of each half. Each code goes
+// under the exponent of a power of two, 1024 + c in fp16 or 128 + c in bf16 (exact), minus
+// 1025 or 129 leaves t exactly, and t times the rounded scale is +-it or +0, exact as well:
+// 3 instructions a pair, both halves at once.
 template <typename T>
 struct TernaryBias;
 template <>
@@ -54,14 +54,23 @@ struct TernaryBias<__nv_bfloat16> {
   static constexpr uint32_t kCode = 0x43004300u, kZero = 0x43014301u;  // 128 + c; 129
 };
 
+constexpr uint32_t kTernaryPairMask = 0x00030003u;
+
 template <typename T>
-__device__ __forceinline__ uint32_t dequantize_ternary_pair(uint32_t word, int pair, uint32_t scale_pair) {
+__device__ __forceinline__ uint32_t dequantize_ternary_codes(uint32_t codes, uint32_t scale_pair) {
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  const uint32_t biased = ((word >> (2 * pair)) & 0x00030003u) | TernaryBias<T>::kCode;
+  const uint32_t biased = codes | TernaryBias<T>::kCode;
   const uint32_t zero = TernaryBias<T>::kZero;
   const T2 t = __hsub2(*reinterpret_cast<const T2*>(&biased), *reinterpret_cast<const T2*>(&zero));
   const T2 value = __hmul2(t, *reinterpret_cast<const T2*>(&scale_pair));
   return *reinterpret_cast<const uint32_t*>(&value);
+}
+
+// Weights 2p and 2p + 1 of a 32-bit word of ternary.h's layout (the even one in the low half),
+// both under the one scale of scale_pair.
+template <typename T>
+__device__ __forceinline__ uint32_t dequantize_ternary_pair(uint32_t word, int pair, uint32_t scale_pair) {
+  return dequantize_ternary_codes<T>((word >> (2 * pair)) & kTernaryPairMask, scale_pair);
 }
 
 // Columns col and col + 1 of one row of C (dst points at col): one 4-byte store when the row

@@ -12,10 +12,12 @@
 // ternary_gemm computes, with a 16-bit A, fp32 accumulation and one rounding of C,
 //   kForward : C[m, n] = A[m, k] · Wᵀ   (x Wᵀ)
 //   kBackward: C[m, k] = A[m, n] · W    (dy W)
-// on the general dequant-GEMM (dequant_gemm.cu): each tile value is round_to_T(t * scale), the
-// bits barqtrain.ops.ternary.dequantize_ternary writes, unpacked into shared memory inside the
-// main loop; the 16-bit W is never written to global memory. QuantGemmKernel::kHopper is an
-// error (no wgmma path yet); kAuto runs the general kernel on every device.
+// with each W value round_to_T(t * scale), the bits barqtrain.ops.ternary.dequantize_ternary
+// writes, unpacked inside the GEMM; the 16-bit W is never written to global memory. The kernel
+// follows QuantGemmKernel (quant.h): kAuto takes the Hopper kernel (dequant_gemm_sm90.cu, W
+// unpacked into wgmma's fragment registers) where it runs and k and group_size are multiples
+// of 64 (the packed weight 16-byte aligned), else the general one (dequant_gemm.cu, W unpacked
+// into a shared tile); kHopper with other shapes is an error.
 #pragma once
 
 #include <cuda_runtime_api.h>

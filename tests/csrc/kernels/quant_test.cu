@@ -519,8 +519,9 @@ TEST(Nf4GemmChecks, RejectsDepthNotMultipleOf64) {
   EXPECT_THROW(k::nf4_gemm(p, nullptr), std::invalid_argument);
 }
 
-// The ternary GEMM (general kernel) with W from the reference quantizer, a zero row included
-// (scale 0), against A · W(ᵀ) in double over the values t * scale rounded to T.
+// The ternary GEMM on each kernel with W from the reference quantizer, a zero row included
+// (scale 0), against A · W(ᵀ) in double over the values t * scale rounded to T. The Hopper
+// kernel takes k and group_size multiples of 64; asked for with other shapes, it is an error.
 struct TernaryCase {
   GemmCase gemm;
   int64_t group_size;  // 0: one scale per row (group_size = k)
@@ -531,13 +532,21 @@ void PrintTo(const TernaryCase& c, std::ostream* os) {
   *os << " group_size=" << (c.group_size ? c.group_size : c.gemm.k);
 }
 
-class TernaryGemm : public ::testing::TestWithParam<TernaryCase> {
+using TernaryParam = std::tuple<TernaryCase, k::QuantGemmKernel>;
+
+class TernaryGemm : public ::testing::TestWithParam<TernaryParam> {
  protected:
   template <typename T>
   void run_case() {
     BARQTRAIN_REQUIRE_GPU();
-    const GemmCase c = GetParam().gemm;
-    const int64_t group_size = GetParam().group_size ? GetParam().group_size : c.k;
+    const GemmCase c = std::get<0>(GetParam()).gemm;
+    const int64_t group_size = std::get<0>(GetParam()).group_size ? std::get<0>(GetParam()).group_size : c.k;
+    const k::QuantGemmKernel kernel = std::get<1>(GetParam());
+    if (kernel == k::QuantGemmKernel::kHopper && (c.k % 64 != 0 || group_size % 64 != 0)) {
+      expect_hopper_shape_refused(c, group_size);
+      return;
+    }
+    SKIP_UNLESS_KERNEL_AVAILABLE(kernel);
     std::mt19937_64 rng = fresh_rng(c.m * 41 + c.n * 3 + c.k + group_size);
     std::vector<T> w;
     std::vector<double> w_exact;
@@ -550,7 +559,7 @@ class TernaryGemm : public ::testing::TestWithParam<TernaryCase> {
     for (size_t i = 0; i < w_fp32.size(); ++i) w_rounded[i] = Storage<T>::to_double(Storage<T>::from_double(w_fp32[i]));
     DeviceBuffer d_packed = DeviceBuffer::from_host(ref::pack_ternary(q.codes));
     DeviceBuffer d_scales = DeviceBuffer::from_host(q.scales);
-    check_gemm_against_double<T>(c, k::QuantGemmKernel::kAuto, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
+    check_gemm_against_double<T>(c, kernel, rng, w_rounded, [&](const k::QuantGemmParams& shared) {
       k::TernaryGemmParams p;
       static_cast<k::QuantGemmParams&>(p) = shared;
       p.packed = static_cast<const uint8_t*>(d_packed.get());
@@ -559,28 +568,57 @@ class TernaryGemm : public ::testing::TestWithParam<TernaryCase> {
       k::ternary_gemm(p, nullptr);
     });
   }
+
+  static void expect_hopper_shape_refused(const GemmCase& c, int64_t group_size) {
+    // Never read: the shape is refused before any launch. Aligned so that only the shape fails.
+    alignas(16) static const uint8_t aligned_bytes[64] = {};
+    k::TernaryGemmParams p;
+    p.op = c.op;
+    p.m = c.m;
+    p.n = c.n;
+    p.k = c.k;
+    p.a_row_stride = c.op == k::QuantGemmOp::kForward ? c.k : c.n;
+    p.c_row_stride = c.op == k::QuantGemmOp::kForward ? c.n : c.k;
+    p.dtype = c.dtype;
+    p.kernel = k::QuantGemmKernel::kHopper;
+    p.a = aligned_bytes;
+    p.c = const_cast<uint8_t*>(aligned_bytes);
+    p.packed = aligned_bytes;
+    p.scales = reinterpret_cast<const float*>(aligned_bytes);
+    p.group_size = group_size;
+    try {
+      k::ternary_gemm(p, nullptr);
+      ADD_FAILURE() << "kHopper was accepted with k " << c.k << " and group_size " << group_size;
+    } catch (const std::invalid_argument& error) {
+      EXPECT_NE(std::string(error.what()).find("multiples of 64"), std::string::npos) << error.what();
+    }
+  }
 };
 
 TEST_P(TernaryGemm, MatchesDequantizedMatmulInDouble) {
-  if (GetParam().gemm.dtype == k::DType::kBFloat16) {
+  if (std::get<0>(GetParam()).gemm.dtype == k::DType::kBFloat16) {
     run_case<__nv_bfloat16>();
   } else {
     run_case<__half>();
   }
 }
 
-std::string ternary_name(const ::testing::TestParamInfo<TernaryCase>& info) {
-  const GemmCase& c = info.param.gemm;
-  return std::string(k::dtype_name(c.dtype)) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" +
-         std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + "_g" +
-         std::to_string(info.param.group_size) + (c.padded_rows ? "_padded" : "");
+std::string ternary_name(const ::testing::TestParamInfo<TernaryParam>& info) {
+  const TernaryCase& t = std::get<0>(info.param);
+  const GemmCase& c = t.gemm;
+  return std::string(std::get<1>(info.param) == k::QuantGemmKernel::kHopper ? "hopper_" : "general_") +
+         k::dtype_name(c.dtype) + (c.op == k::QuantGemmOp::kForward ? "_fwd" : "_bwd") + "_m" + std::to_string(c.m) +
+         "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) + "_g" + std::to_string(t.group_size) +
+         (c.padded_rows ? "_padded" : "");
 }
 
-// k a multiple of 32 but not of 64 (a partial depth step), odd m and n, padded rows, groups of
-// 32 (one per slice) and 64; the last two walk 32 and 24 depth steps over 60 CTAs.
+// k a multiple of 32 but not of 64 (a partial depth step; the Hopper kernel refuses it), odd m
+// and n, padded rows, groups of 32 (one per slice), 64 and 128, partial tiles of output
+// columns (the backward's 320 = 2.5 tiles) and of depth (the backward's 2040); the last two
+// walk 32 and 24 depth steps over 60 CTAs.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, TernaryGemm,
-    ::testing::Values(TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 32, false, false}, 0},
+    ::testing::Combine(::testing::Values(TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 32, false, false}, 0},
                       TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 224, false, false}, 32},
                       TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, true}, 0},
                       TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, false, true}, 64},
@@ -590,10 +628,11 @@ INSTANTIATE_TEST_SUITE_P(
                       TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, false, true}, 64},
                       TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, false, false}, 128},
                       TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, false, true}, 0}),
+                       kBothKernels),
     ternary_name);
 
 // The format's preconditions, each an error naming it, before any launch.
-TEST(TernaryGemmChecks, RejectsBadShapesGroupsAndTheHopperKernel) {
+TEST(TernaryGemmChecks, RejectsBadShapesAndGroups) {
   alignas(16) static const uint8_t aligned_bytes[64] = {};
   const auto params = [&](int64_t k, int64_t group_size) {
     k::TernaryGemmParams p;
@@ -620,9 +659,6 @@ TEST(TernaryGemmChecks, RejectsBadShapesGroupsAndTheHopperKernel) {
   expect_error(params(48, 48), "multiple of 32");
   expect_error(params(128, 48), "group_size");
   expect_error(params(128, 256), "group_size");
-  k::TernaryGemmParams hopper = params(128, 128);
-  hopper.kernel = k::QuantGemmKernel::kHopper;
-  expect_error(hopper, "no Hopper kernel");
 }
 
 }  // namespace
