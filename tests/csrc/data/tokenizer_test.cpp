@@ -377,6 +377,23 @@ TEST(BpeModel, ShortAndLongPiecesMergeAsBpeDefines) {
   }
 }
 
+TEST(Tokenizer, CachedPiecesOfAnyLengthGiveTheirTokens) {
+  // encode() keeps pieces of up to 255 bytes in the thread's cache; encode_with_offsets()
+  // bypasses it. A word repeated reads the cache (from the second time on) on both sides of
+  // that limit, and must give what merging it gives.
+  const Tokenizer tokenizer = tiny();
+  std::mt19937 random(11);
+  for (const size_t length : {63, 64, 65, 200, 254, 255, 256, 400}) {
+    std::string word;
+    while (word.size() < length) word += random() % 2 ? "the" : "ll";
+    word.resize(length);
+    const std::string text = word + " " + word + " " + word;
+    const Ids cached = tokenizer.encode(text);
+    EXPECT_EQ(cached, tokenizer.encode_with_offsets(text).ids) << length;
+    EXPECT_EQ(tokenizer.encode(text), cached) << length;
+  }
+}
+
 TEST(Tokenizer, MissingFileIsNamed) {
   try {
     Tokenizer::from_file("/nonexistent/tokenizer.json");
