@@ -167,7 +167,8 @@ class LinearTernary(_QuantizedLinear):
 
     @property
     def weight(self) -> WeightTernary:
-        return WeightTernary(PackedTernary(self.ternary_weight, self.weight_scale, self.compute_dtype))
+        packed = PackedTernary(self.frozen("ternary_weight"), self.frozen("weight_scale"), self.compute_dtype)
+        return WeightTernary(packed)
 
     def extra_repr(self) -> str:
         group_size = self.in_features // self.weight_scale.shape[1]
