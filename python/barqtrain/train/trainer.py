@@ -325,23 +325,22 @@ def save_final_weights(
 def save_checkpoint(
     run_dir: Path, step: int, model, config, optimizer, scheduler, scaler, data, ranks=distributed.SINGLE
 ) -> Path | None:
-    """Writes the checkpoint of step (rank 0 only, under FSDP; every rank must call it, since
-    gathering the state is collective). Returns its directory on rank 0."""
+    """Writes the checkpoint of step (rank 0 only, under several processes; every rank must
+    call it, since gathering the state is collective). Returns its directory on rank 0."""
+    # Keyed by parameter name, however many processes wrote it: any number resumes it.
+    model_state, optimizer_state = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
     if ranks.is_distributed:
-        model_state, optimizer_state = distributed.full_state(model, optimizer, config.method in ADAPTER_METHODS)
         data_states, rng_states = distributed.gather_objects(data.state_dict()), distributed.gather_objects(_rng_state())
         if not ranks.is_main:
             distributed.barrier()  # the checkpoint is whole on disk when every rank goes on
             return None
     else:
-        model_state, optimizer_state = None, optimizer.state_dict()
         data_states, rng_states = [data.state_dict()], [_rng_state()]
     final = run_dir / CHECKPOINTS / f"step-{step:06d}"
     # Replaces a checkpoint of the same step from an earlier, resumed-over attempt.
     with run_write_errors(final, run_dir), directory_replaced_atomically(final) as temporary:
         save_weights(model, temporary / weights_name(config), model_state)
-        if ranks.is_distributed or config.method == "full":
-            torch.save(model_state if ranks.is_distributed else model.state_dict(), temporary / "model_state.pt")
+        torch.save(model_state, temporary / "model_state.pt")
         torch.save(optimizer_state, temporary / "optimizer.pt")
         torch.save(scheduler.state_dict(), temporary / "scheduler.pt")
         trainer_state = {"step": step, "world_size": ranks.world_size, "rng": rng_states, "data": data_states}
@@ -378,7 +377,9 @@ def _flat(mapping: dict, prefix: str = "") -> dict[str, Any]:
 def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., None] = print) -> None:
     """Resuming from checkpoint with config continues the same run: the config the
     checkpoint was written with differs from config only in RESUMABLE_CHANGES (logged), and
-    steps is not below the checkpoint's. Otherwise a ConfigError names the changed keys."""
+    in batch_size where another number of processes keeps the global batch
+    (distributed.check_world_size); steps is not below the checkpoint's. Otherwise a
+    ConfigError names the changed keys."""
     saved_path = checkpoint / "config.yaml"
     step = int(checkpoint.name.removeprefix("step-"))
     if config.steps is not None and config.steps < step:
@@ -386,25 +387,26 @@ def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., No
             f"steps: {config.steps} is below step {step} of the checkpoint {checkpoint}; give at least {step} "
             "(--resume RUN --steps N continues to N)"
         )
-    state_path, world_size = checkpoint / "trainer_state.json", distributed.ranks_from_env().world_size
-    saved_world_size = int(json.loads(state_path.read_text()).get("world_size", 1)) if state_path.exists() else 1
-    if saved_world_size != world_size:  # said first: it is why batch_size may have changed
-        raise ConfigError(
-            f"--resume: {checkpoint} was written by {saved_world_size} process(es) and this run has {world_size}; "
-            "resume with the same number of processes (each holds its own data position)"
-        )
-    if not saved_path.exists():  # written before checkpoints kept their config: load_checkpoint checks the shapes
+    saved = None
+    if saved_path.exists():  # else written before checkpoints kept their config: load_checkpoint checks the shapes
+        try:
+            mapping = yaml.safe_load(saved_path.read_text())
+            _add_overflow_of_its_time(mapping)
+            saved = config_from_dict(mapping)
+        except (ConfigError, yaml.YAMLError) as error:
+            log(f"Warning: {saved_path} cannot be read ({error}); the resumed config is not compared with it.")
+    world_size = distributed.ranks_from_env().world_size
+    saved_world_size = _saved_world_size(checkpoint)
+    # Checked first: it is why batch_size may have changed.
+    distributed.check_world_size(
+        checkpoint, saved_world_size, None if saved is None else saved.batch_size, config, world_size
+    )
+    if saved is None:
         return
-    try:
-        mapping = yaml.safe_load(saved_path.read_text())
-        _add_overflow_of_its_time(mapping)
-        saved = config_from_dict(mapping)
-    except (ConfigError, yaml.YAMLError) as error:
-        log(f"Warning: {saved_path} cannot be read ({error}); the resumed config is not compared with it.")
-        return
+    resumable = RESUMABLE_CHANGES | ({"batch_size"} if world_size != saved_world_size else set())
     old, new = _flat(to_dict(saved)), _flat(to_dict(config))
     changed = [key for key in old.keys() | new.keys() if old.get(key) != new.get(key)]
-    refused = sorted(key for key in changed if key not in RESUMABLE_CHANGES)
+    refused = sorted(key for key in changed if key not in resumable)
     if refused:
         what = ", ".join(f"{key} ({old.get(key)!r} -> {new.get(key)!r})" for key in refused)
         raise ConfigError(
@@ -415,6 +417,11 @@ def check_resumable(checkpoint: Path, config: TrainConfig, log: Callable[..., No
     applied = sorted(key for key in changed if key != "output_dir")
     if applied:
         log("Resuming with " + ", ".join(f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in applied) + ".")
+
+
+def _saved_world_size(checkpoint: Path) -> int:
+    state_path = checkpoint / "trainer_state.json"
+    return int(json.loads(state_path.read_text()).get("world_size", 1)) if state_path.exists() else 1
 
 
 def _add_overflow_of_its_time(mapping: Any) -> bool:
@@ -481,39 +488,55 @@ def copy_run(source: Path, checkpoint: Path, target: Path, log: Callable[..., No
 
 
 def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, data, ranks=distributed.SINGLE) -> int:
+    """Restores the checkpoint in path (check_resumable has accepted it for this run) and
+    returns its step."""
     state = torch.load(path / "trainer_state.pt", weights_only=False)
-    saved_world_size = int(state.get("world_size", 1))
-    if saved_world_size != ranks.world_size:
+    optimizer_state = torch.load(path / "optimizer.pt", weights_only=False)
+    try:
+        if _keyed_by_index(optimizer_state):
+            _load_state_of_one_process(path, model, config, optimizer, optimizer_state, ranks)
+        else:
+            model_state = torch.load(path / "model_state.pt", weights_only=True)
+            distributed.load_full_state(model, optimizer, model_state, optimizer_state)
+    except (RuntimeError, ValueError, KeyError, FileNotFoundError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
-            f"--resume: {path} was written by {saved_world_size} process(es) and this run has {ranks.world_size}; "
-            "resume with the same number of processes (each holds its own data position)"
-        )
-    if ranks.is_distributed:
-        distributed.load_full_state(
-            model, optimizer, torch.load(path / "model_state.pt", weights_only=True),
-            torch.load(path / "optimizer.pt", weights_only=False),
-        )
-    else:
-        try:
-            if config.method in ADAPTER_METHODS:
-                from peft import set_peft_model_state_dict
-                from safetensors.torch import load_file
-
-                set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
-            else:
-                model.load_state_dict(torch.load(path / "model_state.pt", weights_only=True))
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-        except (RuntimeError, ValueError, KeyError, FileNotFoundError) as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ConfigError(
-                f"--resume: {path} does not fit this run's model or method ({reason}); the config changed since it "
-                "was written (lora.r, method, model?): put the run's settings back, or start a new run"
-            ) from None
+            f"--resume: {path} does not fit this run's model or method ({reason}); the config changed since it "
+            "was written (lora.r, method, model?): put the run's settings back, or start a new run"
+        ) from None
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     scaler.load_state_dict(state["scaler"])
-    data.load_state_dict(state["data"][ranks.rank])
-    _set_rng_state(state["rng"][ranks.rank])
+    # Written by another number of processes (the built-in task only: check_world_size),
+    # every rank continues from rank 0's position and RNG: the task's position is the
+    # same on every rank, and every rank seeded its RNG alike.
+    own = ranks.rank if len(state["data"]) == ranks.world_size else 0
+    data.load_state_dict(state["data"][own])
+    _set_rng_state(state["rng"][own])
     return int(state["step"])
+
+
+def _keyed_by_index(optimizer_state: dict) -> bool:
+    """An optimizer state keyed by parameter index: one process wrote it, before checkpoints
+    were keyed by parameter name."""
+    return any(isinstance(index, int) for group in optimizer_state["param_groups"] for index in group["params"])
+
+
+def _load_state_of_one_process(path: Path, model, config, optimizer, optimizer_state: dict, ranks) -> None:
+    """A checkpoint keyed by parameter index: the adapter (or model_state.pt) and the
+    optimizer state as one process saved them."""
+    if ranks.is_distributed:
+        raise ConfigError(
+            f"--resume: {path} was written by one process in an earlier format (its optimizer state keyed by index, "
+            "not by parameter name); resume it with one process"
+        )
+    if config.method in ADAPTER_METHODS:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+    else:
+        model.load_state_dict(torch.load(path / "model_state.pt", weights_only=True))
+    optimizer.load_state_dict(optimizer_state)
 
 
 # ------------------------------------------------------------------------------ loop
@@ -524,9 +547,10 @@ def _autocast(config: TrainConfig, device: torch.device, log: Callable[..., None
 
     Only full fine-tuning autocasts (its fp32 master weights): a LoRA or QLoRA base is
     already held in the run's precision, and barqtrain's fused LoRA computes the fp32
-    adapters over it (PEFT computes instead, with a warning, when autocast is on)."""
+    adapters over it (PEFT computes instead, with a warning, when autocast is on). fp16
+    scales the loss on any device: its gradients underflow alike."""
     precision = compute_precision(config, device)
-    loss_scaling = precision == "fp16" and device.type == "cuda"
+    loss_scaling = precision == "fp16"
     if precision == "fp32" or config.method in ADAPTER_METHODS:
         return contextlib.nullcontext(), loss_scaling
     if device.type != "cuda":
