@@ -5,14 +5,23 @@ process group (nccl on CUDA, gloo on CPU), gives each rank its own share of the 
 weights the loss by token across ranks (accumulate_gradients). distributed.strategy picks how
 the model is spread (parallelize):
 
-- ddp: every rank holds the whole model in torch's DistributedDataParallel, which buckets and
-  all-reduces the gradients of the trainable parameters only (with LoRA, the adapters; the
-  frozen base takes no part), once per optimizer step.
+- ddp: every rank holds the whole model (with QLoRA, the whole quantized base) in torch's
+  DistributedDataParallel, which buckets and all-reduces the gradients of the trainable
+  parameters only (with LoRA, the adapters; the frozen base takes no part), once per
+  optimizer step. Every rank then steps its optimizer (AdamW or bitsandbytes' 8-bit AdamW)
+  on the same gradients, and fp16 loss scaling sees the same overflows on every rank.
 - fsdp: every decoder layer and the root are sharded with `fully_shard` (frozen base weights
   and trainable LoRA weights may share a unit: FSDP2 keeps per-parameter requires_grad).
+  A QLoRA base is sharded too: its 4-bit or int8 data and their scales are frozen parameters
+  (barqtrain.quant.linear), split on dim 0 and gathered whole, per layer, for the fused
+  dequant-GEMM, so each rank stores 1/N of the base and no 16-bit copy of it ever exists.
+  fp16 loss scaling agrees across ranks because the overflow check on sharded (DTensor)
+  gradients takes the maximum over the ranks.
 
-Only rank 0 prints and writes; checkpoints hold full (gathered) model and optimizer state,
-keyed by parameter name under either strategy, which every rank reads back on resume.
+Only rank 0 prints and writes; checkpoints hold the full (gathered) model and optimizer state
+keyed by parameter name, under either strategy and in one process alike (full_state), so a
+run resumes under the other strategy, and with another number of processes where those
+consume the data as the writers did (check_world_size).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,15 +75,45 @@ def ranks_from_env() -> Ranks:
 
 
 def check_supported(config: TrainConfig) -> None:
-    """What data-parallel training does not cover yet fails before the process group forms."""
-    if config.method == "qlora":
-        raise ConfigError("method: qlora trains on one device; DDP and FSDP (several processes) train lora or full")
-    if config.optim.name == "adamw_8bit":
-        raise ConfigError("optim.name: adamw_8bit trains on one device; DDP and FSDP (several processes) take adamw")
-    if config.precision == "fp16":
+    """What data-parallel training does not cover fails before the process group forms."""
+    if config.optim.name == "adamw_8bit" and config.distributed.strategy == "fsdp":
         raise ConfigError(
-            "precision: fp16 loss scaling trains on one device; DDP and FSDP (several processes) take bf16 or fp32"
+            "optim.name: adamw_8bit cannot step FSDP's sharded parameters (bitsandbytes quantizes its states in "
+            "blocks of whole tensors); use distributed.strategy: ddp, which holds the adapters whole, or adamw"
         )
+
+
+def check_world_size(
+    checkpoint: Path, saved_world_size: int, saved_batch_size: int | None, config: TrainConfig, world_size: int
+) -> None:
+    """Resuming checkpoint, written by saved_world_size processes of saved_batch_size rows,
+    with world_size processes of config.batch_size continues the run's data only where those
+    read it as the writers did. The built-in task's micro-batch is one global batch whose
+    rows are split among the ranks, so any number of processes continues it that keeps the
+    global batch (world_size x batch_size); a dataset file is packed per rank, so only the
+    writers' number of processes continues it. Anything else is a ConfigError naming both."""
+    if world_size == saved_world_size:
+        return
+    written = f"--resume: {checkpoint} was written by {saved_world_size} process(es) and this run has {world_size}"
+    if config.data.path is not None:
+        raise ConfigError(
+            f"{written}; each process packs its own shard of {config.data.path}, so only {saved_world_size} "
+            "process(es) continue its data order: resume with that many"
+        )
+    if saved_batch_size is None:  # a checkpoint without its config (written before they kept one)
+        raise ConfigError(f"{written}; it does not say its batch_size: resume with {saved_world_size} process(es)")
+    rows = saved_world_size * saved_batch_size
+    if world_size * config.batch_size == rows:
+        return
+    keep = (
+        f"set batch_size: {rows // world_size} in the run's config.yaml"
+        if rows % world_size == 0
+        else f"resume with a number of processes that divides {rows}"
+    )
+    raise ConfigError(
+        f"{written}; with batch_size {config.batch_size} the global batch would be {world_size * config.batch_size} "
+        f"rows instead of its {rows}: {keep}"
+    )
 
 
 def start(ranks: Ranks) -> tuple[torch.device, bool]:
@@ -103,10 +143,11 @@ def parallelize(
     of model (ddp), or model itself, sharded in place (fsdp). Everything else (evaluation,
     state dicts, saving) takes model."""
     if config.distributed.strategy == "fsdp":
-        shard_model(model)
+        quantized = shard_model(model)
+        base = f" (with their {quantized} quantized linear layers' data and scales)" if quantized else ""
         log(
-            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers and the root sharded; "
-            f"{config.batch_size} rows per process and micro-batch."
+            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers{base} and the root "
+            f"sharded; {config.batch_size} rows per process and micro-batch."
         )
         return model
     # DDP buckets only parameters that require a gradient: with LoRA, the adapters. Its first
@@ -126,19 +167,27 @@ def parallelize(
     return wrapped
 
 
-def shard_model(model: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module) -> int:
     """fully_shard each decoder layer (its weights gathered only while it computes), then the
-    root (embeddings, final norm, head)."""
+    root (embeddings, final norm, head). A QLoRA base's quantized data are sharded with their
+    layer (carried as float8 bytes: see barqtrain.quant.linear). Returns how many quantized
+    linear layers were sharded."""
     from torch.distributed.fsdp import fully_shard
+
+    from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
 
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
             f"FSDP: found no decoder layer (a module named *DecoderLayer) in {type(model).__name__} to shard"
         )
+    quantized = [module for module in model.modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)]
+    for module in quantized:
+        module.carry_for_sharding()
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
+    return len(quantized)
 
 
 def accumulate_gradients(
@@ -197,8 +246,9 @@ def gather_objects(value: Any) -> list[Any]:
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool) -> tuple[dict, dict]:
-    """The whole (unsharded) model and optimizer state on CPU; collective: every rank calls it.
-    trainable_only: the adapter's weights, not the frozen base."""
+    """The whole (unsharded) model and optimizer state on CPU, keyed by parameter name;
+    collective under a process group: every rank calls it. trainable_only: the adapter's
+    weights, not the frozen base."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
@@ -206,7 +256,8 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainab
 
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    """Each rank takes its shards of a full_state() (strict=False: an adapter's state omits the frozen base)."""
+    """Each rank takes its shards of a full_state() written with any number of processes
+    (strict=False: an adapter's state omits the frozen base)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     missing = [name for name, p in model.named_parameters() if p.requires_grad and name not in model_state]

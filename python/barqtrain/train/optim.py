@@ -15,14 +15,25 @@ def check_optimizer(config: TrainConfig, device: torch.device) -> None:
     if config.optim.name != "adamw_8bit":
         return
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
     except ImportError:
         raise ConfigError(
             "optim.name: adamw_8bit needs the bitsandbytes package, which is not installed "
             "(pip install bitsandbytes), or choose adamw"
         ) from None
-    if device.type != "cuda":
-        raise ConfigError(f"optim.name: adamw_8bit (bitsandbytes) runs on a CUDA GPU; this run is on {device}")
+    if not has_8bit_adamw_kernel(device):
+        raise ConfigError(
+            f"optim.name: adamw_8bit: the installed bitsandbytes {bitsandbytes.__version__} has no 8-bit AdamW "
+            f"kernel for {device.type}; train on a CUDA GPU, upgrade bitsandbytes, or choose adamw"
+        )
+
+
+def has_8bit_adamw_kernel(device: torch.device) -> bool:
+    """Whether bitsandbytes registered its 8-bit blockwise optimizer step for device's type."""
+    dispatch_key = {"cpu": "CPU", "cuda": "CUDA"}.get(device.type)
+    return dispatch_key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "bitsandbytes::optimizer_update_8bit_blockwise", dispatch_key
+    )
 
 
 def build_optimizer(config: TrainConfig, params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:

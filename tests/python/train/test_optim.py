@@ -31,10 +31,24 @@ def test_8bit_adamw_without_bitsandbytes_is_a_config_error():
 
 
 @pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed")
-def test_8bit_adamw_on_cpu_is_a_config_error():
+def test_8bit_adamw_where_bitsandbytes_has_no_kernel_is_a_config_error():
     config = config_from_dict({"optim": {"name": "adamw_8bit"}})
-    with pytest.raises(ConfigError, match="optim.name: adamw_8bit .* runs on a CUDA GPU"):
-        build_optimizer(config, parameters("cpu"), torch.device("cpu"))
+    message = "^optim.name: adamw_8bit: the installed bitsandbytes .* has no 8-bit AdamW kernel for meta;"
+    with pytest.raises(ConfigError, match=message):
+        build_optimizer(config, parameters("meta"), torch.device("meta"))
+
+
+@pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed")
+def test_cpu_8bit_adamw_keeps_8bit_states_of_large_tensors():
+    """bitsandbytes' CPU kernel: a tensor of 4096 elements or more keeps its moments in
+    bytes, and the first step moves every weight by about lr against its gradient's sign."""
+    config = config_from_dict({"optim": {"name": "adamw_8bit", "lr": 0.1, "weight_decay": 0.0}})
+    params = [torch.nn.Parameter(torch.zeros(64, 64))]
+    optimizer = build_optimizer(config, params, torch.device("cpu"))
+    params[0].grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    optimizer.step()
+    assert optimizer.state[params[0]]["state1"].dtype == torch.uint8
+    torch.testing.assert_close(params[0].detach(), -0.1 * params[0].grad.sign(), rtol=0, atol=2e-3)
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
