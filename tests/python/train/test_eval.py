@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,9 +159,31 @@ def test_missing_model_is_one_line(tmp_path, text_file):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("context", "stride"), [(128, 128), (128, 48)])
 def test_perplexity_on_the_gpu_with_barqtrains_kernels(text_file, hf_model, context, stride):
+    """stories260K in fp32, its dtype: BarqTrain's norm and SwiGLU kernels (its attention, head_dim
+    8 in fp32, is PyTorch's), against the recipe on the CPU."""
     (document,) = _sequences(text_file, "document")
     patched = load_model(STORIES, torch.device("cuda"), log=lambda *a: None).model
     result = evaluate(patched, [document], context, stride)
     total, count = transformers_recipe(hf_model, document["input_ids"], context, stride)
     assert result.tokens == count
     assert result.loss == pytest.approx(total / count, rel=1e-4)  # fp32 kernels against the CPU's fp32
+
+
+@pytest.mark.gpu
+def test_bf16_perplexity_on_the_gpu(tmp_path, text_file):
+    """A model saved in bf16 runs in bf16 on the GPU: stories260K's perplexity is within bf16's
+    rounding of the float32 recipe with the same weights (1.6e-3 relative, measured on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "stories-bf16"
+    AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, model_dir)
+    patched = load_model(model_dir, torch.device("cuda"), log=lambda *a: None).model
+    assert patched.dtype == torch.bfloat16
+    (document,) = _sequences(text_file, "document")
+    result = evaluate(patched, [document], 128, 48)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = transformers_recipe(reference, document["input_ids"], 128, 48)
+    assert result.tokens == count
+    assert result.loss == pytest.approx(total / count, rel=1e-2)

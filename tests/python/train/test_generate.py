@@ -15,10 +15,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_data import SHARED, require  # noqa: E402
+
+from gguf_models import tiny_model  # noqa: E402
 
 from barqtrain.cli import main  # noqa: E402
 from barqtrain.data import Tokenizer  # noqa: E402
+from barqtrain.ops.attention import kernel_unsupported_reason  # noqa: E402
 from barqtrain.train.generate_command import Sampling, TextStream, generate, prompt_ids, stop_ids  # noqa: E402
 from barqtrain.train.inference import LoadedModel, load_model  # noqa: E402
 
@@ -238,13 +242,46 @@ def test_errors_are_one_line(capsys, arguments, message):
     assert message in error and error.count("\n") == 1
 
 
+@pytest.fixture(scope="module")
+def patched_gpu():
+    return load_model(STORIES, torch.device("cuda"), log=lambda *a: None).model
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_patched_model_on_the_gpu_generates_the_unpatched_models_greedy_tokens(hf_model, prompt):
-    """BarqTrain's CUDA kernels compute the prompt (fp32, stories260K's dtype), the KV cache the steps after it."""
-    gpu = torch.device("cuda")
-    patched_gpu = load_model(STORIES, gpu, log=lambda *a: None).model
+def test_patched_model_on_the_gpu_generates_the_unpatched_models_greedy_tokens(patched_gpu, hf_model, prompt):
+    """stories260K in fp32, its dtype: BarqTrain's norm and SwiGLU kernels compute the prompt
+    (its attention, head_dim 8 in fp32, is PyTorch's), the KV cache the steps after it."""
     assert patched_gpu.device.type == "cuda"
     ids = _encode(prompt)
     expected = _argmax_without_cache(hf_model, ids, NEW_TOKENS)[len(ids):]
     assert generate(patched_gpu, ids, [], Sampling(max_new_tokens=NEW_TOKENS)) == expected
+
+
+# bf16's rounding moves these logits by up to 0.04 (measured on the CPU); a token the kernels
+# got wrong would be ~2.3 below the top (the median gap over the vocabulary).
+BF16_LOGIT_TOLERANCE = 0.15
+
+
+@pytest.mark.gpu
+def test_patched_bf16_model_on_the_gpu_generates_the_likeliest_tokens(tmp_path):
+    """A small Llama in bf16 with head_dim 64, whose prompt BarqTrain's attention kernel computes
+    (fused RoPE): each greedy token is, within bf16's rounding, the likeliest one of the float32
+    model with the same weights given the tokens before it."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model(tmp_path / "llama", "llama")
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(model_dir)
+    patched = load_model(model_dir, torch.device("cuda"), log=lambda *a: None).model
+    config = patched.config
+    assert patched.dtype == torch.bfloat16
+    q = torch.empty(1, 16, config.num_attention_heads, config.head_dim, device="cuda", dtype=torch.bfloat16)
+    assert kernel_unsupported_reason(q, rotary_dim=config.head_dim, needs_grad=False) is None
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = _encode(prompt)
+        new = generate(patched, ids, [], Sampling(max_new_tokens=NEW_TOKENS))
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids + new])).logits[0, len(ids) - 1:-1]
+        below_top = logits.max(dim=1).values - logits.gather(1, torch.tensor(new)[:, None])[:, 0]
+        assert below_top.max() < BF16_LOGIT_TOLERANCE, prompt
