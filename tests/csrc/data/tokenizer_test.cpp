@@ -377,6 +377,14 @@ TEST(BpeModel, ShortAndLongPiecesMergeAsBpeDefines) {
   }
 }
 
+TEST(BpeModel, WithoutMergesEachCharacterIsItsToken) {
+  const BpeModel model(json::parse(R"({"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []})"),
+                       /*byte_level=*/false);
+  std::vector<TokenId> ids;
+  model.encode_piece("abba", ids);
+  EXPECT_EQ(ids, (std::vector<TokenId>{0, 1, 1, 0}));
+}
+
 TEST(Tokenizer, CachedPiecesOfAnyLengthGiveTheirTokens) {
   // encode() keeps pieces of up to 255 bytes in the thread's cache; encode_with_offsets()
   // bypasses it. A word repeated reads the cache (from the second time on) on both sides of
