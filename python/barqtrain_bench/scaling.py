@@ -183,21 +183,24 @@ def run_point(spec: PointSpec, gpus: int, log_path: Path, timeout_s: float = POI
 
 
 def _launch(command: list[str], log: Any, timeout_s: float) -> int | None:
-    """Run the launch with its output into log; its exit code, or None when it ran past timeout_s
-    (then torchrun and its workers, one process group, are stopped)."""
+    """Run the launch with its output into log; its exit code, or None when it ran past timeout_s.
+    torchrun and its workers are a process group of their own, stopped together when the launch
+    runs past its time or this process is interrupted, so that no worker is left holding a GPU."""
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=launch_environment(), start_new_session=True
     )
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
         return None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def merge_ranks(

@@ -34,12 +34,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from barqtrain.patch.compile import decoder_layers
+from barqtrain.train import distributed
+from barqtrain.train.config import TrainConfig, config_from_dict
 from barqtrain_bench.e2e_worker import (
     GIB,
     LEARNING_RATE,
@@ -50,6 +52,9 @@ from barqtrain_bench.e2e_worker import (
     _with_lora,
 )
 from barqtrain_bench.models import LLAMA_8B, TINY, Workload
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 # Llama-3-70B's config.json (the 3.0 model: 8K context, no RoPE scaling).
 LLAMA_70B = Workload(
@@ -195,11 +200,8 @@ def run_point(spec: PointSpec) -> dict[str, Any]:
 
 
 def _run_barqtrain(spec: PointSpec, case: ScalingCase) -> dict[str, Any]:
-    from barqtrain.train import distributed
-    from barqtrain.train.config import config_from_dict
-
     workload = case.workload
-    # The trainer's config for this point: what the distributed functions below read.
+    # The trainer's config for this point: what the distributed functions read.
     config = config_from_dict(
         {
             "method": case.method,
@@ -218,79 +220,83 @@ def _run_barqtrain(spec: PointSpec, case: ScalingCase) -> dict[str, Any]:
         device, formed = distributed.start(ranks)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.manual_seed(spec.seed)  # the same weights on every rank and in both variants
-        quantize_layer = None if case.quant_type is None else barqtrain_quantizer(case.quant_type)
-        model = build_random_model(workload, device, quantize_layer)
-        if workload.gradient_checkpointing:
-            _enable_checkpointing(model, "barqtrain")
-        model, _ = _with_lora(model, "barqtrain", workload)
-        log = distributed.main_only(print, ranks)
-        step_model = distributed.parallelize(model, config, ranks, device, log) if ranks.is_distributed else model
-        optimizer = _optimizer(model, device)
+    # As in the trainer, the model and its DDP or FSDP wrapping are gone before the process
+    # group is taken down (gloo's teardown can wait forever on a DDP reducer still alive).
+    result = _train_barqtrain(spec, case, config, ranks, device)
+    distributed.finish(formed)  # not after an error: see main
+    return result
 
-        def train_step(input_ids: torch.Tensor) -> float:
-            batch = {"input_ids": input_ids, "labels": input_ids}
-            loss = distributed.accumulate_gradients(step_model, [batch], device, ranks)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
 
-        parallel = f"barqtrain {spec.strategy}" if ranks.is_distributed else "one process"
-        return _measure(train_step, spec, workload, device, ranks.rank, ranks.world_size, parallel)
-    finally:
-        distributed.finish(formed)
+def _train_barqtrain(
+    spec: PointSpec, case: ScalingCase, config: TrainConfig, ranks: distributed.Ranks, device: torch.device
+) -> dict[str, Any]:
+    torch.manual_seed(spec.seed)  # the same weights on every rank and in both variants
+    quantize_layer = None if case.quant_type is None else barqtrain_quantizer(case.quant_type)
+    model = build_random_model(case.workload, device, quantize_layer)
+    if case.workload.gradient_checkpointing:
+        _enable_checkpointing(model, "barqtrain")
+    model, _ = _with_lora(model, "barqtrain", case.workload)
+    log = distributed.main_only(print, ranks)
+    step_model = distributed.parallelize(model, config, ranks, device, log) if ranks.is_distributed else model
+    optimizer = _optimizer(model, device)
+
+    def train_step(input_ids: torch.Tensor) -> float:
+        batch = {"input_ids": input_ids, "labels": input_ids}
+        loss = distributed.accumulate_gradients(step_model, [batch], device, ranks)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    parallel = f"barqtrain {spec.strategy}" if ranks.is_distributed else "one process"
+    return _measure(train_step, spec, case.workload, device, ranks.rank, ranks.world_size, parallel)
 
 
 def _run_hf(spec: PointSpec, case: ScalingCase) -> dict[str, Any]:
     try:
         from accelerate import Accelerator, FullyShardedDataParallelPlugin
-        from accelerate.utils import DistributedType
     except Exception as error:
         raise VariantUnavailable(f"accelerate is not importable ({type(error).__name__}: {error})") from error
-    import torch.distributed as dist
 
-    workload = case.workload
     quantize_layer = None if case.quant_type is None else bitsandbytes_quantizer(case.quant_type)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    try:
-        torch.manual_seed(spec.seed)
-        model = build_random_model(workload, device, quantize_layer)
-        if workload.gradient_checkpointing:
-            _enable_checkpointing(model, "hf")
-        model, _ = _with_lora(model, "hf", workload)
-        # FSDP2 with every decoder layer a unit, as BarqTrain's fsdp shards. Accelerate applies it
-        # on several GPUs; one process trains unwrapped, and several CPU processes get DDP (Accelerate's
-        # MULTI_CPU: it has no FSDP there).
-        fsdp = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=[type(decoder_layers(model)[0]).__name__],
-        )
-        accelerator = Accelerator(fsdp_plugin=fsdp, cpu=device.type == "cpu")
-        # Together: Accelerate's FSDP2 moves the optimizer onto the sharded parameters.
-        model, optimizer = accelerator.prepare(model, _optimizer(model, device))
+    # FSDP2 with every decoder layer a unit (the model's _no_split_modules), as BarqTrain's fsdp
+    # shards. Accelerate applies it on GPUs, one included (a torchrun launch of one process: FSDP
+    # over a world of one); several CPU processes get its DDP instead (MULTI_CPU: no FSDP there).
+    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(fsdp_plugin=fsdp, cpu=not torch.cuda.is_available())
+    result = _train_hf(spec, case, accelerator, quantize_layer)
+    accelerator.free_memory()  # its references to the wrapped model: gone before the process group, as above
+    accelerator.end_training()  # takes the process group down; not after an error: see main
+    return result
 
-        def train_step(input_ids: torch.Tensor) -> float:
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return accelerator.reduce(loss.detach(), "mean").item()  # every rank's batch, as barqtrain's loss
 
-        kind = accelerator.distributed_type
-        if kind == DistributedType.FSDP:  # on one GPU too: a torchrun launch of one process is FSDP's world of 1
-            parallel = "accelerate fsdp2"
-        else:
-            parallel = "one process" if accelerator.num_processes == 1 else f"accelerate {kind.value}"
-        return _measure(train_step, spec, workload, device, accelerator.process_index, accelerator.num_processes,
-                        parallel)  # fmt: skip
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _train_hf(
+    spec: PointSpec, case: ScalingCase, accelerator: Accelerator, quantize_layer: Callable[[nn.Module], None] | None
+) -> dict[str, Any]:
+    from accelerate.utils import DistributedType
+
+    device = accelerator.device
+    torch.manual_seed(spec.seed)
+    model = build_random_model(case.workload, device, quantize_layer)
+    if case.workload.gradient_checkpointing:
+        _enable_checkpointing(model, "hf")
+    model, _ = _with_lora(model, "hf", case.workload)
+    # Together: Accelerate's FSDP2 moves the optimizer onto the sharded parameters.
+    model, optimizer = accelerator.prepare(model, _optimizer(model, device))
+
+    def train_step(input_ids: torch.Tensor) -> float:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return accelerator.reduce(loss.detach(), "mean").item()  # every rank's batch, as barqtrain's loss
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        parallel = "accelerate fsdp2"
+    else:
+        parallel = "one process" if accelerator.num_processes == 1 else f"accelerate {kind.value}"
+    return _measure(train_step, spec, case.workload, device, accelerator.process_index, accelerator.num_processes,
+                    parallel)  # fmt: skip
 
 
 def _optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -358,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # out of memory included: an error row, not a crash
         result = {"status": "error", "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
     (args.result_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}, indent=2) + "\n")
+    # After an error the process group is left to the exit: taking it down could wait on ranks
+    # stuck in a collective, which torchrun stops once this rank exits with an error.
     return 1 if result["status"] == "error" else 0
 
 

@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,8 @@ def rows_by_point(result):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run: gloo processes in place of GPUs")
-def test_two_gloo_processes_train_the_same_losses_under_barqtrain_and_accelerate(tmp_path):
+def test_two_gloo_processes_train_the_same_losses_under_barqtrain_and_accelerate(tmp_path, monkeypatch):
+    monkeypatch.setattr(scaling, "POINT_TIMEOUT_S", 300)  # a launch that hangs fails the test in minutes
     scaling.run_scaling_benchmark(
         ["tiny-lora"], (2,), ["hf"], None, steps=2, warmup=1, out_dir=tmp_path, command_line="bench scaling --tiny"
     )
@@ -146,6 +149,28 @@ def test_a_launch_is_torchrun_with_one_process_per_gpu_and_nvlink_multicast_off(
     }  # fmt: skip
     barqtrain_root = str(Path(scaling_worker.__file__).resolve().parent.parent)
     assert barqtrain_root in environment["PYTHONPATH"].split(":")
+
+
+def test_a_launch_past_its_time_is_stopped_with_its_workers(tmp_path, monkeypatch):
+    started = []
+    popen = scaling.subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(scaling.subprocess, "Popen", recording_popen)
+    row = scaling.run_point(PointSpec("tiny-lora", "barqtrain", "ddp", 1, 0), 2, tmp_path / "point.log", timeout_s=2)
+    assert row["error"] == f"the launch did not finish within 2 s; log: {tmp_path / 'point.log'}"
+    group = started[0].pid
+    for _ in range(100):  # the workers, reparented when torchrun went, may take a moment to be reaped
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process group {group} of the stopped launch is still running")
 
 
 def write_ranks(directory, *results):
@@ -274,7 +299,8 @@ def test_more_gpus_than_the_machine_has_is_a_one_line_error(monkeypatch, capsys)
 def test_without_a_gpu_scaling_runs_only_tiny(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["bench", "scaling"]) == 2
-    assert "--tiny runs the e2e, data and scaling harness on the CPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("barqtrain bench scaling: needs a CUDA GPU") and "scaling" in err.split("--tiny runs the")[1]
     assert scaling.gpu_counts_to_run(None, tiny=True) == (1, 2)
     calls = []
     monkeypatch.setattr(scaling, "run_scaling_benchmark", lambda *args: calls.append(args))
