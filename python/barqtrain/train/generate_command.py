@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from barqtrain.train.config import UsageError
 from barqtrain.train.export import BUILT_IN_END_OF_TURN
 from barqtrain.train.inference import LoadedModel, add_model_arguments, device_of, load_model
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 DESCRIPTION = (
     "Generate text from a run's model (or a Hugging Face model directory) with a KV cache, greedy or sampled, "
     "stopping at the end-of-turn token; --chat uses the model's chat template. The text is printed as it is generated."
@@ -92,12 +94,19 @@ def stop_ids(loaded: LoadedModel, end_of_turn: tuple[str, ...] = ()) -> list[int
 class TextStream:
     """A streamer for Transformers' generate (which calls put with the prompt, then with each
     new token, then end): writes the text of the new tokens as they come, up to the first stop
-    token. What is written is always the decoded text of the tokens so far, as far as it will
-    stay: a character whose bytes are split over tokens decodes as U+FFFD until its last byte
-    comes, so it waits and is written whole."""
+    token, to out. What is written is always a beginning of the decoded text that more tokens
+    will not change, so that at the end it is the decoded text:
+    - byte-level BPE decodes all the bytes at once: a character whose bytes are split over
+      tokens decodes as U+FFFD until its last byte comes, so trailing U+FFFDs wait;
+    - SentencePiece's byte fallback decodes a run of byte tokens (<0xE6>) as one: its text if
+      the bytes are UTF-8, else a U+FFFD per byte, so a run waits until a token ends it."""
 
-    def __init__(self, tokenizer, stops: list[int], out: TextIO) -> None:
-        self._tokenizer, self._stops, self._out = tokenizer, set(stops), out
+    def __init__(self, tokenizer_dir: Path, stops: list[int], out: TextIO) -> None:
+        from barqtrain.data import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_dir))
+        self._byte_tokens = _byte_fallback_ids(tokenizer_dir)
+        self._stops, self._out = set(stops), out
         self._ids: list[int] = []
         self._written = 0  # characters of the decoded text written
         self._prompt_seen = False
@@ -118,7 +127,10 @@ class TextStream:
         self._write_decoded(final=True)
 
     def _write_decoded(self, final: bool) -> None:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        settled_tokens = len(self._ids)
+        while not final and settled_tokens and self._ids[settled_tokens - 1] in self._byte_tokens:
+            settled_tokens -= 1
+        text = self._tokenizer.decode(self._ids[:settled_tokens], skip_special_tokens=True)
         settled = text if final else text.rstrip("\ufffd")
         if len(settled) > self._written:
             self._out.write(settled[self._written:])
@@ -190,6 +202,17 @@ def built_in_chat_prompt(name: str, prompt: str, tokenizer_dir: Path) -> list[in
     return record["input_ids"][:reply]
 
 
+def _byte_fallback_ids(tokenizer_dir: Path) -> frozenset[int]:
+    """The byte tokens (<0x00> to <0xFF>) of a tokenizer with SentencePiece's byte fallback."""
+    path = tokenizer_dir / "tokenizer.json"
+    if not path.is_file():
+        return frozenset()  # a tiktoken file: byte-level
+    model = json.loads(path.read_text(encoding="utf-8")).get("model") or {}
+    if not model.get("byte_fallback"):
+        return frozenset()
+    return frozenset(token_id for text, token_id in model["vocab"].items() if _BYTE_TOKEN.fullmatch(text))
+
+
 def _has_chat_template(tokenizer_dir: Path) -> bool:
     if (tokenizer_dir / "chat_template.jinja").is_file():
         return True
@@ -200,15 +223,12 @@ def _has_chat_template(tokenizer_dir: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from barqtrain.data import Tokenizer
-
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
     check_sampling(sampling)
     loaded = load_model(args.model, device_of(args.device), base=args.base, patch=not args.no_patch,
                         log=lambda *a, **k: print(*a, **k, file=sys.stderr))
     ids, end_of_turn = prompt_ids(loaded, args.prompt, args.chat, args.chat_template)
     stops = stop_ids(loaded, end_of_turn)
-    stream = TextStream(Tokenizer.from_file(str(loaded.tokenizer_dir)), stops, sys.stdout)
-    generate(loaded.model, ids, stops, sampling, stream)
+    generate(loaded.model, ids, stops, sampling, TextStream(loaded.tokenizer_dir, stops, sys.stdout))
     print()
     return 0

@@ -184,28 +184,48 @@ STREAMED_TEXT = "naïve café, 東京の空 🙂🎉 — ok"
 def test_stream_writes_whole_characters_as_the_tokens_come(name):
     """SentencePiece byte fallback (stories260K has no token for 東) and byte-level BPE split
     characters over tokens; the stream writes each character once its last byte has come."""
-    tokenizer = Tokenizer.from_file(str(STORIES if name == "stories260K" else TOKENIZERS / name))
+    tokenizer_dir = STORIES if name == "stories260K" else TOKENIZERS / name
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir))
     ids = tokenizer.encode(STREAMED_TEXT, add_special_tokens=False)
     assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))  # a character is split
     out = _Writes()
-    stream = TextStream(tokenizer, stops=[], out=out)
+    stream = TextStream(tokenizer_dir, stops=[], out=out)
     stream.put(torch.tensor([[1, 2, 3]]))  # the prompt: not written
     written_before_end = []
     for token in ids:
         stream.put(torch.tensor([token]))
         written_before_end.append("".join(out.writes))
     stream.end()
-    assert "".join(out.writes) == tokenizer.decode(ids)
-    assert written_before_end[-1] == tokenizer.decode(ids)  # nothing was left for end()
+    decoded = tokenizer.decode(ids)
+    assert "".join(out.writes) == decoded
+    assert 0 < len(written_before_end[len(ids) // 2]) < len(decoded)  # written as it came
+    assert written_before_end[-1] == decoded  # nothing was left for end()
     assert not any("\ufffd" in text for text in out.writes)
-    assert len(out.writes) > len(ids) // 2  # written as it came
+
+
+def test_stream_of_bytes_that_are_not_utf8_is_the_decoded_text():
+    """A run of byte tokens that is not UTF-8 decodes as a U+FFFD per byte, a valid byte (G) included:
+    the stream writes none of the run until a token ends it (a model's output can be any bytes)."""
+    vocab = json.loads((STORIES / "tokenizer.json").read_text())["model"]["vocab"]
+    tokenizer = Tokenizer.from_file(str(STORIES))
+    invalid_run = [vocab["<0x47>"], vocab["<0xE2>"], vocab["<0x41>"]]  # G, a 3-byte lead, A
+    ids = tokenizer.encode("Once upon", add_special_tokens=False) + invalid_run + tokenizer.encode(
+        " a time", add_special_tokens=False) + invalid_run[:2]
+    out = _Writes()
+    stream = TextStream(STORIES, stops=[], out=out)
+    stream.put(torch.tensor([[1]]))
+    for token in ids:
+        stream.put(torch.tensor([token]))
+    stream.end()
+    assert "".join(out.writes) == tokenizer.decode(ids)
+    assert "\ufffd\ufffd\ufffd" in tokenizer.decode(ids)  # the run's G too
 
 
 def test_stream_ends_at_the_first_stop_token():
     tokenizer = Tokenizer.from_file(str(STORIES))
     ids = tokenizer.encode("Once upon a time there was a dog", add_special_tokens=False)
     out = _Writes()
-    stream = TextStream(tokenizer, stops=[ids[4]], out=out)
+    stream = TextStream(STORIES, stops=[ids[4]], out=out)
     stream.put(torch.tensor([[1]]))
     for token in ids:
         stream.put(torch.tensor([token]))
@@ -216,7 +236,7 @@ def test_stream_ends_at_the_first_stop_token():
 def test_generate_streams_the_tokens_it_returns(patched):
     out = _Writes()
     new = generate(patched.model, _encode(PROMPTS[0]), [2], Sampling(max_new_tokens=20),
-                   streamer=TextStream(Tokenizer.from_file(str(STORIES)), [2], out))
+                   streamer=TextStream(STORIES, [2], out))
     assert "".join(out.writes) == Tokenizer.from_file(str(STORIES)).decode(new, skip_special_tokens=True)
     assert len(out.writes) > 10
 
@@ -267,7 +287,8 @@ BF16_LOGIT_TOLERANCE = 0.15
 def test_patched_bf16_model_on_the_gpu_generates_the_likeliest_tokens(tmp_path):
     """A small Llama in bf16 with head_dim 64, whose prompt BarqTrain's attention kernel computes
     (fused RoPE): each greedy token is, within bf16's rounding, the likeliest one of the float32
-    model with the same weights given the tokens before it."""
+    model with the same weights given the tokens before it; the stream (which generate feeds a
+    step late on the GPU) writes the text of the tokens generated."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model(tmp_path / "llama", "llama")
@@ -278,9 +299,12 @@ def test_patched_bf16_model_on_the_gpu_generates_the_likeliest_tokens(tmp_path):
     q = torch.empty(1, 16, config.num_attention_heads, config.head_dim, device="cuda", dtype=torch.bfloat16)
     assert kernel_unsupported_reason(q, rotary_dim=config.head_dim, needs_grad=False) is None
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(STORIES))
     for prompt in PROMPTS:
         ids = _encode(prompt)
-        new = generate(patched, ids, [], Sampling(max_new_tokens=NEW_TOKENS))
+        out = _Writes()
+        new = generate(patched, ids, [], Sampling(max_new_tokens=NEW_TOKENS), TextStream(STORIES, [], out))
+        assert "".join(out.writes) == tokenizer.decode(new, skip_special_tokens=True)
         with torch.no_grad():
             logits = reference(torch.tensor([ids + new])).logits[0, len(ids) - 1:-1]
         below_top = logits.max(dim=1).values - logits.gather(1, torch.tensor(new)[:, None])[:, 0]
