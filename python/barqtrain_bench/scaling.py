@@ -91,7 +91,11 @@ def run_scaling_benchmark(
     within it become 'skipped' rows, and a point running at its end is stopped."""
     deadline = None if time_budget_s is None else monotonic() + time_budget_s
     variants = [variant for variant in VARIANT_ORDER if variant == "barqtrain" or variant in baselines]
-    rows = []
+    environment = collect_environment(command_line)
+    environment["gpus_visible"] = torch.cuda.device_count()
+    settings = _settings(case_names, gpu_counts, variants, strategy, steps, warmup, time_budget_s)
+    rows: list[dict[str, Any]] = []
+    written = _write_results(out_dir, environment, settings, rows)  # then again after every point
     for case_name in case_names:
         case = CASES[case_name]
         case_strategy = strategy or case.strategy
@@ -105,24 +109,24 @@ def run_scaling_benchmark(
                 row.update(_run_or_skip(spec, gpus, out_dir, deadline, time_budget_s))
                 rows.append(row)
                 print(_summary(row), flush=True)
-    add_efficiency(rows)
-    add_ratios_to_hf(rows)
+                written = _write_results(out_dir, environment, settings, rows)  # a run cut short keeps its points
 
     print()
     print(format_table(*table(rows)))
     notes = problem_notes(rows, ("case", "variant", "gpus"))
     if notes:
         print("Not measured:\n" + notes)
-    environment = collect_environment(command_line)
-    environment["gpus_visible"] = torch.cuda.device_count()
-    payload = {
-        "benchmark": "scaling",
-        "environment": environment,
-        "settings": _settings(case_names, gpu_counts, variants, strategy, steps, warmup, time_budget_s),
-        "results": rows,
-    }
-    written = [write_json(out_dir / "scaling.json", payload), _write_markdown(out_dir / "scaling.md", payload)]
     print("Wrote " + ", ".join(str(path) for path in written))
+
+
+def _write_results(
+    out_dir: Path, environment: dict[str, Any], settings: dict[str, Any], rows: list[dict[str, Any]]
+) -> list[Path]:
+    """The rows so far, with their efficiencies and ratios, as scaling.json and scaling.md."""
+    add_efficiency(rows)
+    add_ratios_to_hf(rows)
+    payload = {"benchmark": "scaling", "environment": environment, "settings": settings, "results": rows}
+    return [write_json(out_dir / "scaling.json", payload), _write_markdown(out_dir / "scaling.md", payload)]
 
 
 def _strategy_label(spec: PointSpec) -> str:

@@ -248,8 +248,11 @@ def test_points_past_the_time_budget_are_skipped_and_unavailable_baselines_are_n
     monkeypatch.setattr(scaling.importlib.util, "find_spec", lambda name: None)
     launched = []
 
+    rows_on_disk = []
+
     def run_point(spec, gpus, log_path, timeout_s):
         launched.append((spec.variant, gpus, timeout_s))
+        rows_on_disk.append(len(json.loads((tmp_path / "scaling.json").read_text())["results"]))
         return {"status": "ok", "parallel": "one process", "tokens_per_s": 100.0, "tokens_per_s_per_gpu": 100.0,
                 "step_s": 1.0, "peak_memory_gib": None, "setup_peak_memory_gib": None}  # fmt: skip
 
@@ -257,6 +260,7 @@ def test_points_past_the_time_budget_are_skipped_and_unavailable_baselines_are_n
     scaling.run_scaling_benchmark(["llama-8b-lora"], (1, 2, 4), ["hf"], None, 3, 1, tmp_path, "c", time_budget_s=100)
     rows = json.loads((tmp_path / "scaling.json").read_text())["results"]
     assert launched == [("barqtrain", 1, 95.0), ("barqtrain", 2, 50.0)]  # capped at the budget left
+    assert rows_on_disk == [0, 2]  # written after every point: a run cut short keeps what it measured
     assert [(row["variant"], row["gpus"], row["status"]) for row in rows] == [
         ("barqtrain", 1, "ok"), ("hf", 1, "unavailable"), ("barqtrain", 2, "ok"), ("hf", 2, "unavailable"),
         ("barqtrain", 4, "skipped"), ("hf", 4, "unavailable"),
