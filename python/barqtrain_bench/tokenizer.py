@@ -16,7 +16,10 @@ its pieces and merges cached, as a long run finds the frequent words of a langua
 One-thread rows (barqtrain's and Hugging Face's) count the calling thread's CPU time, so
 other work on a shared machine does not lower them; rows on all cores count wall time.
 Names with a "/" are tokenizer folders given by path (tests/data/tokenizers/phi3-mini, a
-real SentencePiece-style BPE).
+real SentencePiece-style BPE). A tokenizer.json that sets truncation or padding (SmolLM's
+fine-tune copy in tests/data/tokenizers) is measured, on both sides, through a copy without
+them: barqtrain refuses them (the data pipeline sets lengths), and Hugging Face would cut
+and pad the ids.
 
 No SentencePiece-style tokenizer.json ships with the shared data, so the "sentencepiece"
 row set uses one trained here with Hugging Face tokenizers on the text itself (32k
@@ -167,6 +170,18 @@ def bench_tokenizer(tokenizer_dir: Path, documents: list[str], repeats: int = 3)
     return rows
 
 
+def without_lengths(tokenizer_dir: Path, scratch: Path) -> Path:
+    """tokenizer_dir, or a copy of its tokenizer.json in scratch without truncation and padding."""
+    config = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    if not config.get("truncation") and not config.get("padding"):
+        return tokenizer_dir
+    folder = scratch / tokenizer_dir.name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(config | {"truncation": None, "padding": None},
+                                                      ensure_ascii=False), encoding="utf-8")
+    return folder
+
+
 def script_seconds(path: Path, texts: dict[str, list[str]], threads: int, repeats: int,
                    clock: Callable[[], float]) -> dict[str, dict]:
     """Per script, the best seconds of encoding its documents held out and seen, over
@@ -256,8 +271,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--scripts {args.scripts}: no .txt files there")
         print(f"scripts: {', '.join(texts)} from {args.scripts}; {os.cpu_count()} cores")
         rows = []
-        for name in args.names.split(","):
-            rows += bench_scripts(Path(name) if "/" in name else args.tokenizers / name, texts, args.repeats)
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in args.names.split(","):
+                folder = Path(name) if "/" in name else args.tokenizers / name
+                rows += bench_scripts(without_lengths(folder, Path(scratch)), texts, args.repeats)
         print(format_script_table(rows))
         return
     documents = load_corpus(args.text, args.megabytes)
