@@ -34,27 +34,31 @@ def rows_by_point(result):
 def test_two_gloo_processes_train_the_same_losses_under_barqtrain_and_accelerate(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "POINT_TIMEOUT_S", 300)  # a launch that hangs fails the test in minutes
     scaling.run_scaling_benchmark(
-        ["tiny-lora"], (2,), ["hf"], None, steps=2, warmup=1, out_dir=tmp_path, command_line="bench scaling --tiny"
-    )
+        ["tiny-lora", "tiny-qlora"], (2,), ["hf"], None, steps=2, warmup=1, out_dir=tmp_path,
+        command_line="bench scaling --tiny",
+    )  # fmt: skip
     result = json.loads((tmp_path / "scaling.json").read_text())
     rows = rows_by_point(result)
-    barqtrain, hf = rows[("tiny-lora", "barqtrain", 2)], rows[("tiny-lora", "hf", 2)]
-    for row in (barqtrain, hf):
-        assert row["status"] == "ok", row.get("traceback") or row.get("error")
-        assert row["tokens_per_s"] > 0 and len(row["losses"]) == 3
-        assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 2)
-        assert row["command"].startswith("torchrun --standalone --nproc-per-node=2 -m barqtrain_bench.scaling_worker")
-        assert Path(row["log"]).read_text().startswith(sys.executable)
-    assert barqtrain["parallel"] == "barqtrain ddp" and barqtrain["strategy"] == "ddp"
-    assert hf["parallel"] == "accelerate MULTI_CPU"  # Accelerate has no FSDP on CPUs
-    # One seed, the same batches on each rank: the two implementations' step losses over both ranks agree.
-    assert barqtrain["losses"] == pytest.approx(hf["losses"], rel=1e-3)
-    assert barqtrain["speedup_vs_hf"] == pytest.approx(barqtrain["tokens_per_s"] / hf["tokens_per_s"])
-    assert "efficiency" not in barqtrain  # no 1-process point to compare with
+    for case, strategy in (("tiny-lora", "ddp"), ("tiny-qlora", "fsdp")):
+        barqtrain, hf = rows[(case, "barqtrain", 2)], rows[(case, "hf", 2)]
+        for row in (barqtrain, hf):
+            assert row["status"] == "ok", row.get("traceback") or row.get("error")
+            assert row["tokens_per_s"] > 0 and len(row["losses"]) == 3
+            assert row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / 2)
+            launch = "torchrun --standalone --nproc-per-node=2 -m barqtrain_bench.scaling_worker"
+            assert row["command"].startswith(launch)
+            assert Path(row["log"]).read_text().startswith(sys.executable)
+        assert barqtrain["parallel"] == f"barqtrain {strategy}" and barqtrain["strategy"] == strategy
+        assert hf["parallel"] == "accelerate MULTI_CPU"  # Accelerate has no FSDP on CPUs
+        # One seed, the same batches on each rank, NF4 bit-exact with bitsandbytes': the two
+        # implementations' step losses over both ranks agree.
+        assert barqtrain["losses"] == pytest.approx(hf["losses"], rel=1e-3)
+        assert barqtrain["speedup_vs_hf"] == pytest.approx(barqtrain["tokens_per_s"] / hf["tokens_per_s"])
+        assert "efficiency" not in barqtrain  # no 1-process point to compare with
     assert result["environment"]["command"] == "bench scaling --tiny"
-    assert result["settings"]["cases"]["tiny-lora"]["strategy"] == "ddp"
+    assert result["settings"]["cases"]["tiny-qlora"]["quant_type"] == "nf4"
     markdown = (tmp_path / "scaling.md").read_text()
-    assert "| tiny-lora | barqtrain | 2 | barqtrain ddp |" in markdown
+    assert "| tiny-qlora | barqtrain | 2 | barqtrain fsdp |" in markdown
     assert "`bench scaling --tiny`" in markdown
 
 
