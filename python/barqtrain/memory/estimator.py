@@ -9,9 +9,10 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   m and v (fp32, or bitsandbytes' 8-bit blocks);
 - the tensors each decoder layer keeps for the backward pass, op by op, as BarqTrain's autograd
   functions save them (`layer_activations` names each one and the module that keeps it), under
-  the checkpointing policy: all of them (off), only each layer's input (on: one layer's worth
-  is recomputed at a time) or a few layer inputs on the GPU and all of them in pinned host
-  memory (offload);
+  each layer's choice (LayerPlan): all of them (keep), only the layer's input (recompute: one
+  layer's worth is recomputed at a time) or nothing on the GPU, the input in pinned host memory
+  (offload); with the MLP tiled over the sequence (memory.mlp_tile_tokens), the MLP keeps its
+  input alone and its working memory is one tile's;
 - the transient working memory of the largest backward op of a layer, of the fused linear +
   cross-entropy's chunks, and cuBLAS's workspaces.
 
@@ -23,15 +24,15 @@ Sizes are what the caching allocator hands out (`torch.cuda.max_memory_allocated
 reserves beyond that (rounding, fragmentation) is `Estimate.reserved_bytes`. The GPU test
 (tests/python/memory/test_estimate_gpu.py) holds the peak within 5% of the measured one.
 
-Per decoder layer, a planner prices its choice (LayerChoice: keep, recompute, offload) with
-`layer_held_bytes` (held from its forward to its backward), `layer_forward_bytes`,
-`layer_backward_bytes` and `layer_backward_workspace`; `estimate` sums them over the layers
-with the one choice the checkpointing policy makes for all.
+`estimate` sums LayerCosts (what a layer holds from its forward to its backward under each
+choice, what its forward and backward add) over a LayerPlan: the one the checkpointing policy
+makes for every layer, or the planner's (planner.py) for gradient_checkpointing: auto.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -86,8 +87,12 @@ COPY_FRACTION = 0.8
 PINNABLE_HOST_FRACTION = 0.8
 PINNED_WARNING = (
     "the offloaded layer inputs need more pinned host memory than this machine can spare (80% of its RAM); "
-    "use gradient_checkpointing: true, or a shorter data.seq_length or batch_size"
+    "use gradient_checkpointing: true or auto, or a shorter data.seq_length or batch_size"
 )
+# Copies between pinned host memory and the GPU: PCIe 5.0 x16 moves some 50 GB/s a direction;
+# the offloaded checkpoint's copies are assumed to reach 80% of it. A layer's copies overlap its
+# compute; only what exceeds the compute, and the first restore of the backward, add to the step.
+HOST_COPY_BYTES_PER_S = 40e9
 
 Policy = Literal["off", "on", "offload"]
 
@@ -216,10 +221,16 @@ class RunShape:
     lora_product_bytes: int
     lora_ranks: dict[str, int]  # projection -> rank of its adapter (absent: none)
     lora_dropout: bool
+    mlp_tile_tokens: int = 0  # the MLP computes this many tokens at a time (0: all at once)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def mlp_tiled(self) -> bool:
+        """Whether the MLP runs in more than one tile (a tile as large as the batch is no tiling)."""
+        return 0 < self.mlp_tile_tokens < self.tokens
 
     @property
     def autocast(self) -> bool:
@@ -228,9 +239,57 @@ class RunShape:
 
 
 def checkpointing_policy(config: TrainConfig) -> Policy:
+    """The one choice gradient_checkpointing makes for every layer (auto's are the planner's)."""
+    if config.gradient_checkpointing == "auto":
+        raise ValueError("gradient_checkpointing: auto has no one policy; estimate it with the planner's LayerPlan")
     if config.gradient_checkpointing == "offload":
         return "offload"
     return "on" if config.gradient_checkpointing else "off"
+
+
+# What a planner picks per decoder layer: keep its tensors, keep only its input and recompute
+# the rest in the backward pass, or recompute with its input in pinned host memory. The
+# checkpointing policies pick one for every layer.
+LayerChoice = Literal["keep", "recompute", "offload"]
+POLICY_CHOICE: dict[str, LayerChoice] = {"off": "keep", "on": "recompute", "offload": "offload"}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Each decoder layer's choice, first to last, and the MLP's tile size in tokens (0: untiled)."""
+
+    choices: tuple[LayerChoice, ...]
+    mlp_tile_tokens: int = 0
+
+    @property
+    def policy(self) -> Policy:
+        """The checkpointing a run with these choices has: off when every layer keeps its tensors,
+        offload when some layer offloads its input, on otherwise."""
+        if "offload" in self.choices:
+            return "offload"
+        return "on" if "recompute" in self.choices else "off"
+
+    def count(self, choice: LayerChoice) -> int:
+        return self.choices.count(choice)
+
+    def describe(self) -> str:
+        """E.g. 'layers 0-3 offload, 4-29 recompute, 30-31 keep; MLP in tiles of 8192 tokens'."""
+        runs: list[tuple[int, int, str]] = []
+        for index, choice in enumerate(self.choices):
+            if runs and runs[-1][2] == choice:
+                runs[-1] = (runs[-1][0], index, choice)
+            else:
+                runs.append((index, index, choice))
+        spans = ", ".join(
+            f"{first}-{last} {choice}" if last > first else f"{first} {choice}" for first, last, choice in runs
+        )
+        tiles = f"MLP in tiles of {self.mlp_tile_tokens} tokens" if self.mlp_tile_tokens else "MLP untiled"
+        return f"layers {spans}; {tiles}"
+
+
+def config_plan(config: TrainConfig, layers: int) -> LayerPlan:
+    """The plan gradient_checkpointing (true, false, offload) and memory.mlp_tile_tokens make."""
+    return LayerPlan((POLICY_CHOICE[checkpointing_policy(config)],) * layers, config.memory.mlp_tile_tokens)
 
 
 def _compute_precision(config: TrainConfig) -> str:
@@ -254,7 +313,11 @@ def lora_targets(config: TrainConfig) -> tuple[str, ...]:
     return tuple(name for name in PROJECTIONS if name in names)
 
 
-def run_shape(config: TrainConfig, seq: int | None = None) -> RunShape:
+def run_shape(config: TrainConfig, seq: int | None = None, plan: LayerPlan | None = None) -> RunShape:
+    """The run's shape (seq: rows of this many tokens instead of data.seq_length) under `plan`
+    (None: the one the config's checkpointing and tile size make)."""
+    policy = checkpointing_policy(config) if plan is None else plan.policy
+    tile = config.memory.mlp_tile_tokens if plan is None else plan.mlp_tile_tokens
     precision = _compute_precision(config)
     compute = _DTYPE_BYTES[precision]
     adapters = config.method in ADAPTER_METHODS
@@ -266,12 +329,13 @@ def run_shape(config: TrainConfig, seq: int | None = None) -> RunShape:
         batch=config.batch_size,
         seq=config.data.seq_length if seq is None else seq,
         method=config.method,
-        policy=checkpointing_policy(config),
+        policy=policy,
         residual_bytes=compute if adapters else 4,
         compute_bytes=compute,
         lora_product_bytes=product,
         lora_ranks=ranks,
         lora_dropout=adapters and config.lora.dropout > 0,
+        mlp_tile_tokens=tile,
     )
 
 
@@ -348,7 +412,11 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
     kept.append(Kept("decoder_layer", "residual after attention (add + RMSNorm's sum)", res * h * t))
     kept.append(Kept("decoder_layer", "its RMSNorm rstd (fp32)", 4 * t))
     mlp_adapters = any(rank(n, 0) for n in MLP_PROJECTIONS)
-    if run.method == "full":
+    if run.mlp_tiled:
+        # memory.tiling keeps the MLP's input only (the post-attention RMSNorm's output, in the
+        # residual stream's dtype); each tile's intermediates are made again in the backward pass.
+        kept.append(Kept("mlp", "normed input (the tiled MLP's x)", res * h * t))
+    elif run.method == "full":
         copies = 2 if run.autocast else 1
         kept.append(Kept("mlp", "normed input, as gate_proj's and up_proj's input", copies * c * h * t))
         kept.append(Kept("mlp", "gate and up (the SwiGLU's inputs)", 2 * c * i * t))
@@ -367,33 +435,36 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
     return kept
 
 
-# What a planner picks per decoder layer: keep its tensors, keep only its input and recompute
-# the rest in the backward pass, or recompute with its input in pinned host memory. The
-# checkpointing policies pick one for every layer.
-LayerChoice = Literal["keep", "recompute", "offload"]
-POLICY_CHOICE: dict[str, LayerChoice] = {"off": "keep", "on": "recompute", "offload": "offload"}
+@dataclass(frozen=True)
+class LayerCosts:
+    """One decoder layer's GPU memory under each choice, for a model and a run."""
 
+    kept: int  # every tensor a layer keeps for its backward pass
+    kept_first: int  # the first layer's (less when its input needs no gradient)
+    input: int  # the layer's input, all that a recomputed layer keeps
 
-def layer_held_bytes(model: ModelShape, run: RunShape, choice: LayerChoice, first: bool = False) -> int:
-    """GPU bytes a decoder layer holds from the end of its forward until its backward: every
-    kept tensor, its input alone, or nothing (offloaded: the input is in pinned host memory)."""
-    if choice == "keep":
-        return _sum(layer_activations(model, run, first))
-    return layer_activations(model, run)[0].bytes if choice == "recompute" else 0
+    @classmethod
+    def of(cls, model: ModelShape, run: RunShape) -> LayerCosts:
+        kept = layer_activations(model, run)
+        return cls(_sum(kept), _sum(layer_activations(model, run, first=True)), kept[0].bytes)
 
+    def held(self, choice: LayerChoice, first: bool = False) -> int:
+        """Held from the end of the layer's forward until its backward: every kept tensor, its
+        input alone, or nothing (offloaded: the input is in pinned host memory)."""
+        if choice == "keep":
+            return self.kept_first if first else self.kept
+        return self.input if choice == "recompute" else 0
 
-def layer_forward_bytes(model: ModelShape, run: RunShape, choice: LayerChoice) -> int:
-    """GPU bytes a recomputed layer holds besides its input while its forward runs (torch's
-    checkpoint also keeps autocast's 16-bit weights till the forward pass ends: see estimate)."""
-    return 0 if choice == "keep" else _sum(layer_activations(model, run)) - layer_activations(model, run)[0].bytes
+    def forward(self, choice: LayerChoice) -> int:
+        """What a recomputed layer holds besides its input while its forward runs (torch's
+        checkpoint also keeps autocast's 16-bit weights till the forward pass ends: see estimate)."""
+        return 0 if choice == "keep" else self.kept - self.input
 
-
-def layer_backward_bytes(model: ModelShape, run: RunShape, choice: LayerChoice) -> int:
-    """GPU bytes of a layer's own tensors while its backward runs (its workspace aside): kept or
-    recomputed, the same tensors; offloaded, OFFLOADED_BACKWARD_INPUTS inputs' worth with them."""
-    kept = layer_activations(model, run)
-    extra_inputs = OFFLOADED_BACKWARD_INPUTS - 1 if choice == "offload" else 0
-    return _sum(kept) + extra_inputs * kept[0].bytes
+    def backward(self, choice: LayerChoice) -> int:
+        """The layer's own tensors while its backward runs (its workspace aside): kept or
+        recomputed, the same tensors; offloaded, OFFLOADED_BACKWARD_INPUTS inputs' worth with them."""
+        extra_inputs = OFFLOADED_BACKWARD_INPUTS - 1 if choice == "offload" else 0
+        return self.kept + extra_inputs * self.input
 
 
 def _weights(model: ModelShape, names: tuple[str, ...]) -> int:
@@ -410,8 +481,24 @@ def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
     """The most working memory a decoder layer's backward pass adds to what it kept: the
     gradient flowing in and the residual stream's, plus the larger of the MLP's and the
     attention's transients."""
-    t, h, i, c = run.tokens, model.hidden, model.intermediate, run.compute_bytes
+    t, h, c = run.tokens, model.hidden, run.compute_bytes
     flowing = 2 * run.residual_bytes * h * t
+    # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
+    # query head before GQA sums them.
+    attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
+    return flowing + max(mlp_backward_workspace(model, run), attention)
+
+
+def mlp_backward_workspace(model: ModelShape, run: RunShape) -> int:
+    """The MLP's transient memory in the backward pass. Tiled: the input's gradient for every
+    token, and one tile's recomputed tensors and backward workspace (as an untiled MLP's over
+    the tile's tokens); in full fine-tuning also the sums of the MLP weights' gradients."""
+    if run.mlp_tiled:
+        tile = dataclasses.replace(run, batch=1, seq=run.mlp_tile_tokens, mlp_tile_tokens=0)
+        tile_kept = sum(k.bytes for k in layer_activations(model, tile) if k.module == "mlp")
+        sums = 4 * _weights(model, MLP_PROJECTIONS) if run.method == "full" else 0
+        return run.residual_bytes * model.hidden * run.tokens + tile_kept + mlp_backward_workspace(model, tile) + sums
+    t, h, i, c = run.tokens, model.hidden, model.intermediate, run.compute_bytes
     if run.method != "full" and any(run.lora_ranks.get(n, 0) for n in MLP_PROJECTIONS):
         # lora_gated_mlp's backward: act(gate) · up recomputed, its gradient, d gate, d up, and dx.
         mlp = 4 * c * i * t + c * h * t
@@ -422,10 +509,7 @@ def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
         # 16-bit weight gradients before autocast's cast to the fp32 .grad (the largest projection).
         out, inp, _ = max(model.projections().values(), key=lambda s: s[0] * s[1])
         mlp += (c + 4) * out * inp
-    # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
-    # query head before GQA sums them.
-    attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
-    return flowing + max(mlp, attention)
+    return mlp
 
 
 def _cross_entropy_chunk_rows(tokens: int, vocab: int, compute_bytes: int) -> int:
@@ -480,6 +564,7 @@ class Estimate:
 
     model: ModelShape
     run: RunShape
+    plan: LayerPlan
     components: list[Component]
     peak_moment: str  # which moment of the step the peak is
     pinned_host_bytes: int
@@ -519,6 +604,7 @@ class Estimate:
             "layer_activations": [{"module": k.module, "what": k.what, "mib": k.bytes / MIB} for k in self.layer],
             "model": dataclasses.asdict(self.model),
             "run": dataclasses.asdict(self.run),
+            "plan": {"layers": list(self.plan.choices), "mlp_tile_tokens": self.plan.mlp_tile_tokens},
         }
 
     def to_json(self) -> str:
@@ -532,7 +618,7 @@ class Estimate:
         size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
         lines = [
             f"Estimate: {self.model.model_type} ({size} parameters), {run.method}, {run.batch} x {run.seq} tokens "
-            f"a micro-batch, checkpointing {run.policy}",
+            f"a micro-batch; {self.plan.describe()}",
             f"  {'component':<{width}}  {'GiB':>8}",
         ]
         for c in self.components:
@@ -657,19 +743,31 @@ class StepFlops:
         return self.gemm + self.quantized + self.attention
 
 
-def step_flops(model: ModelShape, run: RunShape) -> StepFlops:
+def step_flops(model: ModelShape, run: RunShape, recomputed_layers: int) -> StepFlops:
+    """The FLOPs of a micro-batch with `recomputed_layers` layers run forward twice."""
     t = run.tokens
     shapes = model.projections()
-    base = 2 * t * sum(out * inp for out, inp, _ in shapes.values())
-    lora = 2 * t * sum(rank * (shapes[n][0] + shapes[n][1]) for n, rank in run.lora_ranks.items())
+
+    def gemms(names: tuple[str, ...]) -> tuple[float, float]:
+        """2 FLOPs a multiply-add of the base projections and of their adapters, forward."""
+        base = 2 * t * sum(shapes[n][0] * shapes[n][1] for n in names)
+        lora = 2 * t * sum(run.lora_ranks.get(n, 0) * (shapes[n][0] + shapes[n][1]) for n in names)
+        return base, lora
+
+    base, lora = gemms(PROJECTIONS)
     # Causal attention: QKᵀ and PV (2 FLOPs a multiply-add) over half the keys on average.
     attention = 2 * 2 * model.q_size * run.seq / 2 * t
-    forwards = 2 if run.policy != "off" else 1  # the recompute runs each layer's forward again
+    layers = model.layers
+    forwards = layers + recomputed_layers  # layer forwards: the recompute runs a layer's forward again
     # Backward: the input's gradient of every base GEMM (and the weight's in full fine-tuning),
     # the adapters' two gradients and input gradient, attention's 2.5 x its forward.
-    base_total = model.layers * base * (forwards + (2 if run.method == "full" else 1))
-    lora_total = model.layers * lora * (forwards + 2)
-    attention_total = model.layers * attention * (forwards + 2.5)
+    base_total = base * (forwards + (2 if run.method == "full" else 1) * layers)
+    lora_total = lora * (forwards + 2 * layers)
+    attention_total = attention * (forwards + 2.5 * layers)
+    if run.mlp_tiled:  # a tiled MLP runs its forward once more, a tile at a time in the backward pass
+        mlp_base, mlp_lora = gemms(MLP_PROJECTIONS)
+        base_total += layers * mlp_base
+        lora_total += layers * mlp_lora
     # The head: logits and dh in the forward pass, dW too when it trains.
     head = 2 * t * model.vocab * model.hidden * (3 if run.method == "full" else 2)
     if run.method == "qlora":
@@ -684,19 +782,54 @@ def gemm_fraction(hidden: int) -> float:
     return low + position * (high - low)
 
 
-def step_seconds(model: ModelShape, run: RunShape, flops: StepFlops, kept_per_layer: int) -> float:
-    """One micro-batch's forward and backward on an H200."""
+def step_seconds(model: ModelShape, run: RunShape, flops: StepFlops, memory_bound_bytes: float) -> float:
+    """One micro-batch's forward and backward on an H200, without the offloaded copies."""
     peak = PEAK_BF16_FLOPS if run.compute_bytes == 2 else PEAK_FP32_FLOPS
     seconds = (flops.gemm + QUANTIZED_GEMM_SLOWDOWN * flops.quantized) / (peak * gemm_fraction(model.hidden))
     seconds += flops.attention / (peak * ATTENTION_FRACTION)
-    forwards = 2 if run.policy != "off" else 1
-    seconds += 2 * model.layers * kept_per_layer * forwards / (PEAK_COPY_BYTES_PER_S * COPY_FRACTION)
-    return seconds
+    return seconds + memory_bound_bytes / (PEAK_COPY_BYTES_PER_S * COPY_FRACTION)
 
 
-def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | None = None) -> Estimate:
+def memory_bound_bytes(model: ModelShape, run: RunShape, recomputed_layers: int) -> float:
+    """What the memory-bound ops (norms, RoPE, the activation, adds) move: each tensor an untiled
+    layer keeps written and read once a layer forward; a tiled MLP's intermediates once more."""
+    untiled = dataclasses.replace(run, mlp_tile_tokens=0)
+    kept = layer_activations(model, untiled)
+    moved = 2 * _sum(kept) * (model.layers + recomputed_layers)
+    if run.mlp_tiled:
+        moved += 2 * model.layers * sum(k.bytes for k in kept if k.module == "mlp")
+    return moved
+
+
+def offload_seconds(plan: LayerPlan, costs: LayerCosts, layer_seconds: float) -> float:
+    """What the offloaded inputs' copies add to a micro-batch: each copy overlaps its layer's
+    forward (a third of the layer's time) or backward (two thirds); what exceeds them, and the
+    first restore of the backward pass, which nothing overlaps."""
+    offloaded = plan.count("offload")
+    if not offloaded:
+        return 0.0
+    copy = costs.input / HOST_COPY_BYTES_PER_S
+    exposed = max(0.0, copy - layer_seconds / 3) + max(0.0, copy - 2 * layer_seconds / 3)
+    return offloaded * exposed + copy
+
+
+def _held_note(plan: LayerPlan, costs: LayerCosts) -> str:
+    parts = []
+    if plan.count("keep"):
+        parts.append(f"{plan.count('keep')} layers x {costs.kept / MIB:,.1f} MiB")
+    if plan.count("recompute"):
+        parts.append(f"{plan.count('recompute')} layer inputs x {costs.input / MIB:,.1f} MiB")
+    if plan.count("offload"):
+        parts.append(f"{plan.count('offload')} inputs offloaded ({costs.input / MIB:,.1f} MiB on the GPU at a time)")
+    return ", ".join(parts)
+
+
+def estimate(
+    config: TrainConfig, model: ModelShape | None = None, seq: int | None = None, plan: LayerPlan | None = None
+) -> Estimate:
     """The estimate of training `config` (its model's shape read from config.json or the named
-    shape unless given; seq: rows of this many tokens instead of data.seq_length)."""
+    shape unless given; seq: rows of this many tokens instead of data.seq_length) under `plan`:
+    None is the config's (gradient_checkpointing: auto: the planner's for memory.budget_gib)."""
     if not config.model.patch:
         raise ConfigError(
             "model.patch: false trains with Hugging Face's and PEFT's modules, which keep other tensors (the logits "
@@ -708,7 +841,14 @@ def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | No
             "backward pass; the estimate models the eager model (model.compile: none)"
         )
     model = model_shape(config) if model is None else model
-    run = run_shape(config, seq)
+    if plan is None and config.gradient_checkpointing == "auto":
+        from barqtrain.memory.planner import plan_memory
+
+        return plan_memory(config, model=model, seq=seq).estimate
+    plan = config_plan(config, model.layers) if plan is None else plan
+    if len(plan.choices) != model.layers:
+        raise ValueError(f"barqtrain: a plan of {len(plan.choices)} layers for a model of {model.layers}")
+    run = run_shape(config, seq, plan)
     components: list[Component] = []
     weights, how = weight_bytes(model, config)
     components.append(Component("weights", weights, how))
@@ -722,41 +862,34 @@ def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | No
     components.append(Component("CUDA library workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS, one per GEMM thread"))
 
     layer = layer_activations(model, run)
-    layer_input = layer[0].bytes
-    per_layer = _sum(layer)
+    costs = LayerCosts.of(model, run)
     loss = loss_activations(model, run)
     loss_kept = _sum(loss)
     batch_kept = _sum([k for k in loss if k.module in ("batch", "rope")])
     backward_work = layer_backward_workspace(model, run)
     loss_work = loss_workspace(model, run)
-    layers = model.layers
+    choices = plan.choices
 
-    # What the decoder layers hold at the end of the forward pass and during the last layer's
-    # backward, from each layer's choice (one for all, from the checkpointing policy).
-    choices = [POLICY_CHOICE[run.policy]] * layers
-    held = [layer_held_bytes(model, run, choice, first=index == 0) for index, choice in enumerate(choices)]
+    # What the decoder layers hold at the end of the forward pass, and during the backward pass
+    # of the layer where that is most: the layers before it hold what they held, it holds its own.
+    held = [costs.held(choice, first=index == 0) for index, choice in enumerate(choices)]
     kept_forward = sum(held)
     if "offload" in choices:
-        kept_forward += layer_input  # one input on its way to pinned memory
-    if run.policy == "on":
-        # Torch's checkpoint runs the layers' forward with autograd on, so autocast's cache keeps
-        # every layer's 16-bit weights until the forward pass ends (the offloaded layers' forward
-        # runs inside an autograd Function, without it).
-        kept_forward += layers * autocast_weight_copies(model, run)
-    kept_backward = sum(held[:-1]) + layer_backward_bytes(model, run, choices[-1])
-    forward_layer = max(layer_forward_bytes(model, run, choice) for choice in choices)
-    choice = choices[-1]
-    forward_note = {
-        "keep": f"{layers} layers x {per_layer / MIB:,.1f} MiB",
-        "recompute": f"{layers} layer inputs x {layer_input / MIB:,.1f} MiB",
-        "offload": f"one layer input on its way to pinned memory ({layer_input / MIB:,.1f} MiB)",
-    }[choice]
-    backward_note = {
-        "keep": forward_note,
-        "recompute": f"{forward_note}, the last layer's activations recomputed ({per_layer / MIB:,.1f} MiB)",
-        "offload": f"{OFFLOADED_BACKWARD_INPUTS} layer inputs' worth and one layer's recomputed activations "
-        f"({per_layer / MIB:,.1f} MiB)",
-    }[choice]
+        kept_forward += costs.input  # one input on its way to pinned memory
+    # Torch's checkpoint runs the recomputed layers' forward with autograd on, so autocast's cache
+    # keeps their 16-bit weights until the forward pass ends (the offloaded layers' forward runs
+    # inside an autograd Function, without it).
+    kept_forward += plan.count("recompute") * autocast_weight_copies(model, run)
+    before = itertools.accumulate(held[:-1], initial=0)  # what the layers before each one hold
+    backward_totals = [held_before + costs.backward(choice) for held_before, choice in zip(before, choices)]
+    peak_layer = max(range(len(choices)), key=backward_totals.__getitem__)
+    kept_backward = backward_totals[peak_layer]
+    forward_layer = max(costs.forward(choice) for choice in choices)
+    forward_note = _held_note(plan, costs)
+    backward_note = (
+        f"layer {peak_layer}'s own tensors ({costs.backward(choices[peak_layer]) / MIB:,.1f} MiB) and what the "
+        f"layers before it hold"
+    )
     # Gradients that exist during the backward pass: those of the step's earlier micro-batches,
     # and in full fine-tuning the output head's, made by the loss first.
     accumulated = gradients if config.grad_accum > 1 else 0
@@ -792,23 +925,31 @@ def estimate(config: TrainConfig, model: ModelShape | None = None, seq: int | No
             components.append(Component("embedding's gradient before it joins the head's", embedding_gradient))
         components.append(Component("batch", batch_kept))
 
-    pinned = layers * layer_input if run.policy == "offload" else 0
-    flops = step_flops(model, run)
+    recomputed = plan.count("recompute") + plan.count("offload")
+    flops = step_flops(model, run, recomputed)
+    compute_seconds = step_seconds(model, run, flops, memory_bound_bytes(model, run, recomputed))
+    micro_batch_seconds = compute_seconds + offload_seconds(plan, costs, compute_seconds / model.layers)
     return Estimate(
-        model=model, run=run, components=components, peak_moment=moment, pinned_host_bytes=pinned,
-        step_seconds=config.grad_accum * step_seconds(model, run, flops, per_layer),
+        model=model, run=run, plan=plan, components=components, peak_moment=moment,
+        pinned_host_bytes=plan.count("offload") * costs.input, step_seconds=config.grad_accum * micro_batch_seconds,
         step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer,
     )
 
 
-def log_estimate(config: TrainConfig, log: Callable[..., None]) -> None:
-    """The short block `barqtrain train` logs before it builds the model: the estimated peak and
-    its largest parts, or why there is no estimate (a model the estimator does not cover)."""
+def log_estimate(config: TrainConfig, log: Callable[..., None]) -> Estimate | None:
+    """Logs the short block `barqtrain train` prints before it builds the model: the estimated
+    peak and its largest parts, or why there is no estimate (a model the estimator does not
+    cover); returns the estimate."""
     try:
         result = estimate(config)
     except ConfigError as error:
         log(f"No memory estimate: {error}.")
-        return
+        return None
+    log_estimate_of(result, log)
+    return result
+
+
+def log_estimate_of(result: Estimate, log: Callable[..., None]) -> None:
     largest = sorted(result.components, key=lambda c: c.bytes, reverse=True)[:4]
     parts = ", ".join(f"{c.name} {c.bytes / GIB:.2f}" for c in largest)
     pinned = f", {result.pinned_host_bytes / GIB:.2f} GiB pinned host memory" if result.pinned_host_bytes else ""

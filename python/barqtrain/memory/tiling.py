@@ -73,7 +73,8 @@ def set_mlp_tile_tokens(model: nn.Module, tile_tokens: int) -> int:
     mlps = [module for module in model.modules() if is_patched_mlp(module)]
     if not mlps and tile_tokens:
         raise ValueError(
-            f"barqtrain: {type(model).__name__} has no MLP patched by barqtrain.patch_model to tile; patch the model first"
+            f"barqtrain: {type(model).__name__} has no MLP patched by barqtrain.patch_model to tile; "
+            "patch the model first"
         )
     for mlp in mlps:
         if tile_tokens:

@@ -194,6 +194,21 @@ class DistributedConfig:
 
 
 @dataclass
+class MemoryConfig:
+    budget_gib: float | None = _doc(
+        "with gradient_checkpointing: auto, the GPU memory the run may use (GiB the caching allocator reserves); "
+        "null: what the GPU has free when the run starts",
+        None,
+    )
+    mlp_tile_tokens: int = _doc(
+        "compute each decoder layer's MLP this many tokens at a time, forward and backward, so that its intermediates "
+        "(tokens x intermediate size) never exist for the whole batch, at the cost of one more MLP forward pass; "
+        "0: all tokens at once; gradient_checkpointing: auto picks it",
+        0,
+    )
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = _doc("what to train", factory=ModelConfig)
     data: DataConfig = _doc("what to train on", factory=DataConfig)
@@ -211,11 +226,14 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _doc(
         "auto: bf16 on a GPU that has it (qlora on a GPU without: fp16), else fp32", "auto"
     )
-    gradient_checkpointing: bool | Literal["offload"] = _doc(
+    gradient_checkpointing: bool | Literal["offload", "auto"] = _doc(
         "recompute each decoder layer in the backward pass, keeping only its input; offload: keep those inputs "
-        "in pinned CPU memory, copied off and back on a separate CUDA stream while the layers compute",
+        "in pinned CPU memory, copied off and back on a separate CUDA stream while the layers compute; auto: the "
+        "planner picks keep, recompute or offload per layer and memory.mlp_tile_tokens, the fastest that fits "
+        "memory.budget_gib by the estimate (nothing recomputed when everything fits)",
         False,
     )
+    memory: MemoryConfig = _doc("gradient_checkpointing: auto's budget, and sequence tiling", factory=MemoryConfig)
     seed: int = _doc("seeds the model init, the data order and dropout", 0)
     steps: int | None = _doc("optimizer steps; null: run `epochs` over a dataset file", 60)
     epochs: int = _doc("passes over a dataset file when steps is null", 1)
@@ -380,6 +398,7 @@ def _check(config: TrainConfig) -> None:
     if config.model.compile == "model" and (config.method == "qlora" or config.gradient_checkpointing):
         reason = "a quantized base (method qlora)" if config.method == "qlora" else "gradient checkpointing"
         raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")
+    _check_memory(config)
     if config.data.path is None and config.data.task != "repeat-digits":
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:
@@ -405,6 +424,24 @@ def _check(config: TrainConfig) -> None:
         and config.model.path is None
     ):
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
+
+
+def _check_memory(config: TrainConfig) -> None:
+    memory = config.memory
+    if memory.budget_gib is not None and not memory.budget_gib > 0:
+        raise ConfigError(f"memory.budget_gib: GiB of GPU memory, must be positive, got {memory.budget_gib}")
+    if memory.budget_gib is not None and config.gradient_checkpointing != "auto":
+        raise ConfigError("memory.budget_gib: the planner's budget; set gradient_checkpointing: auto to plan for it")
+    if memory.mlp_tile_tokens < 0:
+        raise ConfigError(f"memory.mlp_tile_tokens: tokens per tile, at least 0 (0: untiled), got {memory.mlp_tile_tokens}")
+    if memory.mlp_tile_tokens and config.gradient_checkpointing == "auto":
+        raise ConfigError("memory.mlp_tile_tokens: gradient_checkpointing: auto picks the tile size; remove one of the two")
+    tiles = memory.mlp_tile_tokens or config.gradient_checkpointing == "auto"
+    key = "memory.mlp_tile_tokens" if memory.mlp_tile_tokens else "gradient_checkpointing: auto"
+    if tiles and not config.model.patch:
+        raise ConfigError(f"{key}: tiles the MLP that BarqTrain patches in; needs model.patch: true")
+    if tiles and config.model.compile != "none":
+        raise ConfigError(f"{key}: torch.compile does not trace the tiled MLP yet; use model.compile: none")
 
 
 def _check_rope_scaling(scaling: RopeScalingConfig) -> None:
@@ -568,10 +605,10 @@ def template(name: str) -> TrainConfig:
     elif name == "fsdp":  # LoRA on several GPUs: batch_size rows per GPU, so the global batch is N times larger
         config.batch_size, config.grad_accum = 4, 2
         config.gradient_checkpointing = True
-    elif name == "long-context":
+    elif name == "long-context":  # the planner fits the run to the GPU: per-layer recompute or offload, a tiled MLP
         config.data.seq_length = 32768
         config.batch_size, config.grad_accum = 1, 16
-        config.gradient_checkpointing = True
+        config.gradient_checkpointing = "auto"
     return config
 
 

@@ -37,6 +37,9 @@ import torch
 import yaml
 
 from barqtrain.files import directory_replaced_atomically, write_text_atomically
+from barqtrain.memory.estimator import log_estimate
+from barqtrain.memory.planner import MemoryPlan, apply_layer_plan, plan_for_run
+from barqtrain.memory.tiling import set_mlp_tile_tokens
 from barqtrain.train import distributed, task
 from barqtrain.train.batches import make_data, scored_tokens
 from barqtrain.train.config import (
@@ -61,7 +64,7 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "adapter", "model", 
 # not what it trains (a new value of any other key is refused, naming it).
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "output_dir", "eval_interval", "save_interval", "log_interval", "tensorboard", "plot",
-    "gradient_checkpointing", "data.eval_batches",
+    "gradient_checkpointing", "memory.budget_gib", "memory.mlp_tile_tokens", "data.eval_batches",
     "distributed.strategy",  # a checkpoint holds the full state under either strategy
 })  # fmt: skip
 
@@ -110,8 +113,15 @@ def base_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def build_model(
-    config: TrainConfig, device: torch.device, log: Callable[..., None], run_dir: Path | None = None
+    config: TrainConfig,
+    device: torch.device,
+    log: Callable[..., None],
+    run_dir: Path | None = None,
+    memory_plan: MemoryPlan | None = None,
 ) -> torch.nn.Module:
+    """The model `config` trains, on `device`: loaded or random, quantized, wrapped with LoRA,
+    patched, checkpointed as gradient_checkpointing says (auto: as memory_plan says, from
+    barqtrain.memory.planner.plan_for_run; None keeps every layer's tensors), compiled."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import barqtrain
@@ -143,7 +153,7 @@ def build_model(
         if not quantized:
             quantize_base(model, config)
         log_quantized_base(model, config, log)
-    if config.gradient_checkpointing:
+    if config.gradient_checkpointing in (True, "offload"):
         barqtrain.enable_gradient_checkpointing(model, offload=config.gradient_checkpointing == "offload")
     if config.method in ADAPTER_METHODS:
         import peft
@@ -162,6 +172,11 @@ def build_model(
     elif config.model.patch:
         with _model_errors(config, model):
             log(barqtrain.patch_model(model))
+    if memory_plan is not None:
+        apply_layer_plan(model, memory_plan.layers)
+    elif config.memory.mlp_tile_tokens:
+        mlps = set_mlp_tile_tokens(model, config.memory.mlp_tile_tokens)
+        log(f"Sequence tiling: {mlps} MLPs computed {config.memory.mlp_tile_tokens} tokens at a time.")
     if config.model.compile == "regional":
         layers = barqtrain.compile_decoder_layers(model)
         log(f"Compiled: {layers} decoder layers with torch.compile, one graph for all (built in the first step).")
@@ -675,10 +690,17 @@ def _train(
     for warning in config_warnings(config):
         log(f"Warning: {warning}.")
     _check_context(config, log)
-    if device.type == "cuda" and not ranks.is_distributed:
-        from barqtrain.memory.estimator import log_estimate
-
-        log_estimate(config, log)
+    memory_plan, predicted = None, None
+    if config.gradient_checkpointing == "auto":
+        if ranks.is_distributed:
+            raise ConfigError(
+                "gradient_checkpointing: auto plans one GPU's memory from the estimate, which does not model several "
+                "processes; under torchrun set it to true or offload"
+            )
+        memory_plan = plan_for_run(config, device, log)
+        predicted = None if memory_plan is None else memory_plan.estimate
+    elif device.type == "cuda" and not ranks.is_distributed:
+        predicted = log_estimate(config, log)
     run_dir = Path(config.output_dir)
     source = Path(resume_from) if resume and resume_from is not None else run_dir
     _check_output_dir(run_dir, continuing=resume and source == run_dir, overwrite=overwrite)
@@ -708,7 +730,7 @@ def _train(
 
     data = make_data(config, device, ranks.rank, ranks.world_size)
     _check_vocabulary(data, config)
-    model = build_model(config, device, log, run_dir if ranks.is_main else None)
+    model = build_model(config, device, log, run_dir if ranks.is_main else None, memory_plan)
     # What computes the steps' forward and backward: model, or its DDP wrapper.
     step_model = distributed.parallelize(model, config, ranks, device, log) if ranks.is_distributed else model
     log(f"Data: {data.describe()}.")
@@ -832,6 +854,12 @@ def _train(
     elif result.eval_loss_after is not None:
         summary += f" Held-out loss {result.eval_loss_after:.4f}."
     log(summary)
+    if device.type == "cuda" and predicted is not None:
+        measured = torch.cuda.max_memory_allocated(device)
+        log(
+            f"Peak GPU memory: {measured / 2**30:.2f} GiB measured (torch.cuda.max_memory_allocated), "
+            f"{predicted.peak_bytes / 2**30:.2f} GiB estimated ({100 * (predicted.peak_bytes / measured - 1):+.1f}%)."
+        )
     plot_note = f"; plot in {run_dir / 'training.png'}" if plotted else ""
     log(f"Weights in {where}; metrics in {metrics.path}{plot_note}.")
     return result

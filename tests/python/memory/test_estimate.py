@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from barqtrain.cli import main
+from barqtrain.memory import set_mlp_tile_tokens
 from barqtrain.memory.estimator import (
     GIB,
     ModelShape,
@@ -171,7 +172,8 @@ def _saved_bytes(model: nn.Module) -> dict[str, int]:
     # "batch", alive whether saved or not.
     counter.excluded |= {ids.untyped_storage().data_ptr(), position_ids.untyped_storage().data_ptr()}
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor):
-        model(input_ids=ids, labels=ids, position_ids=position_ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
+    loss.backward()  # outside the hooks: what a backward pass saves (a tiled MLP's tiles) is not kept
     return dict(counter.bytes)
 
 
@@ -221,6 +223,29 @@ def test_full_fine_tuning_layers_keep_what_the_estimate_counts():
         lora_ranks={}, lora_dropout=False,
     )
     assert _saved_bytes(model) == _estimated_bytes(model, run)
+
+
+@pytest.mark.parametrize("method", ["lora", "lora-attention", "full"])
+def test_tiled_mlps_keep_what_the_estimate_counts(method):
+    """A tiled MLP keeps its input alone: the patched model's saved tensors, per module."""
+    dtype = torch.float32 if method == "full" else torch.bfloat16
+    model = tiny_model("llama", dtype=dtype)
+    names = ("q_proj", "v_proj") if method == "lora-attention" else ()
+    if method == "full":
+        barqtrain.patch_model(model)
+    else:
+        targets = list(names) or "all-linear"
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM")
+        model = barqtrain.get_peft_model(model, lora)
+        names = names or ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    set_mlp_tile_tokens(model, 5)  # 32 rows: 7 tiles
+    bytes_ = 4 if method == "full" else 2
+    run = RunShape(
+        batch=BATCH, seq=SEQ, method="full" if method == "full" else "lora", policy="off", residual_bytes=bytes_,
+        compute_bytes=bytes_, lora_product_bytes=bytes_, lora_ranks={name: 4 for name in names}, lora_dropout=False,
+        mlp_tile_tokens=5,
+    )
+    assert _saved_bytes(model.train()) == _estimated_bytes(model, run)
 
 
 # ------------------------------------------------------------------------ the estimate

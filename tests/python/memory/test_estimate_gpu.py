@@ -43,7 +43,22 @@ CASES = [
 ]
 
 
-def _config(name: str, method: str, checkpointing: bool | str, batch: int, seq: int):
+# The sequence-tiled MLP: (model.name, method, gradient_checkpointing, seq_length, memory.mlp_tile_tokens),
+# batch 1; and the planner's runs: (model.name, method, seq_length, memory.budget_gib), whose peak must
+# also stay within the budget.
+TILED_CASES = [
+    ("llama-8b-shape", "lora", True, 32768, 4096),
+    ("llama-8b-shape", "lora", "offload", 65536, 8192),
+    ("llama-8b-shape", "qlora", "offload", 65536, 8192),
+]
+PLANNED_CASES = [
+    ("llama-8b-shape", "lora", 8192, 29.4),  # HF + PEFT's peak at 2 x 4096 with checkpointing
+    ("llama-8b-shape", "lora", 32768, 30.0),
+    ("llama-8b-shape", "lora", 131072, 80.0),
+]
+
+
+def _config(name: str, method: str, checkpointing: bool | str, batch: int, seq: int, **memory: float):
     from barqtrain.train.config import config_from_dict
 
     return config_from_dict(
@@ -54,6 +69,7 @@ def _config(name: str, method: str, checkpointing: bool | str, batch: int, seq: 
             "data": {"seq_length": seq},
             "batch_size": batch,
             "gradient_checkpointing": checkpointing,
+            "memory": memory,
             "optim": {"lr": 1e-5},
         }
     )
@@ -137,3 +153,48 @@ def test_estimate_within_5_percent_of_measured_peaks():
         if abs(gap) > TOLERANCE:
             failures.append(f"{name} {method} checkpointing={checkpointing} {batch}x{seq}: {100 * gap:+.1f}%")
     assert not failures, "estimates off by more than 5%: " + "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_tiled_and_planned_runs_within_5_percent_and_planned_runs_within_their_budget():
+    from barqtrain.memory import apply_layer_plan, plan_memory, set_mlp_tile_tokens
+    from barqtrain.memory.estimator import GIB, estimate
+    from barqtrain.train.trainer import build_model
+
+    device = torch.device("cuda")
+    runs = [(name, method, _config(name, method, checkpointing, 1, seq, mlp_tile_tokens=tile))
+            for name, method, checkpointing, seq, tile in TILED_CASES]  # fmt: skip
+    runs += [(name, method, _config(name, method, "auto", 1, seq, budget_gib=budget))
+             for name, method, seq, budget in PLANNED_CASES]  # fmt: skip
+    failures, model, built = [], None, None
+    print(f"\n{'method':<6} {'seq':>7} {'plan':<70} {'GiB est':>8} {'measured':>8} {'reserved':>8} {'gap':>7}")
+    for name, method, config in runs:
+        if built != (name, method):
+            model = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            model = build_model(_config(name, method, False, 1, 1024), device, lambda *args: None).train()
+            built = (name, method)
+        _set_checkpointing(model, False)
+        if config.gradient_checkpointing == "auto":
+            plan = plan_memory(config)
+            predicted = plan.estimate
+            apply_layer_plan(model, plan.layers)
+        else:
+            predicted = estimate(config)
+            _set_checkpointing(model, config.gradient_checkpointing)
+            set_mlp_tile_tokens(model, config.memory.mlp_tile_tokens)
+        measured, _ = _measured_peak(model, config, device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        gap = predicted.peak_bytes / measured - 1
+        print(
+            f"{method:<6} {config.data.seq_length:>7} {predicted.plan.describe():<70} "
+            f"{predicted.peak_bytes / GIB:8.2f} {measured / GIB:8.2f} {reserved / GIB:8.2f} {100 * gap:+6.1f}%"
+        )
+        what = f"{method} {config.data.seq_length} ({predicted.plan.describe()})"
+        if abs(gap) > TOLERANCE:
+            failures.append(f"{what}: estimate off by {100 * gap:+.1f}%")
+        budget = config.memory.budget_gib
+        if budget is not None and reserved > budget * GIB:
+            failures.append(f"{what}: reserved {reserved / GIB:.2f} GiB, over the {budget} GiB budget")
+    assert not failures, "; ".join(failures)

@@ -22,7 +22,10 @@ from barqtrain.train.config import (
         ({"optim": {"lrr": 1e-3}}, "optim.lrr: unknown key"),
         ({"bogus": 1}, "bogus: unknown key"),
         ({"batch_size": 2.5}, "batch_size: expected an integer, got 2.5"),
-        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing: expected true or false or 'offload', got 'yes'"),
+        (
+            {"gradient_checkpointing": "yes"},
+            "gradient_checkpointing: expected true or false or one of 'offload', 'auto', got 'yes'",
+        ),
         ({"method": "dora"}, "method: expected one of 'lora', 'qlora', 'full'"),
         ({"qlora": {"quant_type": "int4"}},
          "qlora.quant_type: expected one of 'nf4', 'fp4', 'int8', 'ternary', got 'int4'"),
