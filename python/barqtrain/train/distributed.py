@@ -144,10 +144,15 @@ def parallelize(
     state dicts, saving) takes model."""
     if config.distributed.strategy == "fsdp":
         quantized = shard_model(model)
-        base = f" (with their {quantized} quantized linear layers' data and scales)" if quantized else ""
+        base = (
+            f"; the {quantized.layers} quantized linear layers' data and scales: {byte_size(quantized.local_bytes)} "
+            f"per process of {byte_size(quantized.total_bytes)}"
+            if quantized.layers
+            else ""
+        )
         log(
-            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers{base} and the root "
-            f"sharded; {config.batch_size} rows per process and micro-batch."
+            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers and the root sharded"
+            f"{base}; {config.batch_size} rows per process and micro-batch."
         )
         return model
     # DDP buckets only parameters that require a gradient: with LoRA, the adapters. Its first
@@ -167,11 +172,20 @@ def parallelize(
     return wrapped
 
 
-def shard_model(model: torch.nn.Module) -> int:
+@dataclass(frozen=True)
+class ShardedQuantizedBase:
+    """The quantized linear layers of a sharded model, and the bytes of their frozen
+    parameters (data and scales): whole, and the shards this rank holds."""
+
+    layers: int
+    total_bytes: int
+    local_bytes: int
+
+
+def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
     """fully_shard each decoder layer (its weights gathered only while it computes), then the
     root (embeddings, final norm, head). A QLoRA base's quantized data are sharded with their
-    layer (carried as float8 bytes: see barqtrain.quant.linear). Returns how many quantized
-    linear layers were sharded."""
+    layer (carried as float8 bytes: see barqtrain.quant.linear)."""
     from torch.distributed.fsdp import fully_shard
 
     from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
@@ -184,10 +198,20 @@ def shard_model(model: torch.nn.Module) -> int:
     quantized = [module for module in model.modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)]
     for module in quantized:
         module.carry_for_sharding()
+    total_bytes = sum(p.nbytes for module in quantized for p in module.parameters(recurse=False))
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
-    return len(quantized)
+    local_bytes = sum(p.to_local().nbytes for module in quantized for p in module.parameters(recurse=False))
+    return ShardedQuantizedBase(len(quantized), total_bytes, local_bytes)
+
+
+def byte_size(nbytes: int) -> str:
+    """nbytes in B, KiB, MiB or GiB, three significant digits."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes} B"
 
 
 def accumulate_gradients(

@@ -13,6 +13,7 @@ there are GPUs)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,7 +137,7 @@ def runs(request, tmp_path_factory):
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size), str(WORKER),
         str(config_path), str(root), str(STOP_AFTER), strategy, str(one_process),
     ]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     return strategy, world_size, root, completed.stdout
 
@@ -227,11 +228,19 @@ def test_only_rank_0_prints(runs):
     assert stdout.count("Resumed from") == len(RESUMED) + 2
 
 
-def test_fsdp_shards_the_quantized_base(runs):
+def test_fsdp_leaves_each_process_1_over_n_of_the_quantized_base(runs):
+    """Rank 0's shards: 1/N of the bytes, and a little more where a tensor's rows do not
+    divide by N (FSDP pads dim 0 to a multiple of N; rank 0 takes the first, full share)."""
     strategy, world_size, _, stdout = runs
     if strategy != "fsdp" or world_size == 1:
         pytest.skip("FSDP shards when there are several processes")
-    assert f"FSDP: {world_size} processes, 2 decoder layers (with their 14 quantized linear layers' data" in stdout
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    pattern = r"the 14 quantized linear layers' data and scales: ([\d.]+) (\w+) per process of ([\d.]+) (\w+);"
+    found = re.findall(pattern, stdout)
+    assert found, stdout[-2000:]
+    for local, local_unit, total, total_unit in found:
+        share = float(local) * units[local_unit] / (float(total) * units[total_unit])
+        assert 1 / world_size <= share * 1.01 and share <= 1.05 / world_size, share
 
 
 def test_a_resume_that_would_read_the_data_otherwise_is_an_error_naming_both(runs, monkeypatch):
