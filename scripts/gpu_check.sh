@@ -17,7 +17,7 @@
 set -uo pipefail
 
 OUTDIR=$(realpath -m "${1:?usage: scripts/gpu_check.sh OUTDIR}")
-PHASES=${PHASES:-"build cpp python train sanitize bench-ops bench-xent bench-attn bench-lora bench-qlora bench-data bench-e2e"}
+PHASES=${PHASES:-"build cpp python train sanitize bench-ops bench-xent bench-attn bench-lora bench-qlora bench-data bench-e2e bench-context"}
 PYTHON=${PYTHON:-python3}
 CUDA_ARCHS=${CUDA_ARCHS:-"80;90a"}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -170,6 +170,10 @@ phase bench-qlora bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench qlora --out
 phase bench-data bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench data --out '$OUTDIR/bench'"
 # E2E_ARGS: extra `bench e2e` options (models, variants, --profile, --tokenizer for Unsloth).
 phase bench-e2e bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench e2e ${E2E_ARGS:-} --out '$OUTDIR/bench'"
+# CONTEXT_ARGS: the `bench context` ladder (default: 32K and 64K tokens, LoRA and QLoRA, beside HF + PEFT,
+# under an 80 GiB cap: some 6 minutes); e.g. "--lengths 400000 --methods lora --compare none --attempt-steps 1".
+phase bench-context bash -c "cd /tmp && $PYTHON -m barqtrain.cli bench context \
+  ${CONTEXT_ARGS:---lengths 32768,65536 --compare hf} --out '$OUTDIR/bench'"
 
 echo "=== summary" | tee -a "$LOG"
 grep -h "BarqTrain: .*Hopper (sm_90a) kernels" "$LOG" | sort -u | tee -a "$LOG"

@@ -1,18 +1,30 @@
-"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data|scaling]` command, which `barqtrain` loads
-through its "barqtrain.commands" entry point."""
+"""The `barqtrain bench [ops|xent|attn|lora|qlora|e2e|data|scaling|context]` command, which `barqtrain`
+loads through its "barqtrain.commands" entry point."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from barqtrain_bench import attention, data_wait, e2e, lora, ops, qlora, scaling, scaling_worker, xent
+from barqtrain_bench import (
+    attention,
+    context,
+    context_worker,
+    data_wait,
+    e2e,
+    lora,
+    ops,
+    qlora,
+    scaling,
+    scaling_worker,
+    xent,
+)
 from barqtrain_bench.e2e_worker import BARQTRAIN_VARIANTS
 from barqtrain_bench.models import BENCHMARK_MODELS, SELECTABLE_MODELS
 from barqtrain_bench.op_cases import OP_BENCHMARKS
 from barqtrain.cli_args import int_at_least, names_from
 
-SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "scaling", "all")
+SUITES = ("ops", "xent", "attn", "lora", "qlora", "e2e", "data", "scaling", "context", "all")
 ALL_BASELINES = tuple(dict.fromkeys(ops.BASELINES + xent.BASELINES + lora.BASELINES + e2e.BASELINES))
 
 
@@ -32,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "how long a LoRA training step waits for its batch with "
             "BarqTrain's data pipeline and with HF Datasets + DataCollatorWithFlattening; 'scaling' trains the 8B "
             "shape (LoRA, QLoRA) and a 70B shape (QLoRA) on 1, 2, 4 and 8 GPUs, one torchrun launch per point, "
-            "beside HF + PEFT under Accelerate's FSDP2. Without a suite, all but scaling run."
+            "beside HF + PEFT under Accelerate's FSDP2; 'context' finds the longest context the 8B shape trains with "
+            "LoRA and QLoRA under a memory cap, with the seconds a step at each length, beside HF + PEFT and "
+            "Unsloth, one process per attempt. Without a suite, all but scaling and context run."
         ),
     )
     parser.add_argument("suite", nargs="?", choices=SUITES, default="all", help="which benchmark (default: all)")
@@ -78,8 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         type=existing_directory,
         metavar="DIR",
-        help="e2e: a Hugging Face tokenizer directory, saved beside the random model for Unsloth, which "
-        "loads only from a directory (without it the unsloth row is unavailable)",
+        help="e2e and context: a Hugging Face tokenizer directory, saved beside the random model for Unsloth, "
+        "which loads only from a directory (without it the unsloth row is unavailable)",
     )
     e2e_options.add_argument(
         "--steps", type=int_at_least(1), default=e2e.DEFAULT_STEPS, help=f"timed steps (default: {e2e.DEFAULT_STEPS})"
@@ -121,6 +135,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop a point still running after this many seconds and skip those not started (default: no limit)",
     )
+    context_options = parser.add_argument_group("context options")
+    context_options.add_argument(
+        "--lengths",
+        type=counts,
+        default=context.DEFAULT_LENGTHS,
+        metavar="TOKENS",
+        help="row lengths to climb, comma-separated, e.g. 131072,262144,400000,500000 (default: "
+        f"{','.join(map(str, context.DEFAULT_LENGTHS))}; with --tiny: {','.join(map(str, context.TINY_LENGTHS))})",
+    )
+    context_options.add_argument(
+        "--methods",
+        type=names_from(context_worker.METHODS),
+        default=context_worker.METHODS,
+        metavar="NAMES",
+        help="lora, qlora or both, comma-separated (default: both)",
+    )
+    context_options.add_argument(
+        "--memory-cap-gib",
+        type=positive_number,
+        default=context.DEFAULT_CAP_GIB,
+        metavar="GIB",
+        help=f"the GPU memory each attempt may use (default: {context.DEFAULT_CAP_GIB:g}, an 80 GB GPU)",
+    )
+    context_options.add_argument(
+        "--attempt-steps",
+        type=int_at_least(1),
+        default=context.DEFAULT_STEPS,
+        metavar="N",
+        help=f"steps each attempt trains, the last one timed (default: {context.DEFAULT_STEPS})",
+    )
     parser.set_defaults(run=run)
 
 
@@ -129,6 +173,16 @@ def existing_directory(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"no such directory: {text}")
     return path
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -144,9 +198,11 @@ def run(args: argparse.Namespace) -> int:
 
     # Without a GPU only e2e, data and scaling have something to run, and only with --tiny:
     # anything else measures nothing, which is a failure (exit 2), not a result.
-    tiny_suites = ("e2e", "data", "scaling", "all")
+    tiny_suites = ("e2e", "data", "scaling", "context", "all")
     if not torch.cuda.is_available() and not (args.tiny and args.suite in tiny_suites):
-        tiny = " (--tiny runs the e2e, data and scaling harness on the CPU)" if args.suite in tiny_suites else ""
+        tiny = ""
+        if args.suite in tiny_suites:
+            tiny = " (--tiny runs the e2e, data, scaling and context harness on the CPU)"
         print(f"barqtrain bench {args.suite}: needs a CUDA GPU and none is visible; nothing was measured{tiny}",
               file=sys.stderr)  # fmt: skip
         return 2
@@ -192,5 +248,17 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             args.command_line,
             args.time_budget,
+        )
+    if args.suite == "context":  # not in "all": each attempt trains the 8B shape at long contexts
+        context.run_context_benchmark(
+            [name for name in args.compare if name in context.BASELINES],
+            args.methods,
+            context.TINY_LENGTHS if args.tiny else args.lengths,
+            args.memory_cap_gib,
+            args.attempt_steps,
+            args.tiny,
+            args.out,
+            args.command_line,
+            tokenizer=args.tokenizer,
         )
     return 0
