@@ -12,7 +12,6 @@ errors measured (in the comments)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
