@@ -15,6 +15,8 @@ import torch
 from barqtrain.memory import enable_gradient_checkpointing, set_mlp_tile_tokens, tiled_over_tokens
 from barqtrain.memory.tiling import TILE_ATTRIBUTE
 from barqtrain.quant import quantize_model
+from barqtrain.train.config import config_from_dict
+from barqtrain.train.trainer import train
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
@@ -136,6 +138,21 @@ def test_tile_size_zero_removes_the_tiling():
     model = _model("lora", TILE)
     assert set_mlp_tile_tokens(model, 0) == 2
     assert not any(TILE_ATTRIBUTE in vars(module) for module in model.modules())
+
+
+def test_the_trainers_mlp_tile_tokens_tiles_the_mlps_and_trains_the_same(tmp_path):
+    def run(tile: int, directory: str) -> tuple[dict[int, float], list[str]]:
+        lines: list[str] = []
+        config = config_from_dict(
+            {"memory": {"mlp_tile_tokens": tile}, "steps": 3, "batch_size": 4, "data": {"seq_length": 28},
+             "output_dir": str(tmp_path / directory), "tensorboard": False, "plot": False}  # fmt: skip
+        )
+        return train(config, log=lambda line: lines.append(str(line)), device="cpu").losses, lines
+
+    untiled, _ = run(0, "untiled")
+    tiled, lines = run(24, "tiled")  # 4 x 28 = 112 rows: four tiles of 24 and one of 16
+    assert "Sequence tiling: 2 MLPs computed 24 tokens at a time." in lines
+    assert tiled == pytest.approx(untiled, rel=1e-5)
 
 
 def test_errors_name_the_problem():
