@@ -98,7 +98,7 @@ Policy = Literal["off", "on", "offload"]
 
 # The moments of a step whose memory the estimate compares.
 FORWARD_END = "the end of the forward pass"
-LAST_LAYER_BACKWARD = "the last layer's backward pass"
+LAYER_BACKWARD = "a decoder layer's backward pass"  # the one where the layers hold the most
 BACKWARD_END = "the end of the backward pass"
 # Layer inputs' worth of GPU memory the offloaded checkpoint holds during a layer's backward:
 # the restored input being recomputed and the one prefetched for the layer before it, and, as
@@ -882,7 +882,8 @@ def estimate(
     kept_forward += plan.count("recompute") * autocast_weight_copies(model, run)
     before = itertools.accumulate(held[:-1], initial=0)  # what the layers before each one hold
     backward_totals = [held_before + costs.backward(choice) for held_before, choice in zip(before, choices)]
-    peak_layer = max(range(len(choices)), key=backward_totals.__getitem__)
+    # Of equal totals the last layer's: its backward pass comes first.
+    peak_layer = max(reversed(range(len(choices))), key=backward_totals.__getitem__)
     kept_backward = backward_totals[peak_layer]
     forward_layer = max(costs.forward(choice) for choice in choices)
     forward_note = _held_note(plan, costs)
@@ -900,10 +901,14 @@ def estimate(
     embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
     moments = {
         FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer),
-        LAST_LAYER_BACKWARD: kept_backward + batch_kept + backward_work + accumulated + head_gradient,
+        LAYER_BACKWARD: kept_backward + batch_kept + backward_work + accumulated + head_gradient,
         BACKWARD_END: batch_kept + gradients + embedding_gradient,
     }
     moment = max(moments, key=moments.get)
+    peak_moment = moment
+    if moment == LAYER_BACKWARD:
+        last = peak_layer == len(choices) - 1
+        peak_moment = "the last layer's backward pass" if last else f"layer {peak_layer}'s backward pass"
     if moment == FORWARD_END:
         components.append(Component("saved activations, decoder layers", kept_forward, forward_note))
         components.append(Component("batch, final norm and loss's kept tensors", loss_kept))
@@ -911,7 +916,7 @@ def estimate(
             components.append(Component("a checkpointed layer's forward", forward_layer))
         else:
             components.append(Component("loss workspace (logit chunks)", loss_work))
-    elif moment == LAST_LAYER_BACKWARD:
+    elif moment == LAYER_BACKWARD:
         components.append(Component("saved activations, decoder layers", kept_backward, backward_note))
         components.append(Component("batch", batch_kept))
         components.append(Component("backward workspace of a layer", backward_work, "gradients in flight, MLP/attention"))
@@ -930,7 +935,7 @@ def estimate(
     compute_seconds = step_seconds(model, run, flops, memory_bound_bytes(model, run, recomputed))
     micro_batch_seconds = compute_seconds + offload_seconds(plan, costs, compute_seconds / model.layers)
     return Estimate(
-        model=model, run=run, plan=plan, components=components, peak_moment=moment,
+        model=model, run=run, plan=plan, components=components, peak_moment=peak_moment,
         pinned_host_bytes=plan.count("offload") * costs.input, step_seconds=config.grad_accum * micro_batch_seconds,
         step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer,
     )
