@@ -146,7 +146,7 @@ def _hf_model(attempt: Attempt, device: torch.device) -> torch.nn.Module:
         )  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(
             _saved_model(attempt, device), quantization_config=quantization, dtype=torch.bfloat16,
-            device_map={"": device}, attn_implementation="sdpa",
+            device_map={"": torch.cuda.current_device()}, attn_implementation="sdpa",
         )  # fmt: skip
     else:
         model = _random_model(attempt, device)
