@@ -38,6 +38,7 @@ from barqtrain.quant.linear import (
     quantized_weight,
 )
 from barqtrain.quant.loading import load_4bit, load_quantized
+from barqtrain.quant.ternary import from_bitnet
 from barqtrain.quant.weight import (
     QuantizedWeight,
     Weight4bit,
@@ -62,6 +63,7 @@ __all__ = [
     "dequantize_int8",
     "dequantize_ternary",
     "dynamic_code",
+    "from_bitnet",
     "from_bitsandbytes",
     "is_quantized_linear",
     "load_4bit",

@@ -1,7 +1,7 @@
 """The ternary format on the CPU: the 2-bit layout bit by bit, the absmean quantizer (per
 output channel and per group) against a float64 reference, the dequantized values, the GEMM
-op's registration (opcheck), group_size's errors, and QLoRA training over a ternary tiny
-Llama. The shared QLoRA tests (the LoRA linear in float64, PEFT, streaming loading) run
+op's registration (opcheck), group_size's errors, and BitNet b1.58 layers' weights read as
+they are against Transformers' own BitLinear and AutoBitLinear. The shared QLoRA tests (the LoRA linear in float64, PEFT, streaming loading) run
 ternary among the other formats in test_quant.py and test_loading.py; the CUDA GEMM's are in
 test_quant_gpu.py."""
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from barqtrain import quant
 from barqtrain.ops import ternary
+from barqtrain.quant.ternary import from_bitnet
 from torch import nn
 
 
@@ -102,3 +103,36 @@ def test_ternary_linear_holds_2_bits_a_weight_and_a_scale_per_group():
     assert layer.weight_scale.shape == (64, 2) and layer.weight_scale.dtype == torch.float32
     assert "ternary, group_size=128" in repr(layer)
     assert quant.is_quantized_linear(layer) and isinstance(quant.quantized_weight(layer), quant.WeightTernary)
+
+
+@pytest.mark.parametrize("linear_class", ["bitlinear", "autobitlinear"])
+def test_bitnet_weights_compute_as_transformers_layer_computes_them(linear_class):
+    """A BitNet layer built by Transformers from a packed weight and its weight_scale, and the
+    same two tensors read by from_bitnet, on inputs that its int8 activation quantization keeps
+    exact (integers, each row's largest 127): the same outputs, and the same ternary values."""
+    bitnet = pytest.importorskip("transformers.integrations.bitnet")
+    generator = torch.Generator().manual_seed(5)
+    t = torch.randint(-1, 2, (96, 128), generator=generator)
+    packed = bitnet.pack_weights(t.clone())  # Transformers' packing adds 1 to its argument in place
+    weight_scale = torch.tensor([0.37])
+    layer_class = bitnet.BitLinear if linear_class == "bitlinear" else bitnet.AutoBitLinear
+    x = torch.randint(-127, 128, (5, 128), generator=generator).float()
+    x[:, 0] = 127
+    with torch._dynamo.config.patch(disable=True):  # its quantizers are compiled; eager here
+        layer = layer_class(128, 96, bias=False, dtype=torch.float32)
+        layer.load_state_dict({"weight": packed, "weight_scale": weight_scale})
+        expected = layer(x).double()
+    weight = from_bitnet(packed, weight_scale, linear_class, torch.float32)
+    assert torch.equal(ternary.unpack_ternary(weight.packed).long(), t)
+    y = x.double() @ ternary.dequantize_ternary(weight, torch.float64).T
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-3 * expected.abs().max().item())
+
+
+def test_bitnet_errors_name_the_problem():
+    packed = torch.full((8, 64), 0b11, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="code 3"):
+        from_bitnet(packed, torch.ones(1), "bitlinear", torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_class must be one of"):
+        from_bitnet(packed, torch.ones(1), "bitnet", torch.bfloat16)
+    with pytest.raises(ValueError, match="one value per tensor"):
+        from_bitnet(packed, torch.ones(2), "autobitlinear", torch.bfloat16)
