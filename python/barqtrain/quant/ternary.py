@@ -33,7 +33,9 @@ def unpack_bitnet(packed: torch.Tensor) -> torch.Tensor:
     return (codes.to(torch.int8) - 1).reshape(-1, packed.shape[1])
 
 
-def from_bitnet(weight: torch.Tensor, weight_scale: torch.Tensor, linear_class: str, dtype: torch.dtype) -> PackedTernary:
+def from_bitnet(
+    weight: torch.Tensor, weight_scale: torch.Tensor, linear_class: str, dtype: torch.dtype
+) -> PackedTernary:
     """A BitNet checkpoint layer's packed `weight` and `weight_scale` (one value) as a
     PackedTernary computing in `dtype`: the same ternary values, and the scale per row that
     `linear_class` ("bitlinear" or "autobitlinear", the checkpoint's quantization_config)
@@ -41,7 +43,8 @@ def from_bitnet(weight: torch.Tensor, weight_scale: torch.Tensor, linear_class: 
     if linear_class not in BITNET_LINEAR_CLASSES:
         raise ValueError(f"barqtrain: BitNet linear_class must be one of {BITNET_LINEAR_CLASSES}, got {linear_class!r}")
     if weight_scale.numel() != 1:
-        raise ValueError(f"barqtrain: a BitNet weight_scale is one value per tensor, got shape {list(weight_scale.shape)}")
+        raise ValueError(f"barqtrain: a BitNet weight_scale is one value per tensor, got shape "
+                         f"{list(weight_scale.shape)}")  # fmt: skip
     codes = unpack_bitnet(weight)
     scale = weight_scale.to(torch.float32).reshape(1, 1)
     scale = 1.0 / scale if linear_class == "bitlinear" else scale

@@ -1,9 +1,9 @@
 """The ternary format on the CPU: the 2-bit layout bit by bit, the absmean quantizer (per
 output channel and per group) against a float64 reference, the dequantized values, the GEMM
 op's registration (opcheck), group_size's errors, and BitNet b1.58 layers' weights read as
-they are against Transformers' own BitLinear and AutoBitLinear. The shared QLoRA tests (the LoRA linear in float64, PEFT, streaming loading) run
-ternary among the other formats in test_quant.py and test_loading.py; the CUDA GEMM's are in
-test_quant_gpu.py."""
+they are against Transformers' own BitLinear and AutoBitLinear. The shared QLoRA tests (the
+LoRA linear in float64, PEFT, streaming loading) run ternary among the other formats in
+test_quant.py and test_loading.py; the CUDA GEMM's are in test_quant_gpu.py."""
 
 from __future__ import annotations
 
