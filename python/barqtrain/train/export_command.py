@@ -214,8 +214,8 @@ def export(
     log(f"Merged {adapter} into {base_dir} ({dtype}): wrote {out}{extras}.")
     if (config or {}).get("method") == "qlora":
         log(
-            "QLoRA run: the adapter trained over the quantization (4-bit, int8 or ternary) of these weights and is merged "
-            "into the 16-bit ones, so the merged model differs from the trained one by the quantization error."
+            "QLoRA run: the adapter trained over the quantization (4-bit, int8 or ternary) of these weights and is "
+            "merged into the 16-bit ones, so the merged model differs from the trained one by the quantization error."
         )
     return out
 

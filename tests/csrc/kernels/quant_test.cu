@@ -618,17 +618,19 @@ std::string ternary_name(const ::testing::TestParamInfo<TernaryParam>& info) {
 // walk 32 and 24 depth steps over 60 CTAs.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, TernaryGemm,
-    ::testing::Combine(::testing::Values(TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 32, false, false}, 0},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 224, false, false}, 32},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, true}, 0},
-                      TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, false, true}, 64},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 32, false, false}, 0},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 224, false, false}, 32},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true}, 0},
-                      TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, false, true}, 64},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, false, false}, 128},
-                      TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, false, true}, 0}),
-                       kBothKernels),
+    ::testing::Combine(
+        ::testing::Values(
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 1, 64, 32, false, false}, 0},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 77, 200, 224, false, false}, 32},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 301, 383, 448, false, true}, 0},
+            TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kForward, 129, 136, 320, false, true}, 64},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 1, 64, 32, false, false}, 0},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 77, 200, 224, false, false}, 32},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 301, 384, 448, false, true}, 0},
+            TernaryCase{{k::DType::kFloat16, k::QuantGemmOp::kBackward, 129, 136, 320, false, true}, 64},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kForward, 515, 1536, 2048, false, false}, 128},
+            TernaryCase{{k::DType::kBFloat16, k::QuantGemmOp::kBackward, 515, 2040, 1536, false, true}, 0}),
+        kBothKernels),
     ternary_name);
 
 // The format's preconditions, each an error naming it, before any launch.

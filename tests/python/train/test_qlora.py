@@ -137,12 +137,13 @@ def test_qlora_ternary_base(tmp_path):
     config.qlora.quant_type, config.qlora.group_size = "ternary", 32
     model = build_model(config, torch.device("cpu"), lines.append)
     assert "QLoRA: 14 linear layers quantized to ternary (2 bits a weight, a scale per group of 32)." in lines
-    assert any("lora" in str(line) and "14       patched" in str(line) for line in lines)  # barqtrain's LoRA over ternary
+    assert any("lora" in str(line) and "14       patched" in str(line) for line in lines)  # LoRA over ternary
     linear = model.base_model.model.model.layers[0].mlp.down_proj.base_layer
-    assert (linear.quant_type, linear.compute_dtype, linear.ternary_weight.dtype) == ("ternary", torch.bfloat16, torch.uint8)
+    assert (linear.quant_type, linear.compute_dtype) == ("ternary", torch.bfloat16)
+    assert linear.ternary_weight.dtype == torch.uint8
     assert linear.weight_scale.shape == (linear.out_features, linear.in_features // 32)
     config.qlora.group_size = 96  # a multiple of 32 that does not divide the layers' in_features
-    with pytest.raises(ConfigError, match=r"qlora.group_size: group_size 96 does not divide model\.layers\.0\..*in_features"):
+    with pytest.raises(ConfigError, match=r"qlora.group_size: group_size 96 does not divide model\.layers\.0\."):
         build_model(config, torch.device("cpu"), quiet)
 
 
