@@ -186,8 +186,9 @@ def test_gated_mlp_saves_x_gate_up_and_the_small_intermediates_only():
     x.requires_grad_()
     saved = _saved_activations(_barqtrain_mlp(mlp, "silu"), x, list(mlp.parameters()))
     rows = 111
-    # x; gate and up; x Aᵀ of gate and up side by side; h Aᵀ of down. Not act(gate) · up.
-    expected = [(rows, 64), (rows, 96), (rows, 96), (rows, 16), (rows, 8)]
+    # x; gate and up; x Aᵀ of gate and up side by side; h Aᵀ of down. Not act(gate) · up. Besides
+    # these activations, one adapter-sized operand: the A matrices of gate and up stacked [8 + 8, 64].
+    expected = [(rows, 64), (rows, 96), (rows, 96), (rows, 16), (rows, 8), (16, 64)]
     assert sorted(tuple(shape) for shape in saved) == sorted(expected)
 
 
