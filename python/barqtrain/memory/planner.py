@@ -113,10 +113,13 @@ def plan_memory(
                 best = fitting
     if best is None:
         remedy = "lower data.seq_length or batch_size" + (", or use method: qlora" if config.method == "lora" else "")
+        # Recomputed layers left because the host can pin no more inputs.
+        pinned_out = smallest.plan.count("recompute") and smallest.pinned_host_bytes + smallest.layer[0].bytes > pinnable
+        host = f", the host pinning at most {smallest.plan.count('offload')} layer inputs" if pinned_out else ""
         raise ConfigError(
             f"memory.budget_gib: {budget / GIB:.1f} GiB of GPU memory cannot hold this run under any plan; the least "
-            f"one ({smallest.plan.describe()}) needs {smallest.reserved_bytes / GIB:.1f} GiB by the estimate; give "
-            f"more, or {remedy}"
+            f"one ({smallest.plan.describe()}{host}) needs {smallest.reserved_bytes / GIB:.1f} GiB by the estimate; "
+            f"give more, or {remedy}"
         )
     return MemoryPlan(best.plan, best, budget)
 
