@@ -113,8 +113,9 @@ def plan_memory(
                 best = fitting
     if best is None:
         remedy = "lower data.seq_length or batch_size" + (", or use method: qlora" if config.method == "lora" else "")
-        # Recomputed layers left because the host can pin no more inputs.
-        pinned_out = smallest.plan.count("recompute") and smallest.pinned_host_bytes + smallest.layer[0].bytes > pinnable
+        # Layers left recomputing because the host can pin no more inputs.
+        one_more_input = smallest.pinned_host_bytes + smallest.layer[0].bytes
+        pinned_out = smallest.plan.count("recompute") and one_more_input > pinnable
         host = f", the host pinning at most {smallest.plan.count('offload')} layer inputs" if pinned_out else ""
         raise ConfigError(
             f"memory.budget_gib: {budget / GIB:.1f} GiB of GPU memory cannot hold this run under any plan; the least "
