@@ -135,7 +135,7 @@ class _Group:
         return [projections[i].lora.lora_A.shape[0] for i in self.indices]
 
     def saved_count(self) -> int:
-        return len(self.indices) + (4 if self.dropout else 3)  # _Saved.flat()
+        return len(self.indices) + (3 if self.dropout else 2)  # _Saved.flat(): A stacked, each B, x Aᵀ, the mask
 
 
 @dataclass(frozen=True)

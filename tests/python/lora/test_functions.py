@@ -232,7 +232,8 @@ def test_projections_of_one_input_match_one_by_one_and_save_x_once():
 
     parameters = [p for layer in layers for p in layer.parameters()]
     saved = _saved_activations(lambda x: lora_projections(x, projections), x.requires_grad_(), parameters)
-    assert sorted(tuple(shape) for shape in saved) == [(111, 28), (111, 64)]  # x Aᵀ of all three; x
+    # x Aᵀ of all three and x; and their A matrices stacked [8 + 16 + 4, 64], an adapter-sized operand.
+    assert sorted(tuple(shape) for shape in saved) == [(28, 64), (111, 28), (111, 64)]
 
 
 def test_wrong_shapes_and_dtypes_are_named():
