@@ -124,9 +124,21 @@ def _base_weight(base: nn.Module) -> torch.Tensor | str:
     return f"its base layer is {type(base).__name__} (or has hooks), not a plain torch.nn.Linear or a quantized linear"
 
 
-def unsupported_reason(layer: nn.Module) -> str | None:
-    """Why BarqTrain's LoRA does not compute this PEFT LoRA Linear, or None when it does."""
-    adapters = list(layer.active_adapters)
+@dataclass(frozen=True)
+class _Supported:
+    """What a supported PEFT LoRA Linear computes with: its one active adapter, the base weight
+    (a Weight4bit/Weight8bit/WeightTernary for a quantized base) and the base layer."""
+
+    adapter: str
+    weight: torch.Tensor
+    base: nn.Module
+
+
+def _supported(layer: nn.Module) -> _Supported | str:
+    """The parts BarqTrain's LoRA computes this PEFT LoRA Linear with, or why it does not.
+    Runs on every call of a patched layer: submodules are read from _modules directly, past
+    nn.Module.__getattr__'s slower lookup."""
+    adapters = layer.active_adapters
     if len(adapters) != 1:
         return f"{len(adapters)} active adapters ({', '.join(adapters)}); BarqTrain's LoRA computes one"
     [adapter] = adapters
@@ -139,20 +151,29 @@ def unsupported_reason(layer: nn.Module) -> str | None:
         return "fan_in_fan_out=True (a Conv1D base layer)"
     if not getattr(layer, "cast_input_dtype_enabled", True):
         return "input dtype casting is disabled (peft.helpers.disable_input_dtype_casting)"
-    weight = _base_weight(layer.base_layer)
+    modules = layer._modules
+    base = modules["base_layer"]
+    weight = _base_weight(base)
     if isinstance(weight, str):
         return weight
-    if adapter not in layer.lora_A:
-        return None  # PEFT then computes the base layer alone; so does BarqTrain
-    for module in (layer.lora_A[adapter], layer.lora_B[adapter]):
+    lora_A = modules["lora_A"]._modules
+    if adapter not in lora_A:
+        return _Supported(adapter, weight, base)  # PEFT then computes the base layer alone; so does BarqTrain
+    for module in (lora_A[adapter], modules["lora_B"]._modules[adapter]):
         if not _is_plain_linear(module) or module.bias is not None:
             return f"its lora_A/lora_B of adapter {adapter!r} are not plain bias-free torch.nn.Linear"
-    dropout = layer.lora_dropout[adapter]
+    dropout = modules["lora_dropout"]._modules[adapter]
     if type(dropout) not in (nn.Identity, nn.Dropout) or _has_hooks(dropout):
         return f"its lora_dropout is {type(dropout).__name__}, not torch.nn.Dropout or Identity"
     if not isinstance(layer.scaling[adapter], (int, float)):
         return f"its scaling is a {type(layer.scaling[adapter]).__name__}, not a number"
-    return None
+    return _Supported(adapter, weight, base)
+
+
+def unsupported_reason(layer: nn.Module) -> str | None:
+    """Why BarqTrain's LoRA does not compute this PEFT LoRA Linear, or None when it does."""
+    supported = _supported(layer)
+    return supported if isinstance(supported, str) else None
 
 
 @dataclass(frozen=True)
@@ -166,35 +187,34 @@ class PeftComputes:
 
 def projection_of(layer: nn.Module, x: torch.Tensor) -> Projection | PeftComputes:
     """What a patched PEFT LoRA Linear computes for input x now, as a Projection."""
-    if layer.disable_adapters and layer.merged:
-        return PeftComputes(None)  # PEFT unmerges before computing the base layer
-    base = layer.base_layer
-    if (layer.disable_adapters or layer.merged) and not _is_plain_linear(base):
-        return PeftComputes(None)  # the base layer alone: its own forward
     if layer.disable_adapters or layer.merged:
+        base = layer._modules["base_layer"]
+        if layer.disable_adapters and layer.merged or not _is_plain_linear(base):
+            return PeftComputes(None)  # PEFT unmerges first, or the base layer alone: its own forward
         return Projection(base.weight, base.bias)
-    reason = unsupported_reason(layer)
-    if reason is not None:
-        return PeftComputes(reason)
-    weight = _base_weight(base)
-    [adapter] = layer.active_adapters
-    if adapter not in layer.lora_A:
-        return Projection(weight, base.bias)
+    supported = _supported(layer)
+    if isinstance(supported, str):
+        return PeftComputes(supported)
+    adapter, base = supported.adapter, supported.base
+    modules = layer._modules
+    lora_A = modules["lora_A"]._modules.get(adapter)
+    if lora_A is None:
+        return Projection(supported.weight, base.bias)
     if torch.is_autocast_enabled(x.device.type):
         return PeftComputes("autocast is enabled")
     if x.device.type not in _DEVICE_TYPES:
         return PeftComputes(f"input on a {x.device.type} device")
-    dropout = layer.lora_dropout[adapter]
+    dropout = modules["lora_dropout"]._modules[adapter]
     # Mixed precision lowers fp32 adapters to 16-bit activations' dtype; it never raises one.
     mixed = getattr(layer, _PRECISION_ATTRIBUTE, DEFAULT_LORA_PRECISION) == "mixed" and x.dtype in _MIXED_DTYPES
     lora = LoraAdapter(
-        layer.lora_A[adapter].weight,
-        layer.lora_B[adapter].weight,
+        lora_A.weight,
+        modules["lora_B"]._modules[adapter].weight,
         float(layer.scaling[adapter]),
         dropout.p if isinstance(dropout, nn.Dropout) and dropout.training else 0.0,
         compute_dtype=x.dtype if mixed else None,
     )
-    projection = Projection(weight, base.bias, lora)
+    projection = Projection(supported.weight, base.bias, lora)
     reason = unsupported_dtypes(x, projection)
     return projection if reason is None else PeftComputes(reason)
 
