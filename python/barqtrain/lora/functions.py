@@ -125,37 +125,19 @@ class _Group:
     adapter_dtype: torch.dtype  # the adapters' (and their gradients') dtype
     dropout: float
 
-    def operands(self, projections: Sequence[Projection]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The A matrices one above the other, and each B, in the products' dtype."""
+    def stacked_A(self, projections: Sequence[Projection]) -> torch.Tensor:
+        """The A matrices one above the other, in the products' dtype."""
         matrices = [projections[i].lora.lora_A for i in self.indices]
-        stacked_A = (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
-        return stacked_A, [projections[i].lora.lora_B.to(self.dtype) for i in self.indices]
+        return (matrices[0] if len(matrices) == 1 else torch.cat(matrices)).to(self.dtype)
+
+    def lora_B(self, projections: Sequence[Projection], index: int) -> torch.Tensor:
+        return projections[index].lora.lora_B.to(self.dtype)
 
     def ranks(self, projections: Sequence[Projection]) -> list[int]:
         return [projections[i].lora.lora_A.shape[0] for i in self.indices]
 
     def saved_count(self) -> int:
-        return len(self.indices) + (3 if self.dropout else 2)  # _Saved.flat(): A stacked, each B, x Aᵀ, the mask
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """What a _Group's forward keeps for its backward: the operands in the products' dtype (with
-    fp32 adapters under mixed precision, a cast each: made once, not again in the backward),
-    x Aᵀ (the group's ranks side by side) and, with dropout, the mask."""
-
-    stacked_A: torch.Tensor
-    lora_Bs: list[torch.Tensor]
-    xa: torch.Tensor
-    mask: torch.Tensor | None
-
-    def flat(self) -> list[torch.Tensor]:
-        return [self.stacked_A, *self.lora_Bs, self.xa, *([] if self.mask is None else [self.mask])]
-
-    @staticmethod
-    def of(group: _Group, flat: Sequence[torch.Tensor]) -> _Saved:
-        count = len(group.indices)
-        return _Saved(flat[0], list(flat[1 : 1 + count]), flat[1 + count], flat[2 + count] if group.dropout else None)
+        return 2 if self.dropout else 1  # x Aᵀ, and the dropout mask
 
 
 def _groups(projections: Sequence[Projection]) -> list[_Group]:
@@ -199,21 +181,20 @@ def _dropped(x: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tenso
 
 
 def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The projections of x [tokens, in]; and, per _Group, what the backward needs (_Saved.flat())."""
+    """The projections of x [tokens, in]; and, per _Group, what the backward needs: x Aᵀ
+    (the group's ranks side by side) and, with dropout, the mask."""
     outputs: list[torch.Tensor | None] = [None] * len(projections)
     saved = []
     for group in _groups(projections):
         lora_input = x.to(group.dtype)
-        mask = None
         if group.dropout:
             # Draws what PEFT's nn.Dropout draws from the same RNG state: masks match.
             lora_input, mask = torch.native_dropout(lora_input, group.dropout, True)
-        stacked_A, lora_Bs = group.operands(projections)
-        xa = lora_input @ stacked_A.T
-        saved += _Saved(stacked_A, lora_Bs, xa, mask).flat()
-        parts = xa.split(group.ranks(projections), dim=1)
-        for index, xa_part, lora_B in zip(group.indices, parts, lora_Bs, strict=True):
-            projection = projections[index]
+            saved.append(mask)
+        xa = lora_input @ group.stacked_A(projections).T
+        saved.append(xa)
+        for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
+            projection, lora_B = projections[index], group.lora_B(projections, index)
             weight, bias, scaling = projection.weight, projection.bias, projection.lora.scaling
             if group.dtype == x.dtype and _is_dense(weight):
                 outputs[index] = matmul_sum([xa_part, x], [lora_B.T, weight.T], [scaling, 1.0], bias)
@@ -251,25 +232,25 @@ def _backward_from_dy(
     lora = []
     position = 0
     for group in _groups(projections):
-        kept = _Saved.of(group, saved[position : position + group.saved_count()])
+        mask = saved[position] if group.dropout else None
+        xa = saved[position + group.saved_count() - 1]
         position += group.saved_count()
-        mask = kept.mask
         dxa_parts = []
-        parts = kept.xa.split(group.ranks(projections), dim=1)
-        for index, xa_part, lora_B in zip(group.indices, parts, kept.lora_Bs, strict=True):
+        for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
             scaling = projections[index].lora.scaling
             dy = dys[index].to(group.dtype)
             if needs_grads[index * _TENSORS_PER_PROJECTION + 3]:
                 dB = _gradient_mm(dy.T, xa_part, scaling, group.adapter_dtype)
                 grads[index * _TENSORS_PER_PROJECTION + 3] = dB
-            dxa_parts.append(_scaled_mm(dy, lora_B, scaling))
+            dxa_parts.append(_scaled_mm(dy, group.lora_B(projections, index), scaling))
         dxa = dxa_parts[0] if len(dxa_parts) == 1 else torch.cat(dxa_parts, dim=1)
         lora.append((group, mask, dxa))
         if needs_dx:
+            stacked_A = group.stacked_A(projections)
             if group.dtype == dys[0].dtype and mask is None:
-                products.append((dxa, kept.stacked_A))
+                products.append((dxa, stacked_A))
             else:
-                lora_dx = dxa @ kept.stacked_A
+                lora_dx = dxa @ stacked_A
                 if mask is not None:
                     lora_dx = _dropped(lora_dx, mask, group.dropout)
                 rounded_lora_dx.append(lora_dx.to(dys[0].dtype))

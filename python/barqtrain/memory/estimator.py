@@ -375,23 +375,14 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
         kept = [Kept("input_layernorm", "nothing: its input needs no gradient", 0)]
 
     def adapters(module: str, names: tuple[str, ...], what: str) -> None:
-        """barqtrain.lora's functions keep x Aᵀ of every adapter (the group's ranks side by side);
-        the A and B matrices as the products read them where those are new tensors: cast from the
-        fp32 adapters to the products' dtype, and the A matrices of a group stacked (projections
-        without dropout share a group); with dropout, each adapter's mask (one byte an input
-        element)."""
-        adapted = [n for n in names if rank(n, 0)]
-        if not adapted:
-            return
-        kept.append(Kept(module, f"x Aᵀ of {what}", p * sum(rank(n) for n in adapted) * t))
-        shapes = model.projections()
-        cast = p != 4
-        if cast or (len(adapted) > 1 and not run.lora_dropout):
-            kept.append(Kept(module, f"A of {what}, cast or stacked", p * sum(rank(n) * shapes[n][1] for n in adapted)))
-        if cast:
-            kept.append(Kept(module, f"B of {what}, cast", p * sum(rank(n) * shapes[n][0] for n in adapted)))
+        """barqtrain.lora's functions keep x Aᵀ of every adapter (the group's ranks side by side)
+        and, with dropout, each adapter's mask (one byte an input element)."""
+        ranks = sum(rank(n, 0) for n in names)
+        if ranks:
+            kept.append(Kept(module, f"x Aᵀ of {what}", p * ranks * t))
         if run.lora_dropout:
-            kept.append(Kept(module, f"LoRA dropout masks of {what}", sum(shapes[n][1] for n in adapted) * t))
+            inputs = sum(model.projections()[n][1] for n in names if rank(n, 0))
+            kept.append(Kept(module, f"LoRA dropout masks of {what}", inputs * t))
 
     qkv = ("q_proj", "k_proj", "v_proj")
     if run.method == "full":
