@@ -49,6 +49,28 @@ LLAMA_8B = Workload(
     gradient_checkpointing=True,
 )
 
+# Llama-3-70B's config.json (the 3.0 model: 8K context, no RoPE scaling); bench scaling's QLoRA
+# case, built layer by layer on several GPUs (not one of WORKLOADS: it fits no single GPU in 16 bits).
+LLAMA_70B = Workload(
+    name="llama-70b",
+    description="Llama-3-70B shape",
+    config=dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    ),
+    batch_size=1,
+    seq_len=4096,
+    gradient_checkpointing=True,
+)
+
 QWEN25_1_5B = Workload(
     name="qwen2.5-1.5b",
     description="Qwen2.5-1.5B shape",

@@ -51,31 +51,10 @@ from barqtrain_bench.e2e_worker import (
     _token_batches,
     _with_lora,
 )
-from barqtrain_bench.models import LLAMA_8B, TINY, Workload
+from barqtrain_bench.models import LLAMA_8B, LLAMA_70B, TINY, Workload
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-# Llama-3-70B's config.json (the 3.0 model: 8K context, no RoPE scaling).
-LLAMA_70B = Workload(
-    name="llama-70b",
-    description="Llama-3-70B shape",
-    config=dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    ),
-    batch_size=1,
-    seq_len=4096,
-    gradient_checkpointing=True,
-)
 
 
 @dataclass(frozen=True)

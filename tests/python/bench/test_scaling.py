@@ -16,8 +16,8 @@ from barqtrain import cli
 from barqtrain.patch.compile import decoder_layers
 from barqtrain.quant import Linear4bit, quantize_model
 from barqtrain_bench import scaling, scaling_worker
-from barqtrain_bench.models import TINY
-from barqtrain_bench.scaling_worker import LLAMA_70B, PointSpec, build_random_model
+from barqtrain_bench.models import LLAMA_70B, TINY
+from barqtrain_bench.scaling_worker import PointSpec, build_random_model
 
 CPU = torch.device("cpu")
 
