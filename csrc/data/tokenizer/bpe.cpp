@@ -78,20 +78,10 @@ void BpeModel::MergeTable::reserve(size_t count) {
     --shift_;
   }
   slots_.assign(capacity, Slot{kEmpty, Merge{}});
-  // At least 8 bits of filter per pair (a false positive rate of a few percent).
-  size_t words = 16;
-  filter_shift_ = 60;
-  while (words * 64 < count * 8) {
-    words *= 2;
-    --filter_shift_;
-  }
-  filter_.assign(words, 0);
 }
 
 void BpeModel::MergeTable::insert(TokenId left, TokenId right, Merge merge) {
   const uint64_t k = key(left, right);
-  const uint64_t mixed = filter_mix(k);
-  filter_[filter_word(mixed)] |= filter_bits(mixed);
   const size_t mask = slots_.size() - 1;
   for (size_t i = slot(k);; i = (i + 1) & mask) {
     if (slots_[i].key == kEmpty || slots_[i].key == k) {
@@ -104,9 +94,6 @@ void BpeModel::MergeTable::insert(TokenId left, TokenId right, Merge merge) {
 
 const BpeModel::Merge* BpeModel::MergeTable::find(TokenId left, TokenId right) const {
   const uint64_t k = key(left, right);
-  const uint64_t mixed = filter_mix(k);
-  const uint64_t bits = filter_bits(mixed);
-  if ((filter_[filter_word(mixed)] & bits) != bits) return nullptr;
   const size_t mask = slots_.size() - 1;
   for (size_t i = slot(k);; i = (i + 1) & mask) {
     if (slots_[i].key == k) return &slots_[i].merge;

@@ -71,12 +71,6 @@ class BpeModel {
   };
   // Open-addressing table from a pair of token ids to their merge: the hot lookup of BPE.
   // A slot holds the pair and its merge together, so a lookup touches one cache line.
-  //
-  // Most pairs looked up have no merge (a character's bytes next to its neighbour's, a
-  // finished word next to punctuation), and the table of a large vocabulary is many
-  // megabytes, where each lookup of a new pair is a miss to main memory. A Bloom filter of
-  // the table's pairs, 8 to 16 bits per pair (a thirty-second of the table, so mostly in
-  // cache), answers most of those lookups: one 64-bit word per pair, four bits set in it.
   class MergeTable {
    public:
     void reserve(size_t count);
@@ -86,17 +80,6 @@ class BpeModel {
    private:
     static uint64_t key(TokenId left, TokenId right) { return (uint64_t{left} << 32) | right; }
     size_t slot(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
-    // The filter word of key and the four bits of it that key sets.
-    size_t filter_word(uint64_t mixed) const { return mixed >> filter_shift_; }
-    static uint64_t filter_bits(uint64_t mixed) {
-      return (uint64_t{1} << (mixed & 63)) | (uint64_t{1} << ((mixed >> 6) & 63)) |
-             (uint64_t{1} << ((mixed >> 12) & 63)) | (uint64_t{1} << ((mixed >> 18) & 63));
-    }
-    static uint64_t filter_mix(uint64_t key) {
-      key ^= key >> 31;
-      key *= 0xD6E8FEB86659FD93ull;
-      return key ^ (key >> 32);
-    }
     static constexpr uint64_t kEmpty = ~uint64_t{0};
     struct Slot {
       uint64_t key;
@@ -104,8 +87,6 @@ class BpeModel {
     };
     std::vector<Slot> slots_;
     int shift_ = 64;
-    std::vector<uint64_t> filter_;
-    int filter_shift_ = 64;
   };
 
   // Open-addressing index from a token's bytes to its id, over token_bytes_: a lookup hashes
