@@ -14,7 +14,9 @@ from types import MethodType
 
 from torch import nn
 
-from barqtrain.patch import lora
+from barqtrain.patch import causal_mask, lora
+from barqtrain.patch.attention import FUSED_OP
+from barqtrain.patch.attention import OP as ROPE_OP
 from barqtrain.patch.families import (
     ALL_OPS,
     OP_DETECTORS,
@@ -133,6 +135,10 @@ def patch_model(
             not_patched[replacement.op, class_name, reason].append(name)
 
     has_lora = lora.set_precision(model, lora_precision)
+    attention_implementation = None
+    if ROPE_OP in patched or FUSED_OP in patched:
+        causal_mask.select(hf_model)
+        attention_implementation = _describe_attention(hf_model.config._attn_implementation)
     return PatchReport(
         family=family.name,
         model_type=model_type,
@@ -146,7 +152,17 @@ def patch_model(
         opt_in=_entries(opt_in),
         lora_precision=lora_precision if has_lora else None,
         lora_precision_meaning=lora.LORA_PRECISIONS[lora_precision] if has_lora else None,
+        attention_implementation=attention_implementation,
     )
+
+
+def _describe_attention(implementation: str) -> str:
+    if implementation == causal_mask.IMPLEMENTATION:
+        return (
+            f"{implementation} (Hugging Face's sdpa, with the causal mask left to SDPA's is_causal under "
+            "torch.compile and CUDA graphs too)"
+        )
+    return implementation
 
 
 def unpatch_model(model: nn.Module) -> int:
@@ -154,6 +170,7 @@ def unpatch_model(model: nn.Module) -> int:
 
     Returns how many modules were restored (0 for a model that was not patched).
     """
+    causal_mask.restore(_hf_model(model))
     restored = 0
     for module in model.modules():
         if _is_barqtrain_forward(vars(module).get("forward")):

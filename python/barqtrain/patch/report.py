@@ -73,6 +73,9 @@ class PatchReport:
     # means; None when the model has no patched LoRA layer.
     lora_precision: str | None = None
     lora_precision_meaning: str | None = None
+    # The attention implementation the patched attention layers call (config._attn_implementation);
+    # None when no attention layer is patched.
+    attention_implementation: str | None = None
 
     def patched_count(self, op: str) -> int:
         return self.patched[op].count if op in self.patched else 0
@@ -93,10 +96,12 @@ class PatchReport:
             if op not in self.patched and not entries:
                 rows.append((op, "-", "0", NO_MODULE_OF_THIS_KIND))
         title = f"BarqTrain patch report: {self.model_class} (family {self.family}, model_type {self.model_type})"
-        table = _table(title, ("op", "module class", "modules", "result"), rows)
-        if self.lora_precision is None:
-            return table
-        return f"{table}\nLoRA precision: {self.lora_precision} ({self.lora_precision_meaning})"
+        lines = [_table(title, ("op", "module class", "modules", "result"), rows)]
+        if self.attention_implementation is not None:
+            lines.append(f"Attention implementation: {self.attention_implementation}")
+        if self.lora_precision is not None:
+            lines.append(f"LoRA precision: {self.lora_precision} ({self.lora_precision_meaning})")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
