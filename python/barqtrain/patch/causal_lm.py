@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from barqtrain import ops
+from barqtrain.patch import causal_mask
 from barqtrain.patch.fallback import fall_back, fused_ops_support, original_forward
 from barqtrain.patch.replacement import ModuleReplacement
 
@@ -124,6 +125,7 @@ def _forward(
         inputs_embeds=inputs_embeds,
         use_cache=use_cache,
         **kwargs,
+        **causal_mask.plain_causal_kwargs(self.config, attention_mask, position_ids, past_key_values, kwargs),
     )
     slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden, weight, bias = _as_autocast_would(

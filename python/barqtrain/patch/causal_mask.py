@@ -1,21 +1,21 @@
-"""SDPA's causal mask left out under torch.compile and CUDA graph capture.
+"""SDPA's causal mask left to is_causal under torch.compile and CUDA graph capture too.
 
-Hugging Face leaves the 4D causal mask out of an SDPA call (is_causal=True instead) only when
-it is not tracing: under torch.compile or CUDA graph capture it builds the [batch, 1, seq, seq]
-mask and passes it, so SDPA loses its flash backend's causal tile skipping and native GQA
-(K and V are repeated, and their gradients summed back per layer). Measured on an H200 at the
-Llama-3.2-1B shape (4 x 2048): one training step's attention kernels take 31 ms in a CUDA graph
-against 11 ms eager. The reason for the rule is torch.export, which would bake is_causal in
-for every later call; compile and capture do not: dynamo guards on the mask being None and on
-the lengths, and a graph is replayed with the shapes it was captured with. The conditions here
-read no tensor, only whether a mask was given and the lengths, which torch.export records as
-guards on the shapes too; only torch.jit.trace, which records neither, keeps the 4D mask.
+Hugging Face hands SDPA no mask (is_causal=True instead) only when it can see that the mask is
+plain causal: no padding, and position_ids (which the model makes itself when the caller gives
+none) that do not start a new packed sequence. Both are data checks, a device sync eagerly, and
+impossible while torch.compile traces or a CUDA graph is captured: there it builds the
+[batch, 1, seq, seq] mask and passes it, so SDPA loses its flash backend's causal tile skipping
+and native GQA (K and V are repeated, and their gradients summed back per layer). Measured on an
+H200 at the Llama-3.2-1B shape (4 x 2048): one training step's attention kernels take 31 ms in a
+CUDA graph against 11 ms eagerly.
 
-IMPLEMENTATION is Hugging Face's "sdpa" (the same attention function) with a mask function
-that also leaves the mask out while compiling or capturing, under Hugging Face's own
-conditions (no padding mask given, no local window reaching past the keys, one query or as
-many queries as keys, no extra mask function); patch_model selects it for models on "sdpa".
-config._attn_implementation is not saved with a model, so a saved config still says "sdpa".
+The caller of the model knows more: a training forward given no attention mask, no position_ids,
+no cache and no packed-sequence lengths is plain causal whatever the data. The patched causal LM
+forward says so with PLAIN_CAUSAL=True among the keyword arguments Hugging Face passes down to
+every attention call, and IMPLEMENTATION (Hugging Face's "sdpa", with its masks) then gives SDPA
+no mask on those calls, except on layers whose sliding window is shorter than the keys.
+patch_model selects IMPLEMENTATION for models on "sdpa"; config._attn_implementation is not
+saved with a model, so a saved config still says "sdpa".
 """
 
 from __future__ import annotations
@@ -27,34 +27,38 @@ from torch import nn
 
 IMPLEMENTATION = "barqtrain_sdpa"
 REPLACED = "sdpa"
+PLAIN_CAUSAL = "barqtrain_plain_causal"
 
 
-def sdpa_mask_skipping_causal(
-    *,
-    q_length: int,
-    kv_length: int,
-    attention_mask: torch.Tensor | None = None,
-    local_size: int | None = None,
-    allow_is_causal_skip: bool = True,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """Hugging Face's sdpa_mask, returning None (SDPA's is_causal) for a plain causal mask
-    under compile and capture too. The conditions read no tensor, so nothing syncs and dynamo
-    needs no guard beyond the ones it has."""
-    from transformers.masking_utils import sdpa_mask
-
-    if (
-        allow_is_causal_skip
+def plain_causal_kwargs(
+    config: Any, attention_mask: Any, position_ids: Any, past_key_values: Any, kwargs: dict[str, Any]
+) -> dict[str, bool]:
+    """The keyword argument a model call passes down when its attention is plain causal, or none."""
+    plain = (
+        config._attn_implementation == IMPLEMENTATION
         and attention_mask is None
-        and (local_size is None or kv_length < local_size)
-        and (q_length == 1 or q_length == kv_length)
-        and not torch.jit.is_tracing()
-    ):
-        return None
-    return sdpa_mask(
-        q_length=q_length, kv_length=kv_length, attention_mask=attention_mask, local_size=local_size,
-        allow_is_causal_skip=allow_is_causal_skip, **kwargs,
-    )  # fmt: skip
+        and position_ids is None
+        and past_key_values is None
+        and kwargs.get("cu_seq_lens_q") is None
+    )
+    return {PLAIN_CAUSAL: True} if plain else {}
+
+
+def sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face's sdpa_attention_forward, without the mask of a plain causal call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    window = kwargs.get("sliding_window")
+    if kwargs.pop(PLAIN_CAUSAL, False) and (window is None or key.shape[-2] < window):
+        attention_mask = None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 _registered = False
@@ -64,12 +68,11 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(IMPLEMENTATION, sdpa_attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask_skipping_causal)
+    AttentionInterface.register(IMPLEMENTATION, sdpa_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
     _registered = True
 
 

@@ -159,8 +159,8 @@ def patch_model(
 def _describe_attention(implementation: str) -> str:
     if implementation == causal_mask.IMPLEMENTATION:
         return (
-            f"{implementation} (Hugging Face's sdpa, with the causal mask left to SDPA's is_causal under "
-            "torch.compile and CUDA graphs too)"
+            f"{implementation} (Hugging Face's sdpa; a training forward given no mask, position_ids or cache "
+            "leaves the causal mask to SDPA's is_causal under torch.compile and CUDA graphs too)"
         )
     return implementation
 

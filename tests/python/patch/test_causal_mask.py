@@ -1,13 +1,13 @@
-"""The "barqtrain_sdpa" attention implementation: patch_model selects it for models on SDPA, and
-under torch.compile it leaves a plain causal mask to SDPA's is_causal where Hugging Face's
-"sdpa" builds the 4D mask; every mask that is not plain causal is built as Hugging Face builds it."""
+"""The "barqtrain_sdpa" attention implementation: patch_model selects it for models on SDPA, and a
+compiled training forward given no mask, position_ids or cache calls SDPA with is_causal and no
+mask, where Hugging Face's "sdpa" passes the 4D mask; any other call keeps its mask. The FX graph
+Dynamo hands its backend shows what SDPA receives."""
 
 import json
 
 import pytest
 import torch
 from tiny_models import tiny_model
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from barqtrain import patch_model, unpatch_model
 from barqtrain.patch import causal_mask
@@ -15,14 +15,27 @@ from barqtrain.patch import causal_mask
 SEQ = 12
 
 
-def _masks(config, embeds, attention_mask, sliding=False):
-    create = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return create(config=config, inputs_embeds=embeds, attention_mask=attention_mask, past_key_values=None)
+def _sdpa_calls(model, **inputs):
+    """(is_causal, has a mask) of every SDPA call in the compiled training forward, and its loss."""
+    graphs = []
 
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
 
-def _compiled_masks(config, embeds, attention_mask, sliding=False):
     torch._dynamo.reset()
-    return torch.compile(_masks, backend="eager", fullgraph=True)(config, embeds, attention_mask, sliding)
+    loss = torch.compile(model, backend=backend, fullgraph=True)(**inputs).loss
+    calls = [
+        (node.kwargs.get("is_causal", False), node.kwargs.get("attn_mask") is not None)
+        for graph in graphs
+        for node in graph.graph.nodes
+        if node.target is torch._C._nn.scaled_dot_product_attention
+    ]
+    return calls, loss
+
+
+def _ids(model, rows=2):
+    return torch.randint(0, model.config.vocab_size, (rows, SEQ), generator=torch.Generator().manual_seed(0))
 
 
 def test_patch_model_selects_it_and_unpatch_model_restores_sdpa(tmp_path):
@@ -49,41 +62,39 @@ def test_without_the_attention_ops_the_implementation_stays_sdpa():
     assert model.config._attn_implementation == "sdpa" and "Attention implementation" not in str(report)
 
 
-def test_compiled_mask_is_left_to_is_causal_where_sdpa_builds_it():
-    model = tiny_model("llama")
-    embeds = torch.zeros(2, SEQ, model.config.hidden_size)
-    assert isinstance(_compiled_masks(model.config, embeds, None), torch.Tensor)  # Hugging Face's sdpa
-    assert _masks(model.config, embeds, None) is None  # ... which leaves it out eagerly
+def test_compiled_training_forward_leaves_the_mask_to_is_causal():
+    model = tiny_model("llama").train()
+    ids = _ids(model)
+    hf_calls, expected = _sdpa_calls(model, input_ids=ids, labels=ids)
+    assert hf_calls == [(False, True)] * model.config.num_hidden_layers  # Hugging Face's sdpa: the 4D mask
     patch_model(model)
-    assert _compiled_masks(model.config, embeds, None) is None
+    calls, loss = _sdpa_calls(model, input_ids=ids, labels=ids)
+    assert calls == [(True, False)] * model.config.num_hidden_layers
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("padded_row", [0, 1])
-def test_a_padding_mask_is_built_as_hugging_face_builds_it(padded_row):
-    model = tiny_model("llama")
-    embeds = torch.zeros(2, SEQ, model.config.hidden_size)
-    padding = torch.ones(2, SEQ, dtype=torch.long)
-    padding[padded_row, :3] = 0
-    expected = _compiled_masks(model.config, embeds, padding)
+@pytest.mark.parametrize("given", ["attention_mask", "position_ids"])
+def test_a_given_mask_or_positions_keep_the_mask(given):
+    model = tiny_model("llama").train()
+    ids = _ids(model)
+    inputs = {"input_ids": ids, "labels": ids}
+    if given == "attention_mask":
+        inputs["attention_mask"] = torch.ones_like(ids).index_fill_(1, torch.tensor([0, 1]), 0)
+    else:  # two packed sequences a row
+        inputs["position_ids"] = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ // 2)]).expand(2, SEQ)
+    _, expected = _sdpa_calls(model, **inputs)
     patch_model(model)
-    torch.testing.assert_close(_compiled_masks(model.config, embeds, padding), expected, rtol=0, atol=0)
+    calls, loss = _sdpa_calls(model, **inputs)
+    assert calls == [(False, True)] * model.config.num_hidden_layers
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_window_shorter_than_the_keys_is_built_as_hugging_face_builds_it():
-    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=SEQ // 2, max_window_layers=0)
-    embeds = torch.zeros(2, SEQ, model.config.hidden_size)
-    expected = _compiled_masks(model.config, embeds, None, sliding=True)
+def test_a_window_shorter_than_the_keys_keeps_the_mask_of_its_layers():
+    # Qwen2 with a window on layers from max_window_layers on: layer 0 full, layer 1 windowed.
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=SEQ // 2, max_window_layers=1).train()
+    ids = _ids(model)
+    _, expected = _sdpa_calls(model, input_ids=ids, labels=ids)
     patch_model(model)
-    got = _compiled_masks(model.config, embeds, None, sliding=True)
-    assert isinstance(got, torch.Tensor)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_compiled_patched_model_computes_what_the_eager_one_does():
-    model = tiny_model("llama")
-    patch_model(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    expected = model(input_ids=ids, labels=ids).loss
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, expected)
+    calls, loss = _sdpa_calls(model, input_ids=ids, labels=ids)
+    assert calls == [(True, False), (False, True)]
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
