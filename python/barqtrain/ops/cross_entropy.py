@@ -164,7 +164,7 @@ def _check_inputs(h, weight, bias, labels, ignore_index, label_smoothing, reduct
             f"for h {list(h.shape)}"
         )
     vocab = weight.shape[0]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (labels.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # no data-dependent check in a graph: an out-of-range label makes its row's loss NaN
     out_of_range = ((labels < 0) & (labels != ignore_index)) | (labels >= vocab)
     if bool(out_of_range.any()):  # one device sync per call, against a silently wrong loss
