@@ -234,6 +234,12 @@ class TrainConfig:
         False,
     )
     memory: MemoryConfig = _doc("gradient_checkpointing: auto's budget, and sequence tiling", factory=MemoryConfig)
+    cuda_graph: bool = _doc(
+        "capture the whole step (forward, backward, clipping, the optimizer) as a CUDA graph per batch shape and "
+        "replay it, so that the host's launch work no longer paces the GPU; CUDA, one process, adamw, bf16 or fp32; "
+        "the first 2 steps of each shape run eagerly",
+        False,
+    )
     seed: int = _doc("seeds the model init, the data order and dropout", 0)
     steps: int | None = _doc("optimizer steps; null: run `epochs` over a dataset file", 60)
     epochs: int = _doc("passes over a dataset file when steps is null", 1)
@@ -399,6 +405,7 @@ def _check(config: TrainConfig) -> None:
         reason = "a quantized base (method qlora)" if config.method == "qlora" else "gradient checkpointing"
         raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")
     _check_memory(config)
+    _check_cuda_graph(config)
     if config.data.path is None and config.data.task != "repeat-digits":
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:
@@ -424,6 +431,24 @@ def _check(config: TrainConfig) -> None:
         and config.model.path is None
     ):
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
+
+
+def _check_cuda_graph(config: TrainConfig) -> None:
+    """What a replayed step cannot do: read values back to the host within the step."""
+    if not config.cuda_graph:
+        return
+    reason = None
+    if config.precision == "fp16":
+        reason = "fp16's loss scaling checks the gradients on the host each step; use precision: bf16"
+    elif config.optim.name == "adamw_8bit":
+        reason = "bitsandbytes' 8-bit AdamW counts its steps on the host, so every replay would repeat one update; use optim.name: adamw"
+    elif config.gradient_checkpointing in ("offload", "auto"):
+        reason = (f"gradient_checkpointing: {config.gradient_checkpointing} copies layer inputs to pinned host memory "
+                  "through events a graph does not replay; use true or false")  # fmt: skip
+    elif config.model.compile != "none":
+        reason = "model.compile and CUDA graphs each take the whole step; use one (model.compile: none)"
+    if reason is not None:
+        raise ConfigError(f"cuda_graph: {reason}, or set cuda_graph: false")
 
 
 def _check_memory(config: TrainConfig) -> None:

@@ -37,6 +37,7 @@ def has_8bit_adamw_kernel(device: torch.device) -> bool:
 
 
 def build_optimizer(config: TrainConfig, params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """With cuda_graph, AdamW is capturable: its update reads nothing back to the host, so a graph replays it."""
     check_optimizer(config, device)
     optim = config.optim
     options = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
@@ -45,7 +46,7 @@ def build_optimizer(config: TrainConfig, params: Iterable[torch.nn.Parameter], d
 
         return bitsandbytes.optim.AdamW8bit(params, **options)
     if device.type == "cuda":  # one kernel for every parameter's update
-        return torch.optim.AdamW(params, fused=True, **options)
+        return torch.optim.AdamW(params, fused=True, capturable=config.cuda_graph, **options)
     return torch.optim.AdamW(params, foreach=True, **options)
 
 

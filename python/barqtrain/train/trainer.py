@@ -52,6 +52,7 @@ from barqtrain.train.config import (
     config_from_dict,
     to_dict,
 )
+from barqtrain.train.graph_step import GraphedTrainStep
 from barqtrain.train.metrics import Metrics, write_plot
 from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
 from barqtrain.train.progress import Progress, duration, is_terminal, perplexity, without_transformers_bars
@@ -557,6 +558,22 @@ def _load_state_of_one_process(path: Path, model, config, optimizer, optimizer_s
 # ------------------------------------------------------------------------------ loop
 
 
+def _check_cuda_graph(device: torch.device, precision: str, ranks: distributed.Ranks) -> None:
+    """What config checks cannot know before the run: the device, the precision auto picks, torchrun."""
+    if device.type != "cuda":
+        raise ConfigError(f"cuda_graph: CUDA graphs need a CUDA GPU, and this run is on {device}; set cuda_graph: false")
+    if precision == "fp16":
+        raise ConfigError(
+            "cuda_graph: precision auto picks fp16 on this GPU, whose loss scaling checks the gradients on the host "
+            "each step; set cuda_graph: false"
+        )
+    if ranks.is_distributed:
+        raise ConfigError(
+            "cuda_graph: DDP and FSDP launch their gradient all-reduces from the host as buckets fill, which one "
+            "process's graph does not replay; set cuda_graph: false under torchrun"
+        )
+
+
 def _autocast(config: TrainConfig, device: torch.device, log: Callable[..., None]):
     """The autocast context of the forward passes and whether fp16 loss scaling is on.
 
@@ -686,7 +703,9 @@ def _train(
     progress_bar = progress_bar and ranks.is_main
     check_paths(config)
     check_optimizer(config, device)
-    compute_precision(config, device)  # fails before the model is built where the precision cannot run
+    precision = compute_precision(config, device)  # fails before the model is built where the precision cannot run
+    if config.cuda_graph:
+        _check_cuda_graph(device, precision, ranks)
     for warning in config_warnings(config):
         log(f"Warning: {warning}.")
     _check_context(config, log)
@@ -753,6 +772,16 @@ def _train(
             shutil.rmtree(stale, ignore_errors=True)
         step = load_checkpoint(checkpoint, model, config, optimizer, scheduler, scaler, data, ranks)
         log(f"Resumed from {checkpoint} at step {step}.")
+    graphed = None
+    if config.cuda_graph:
+        graphed = GraphedTrainStep(
+            step_model, optimizer, trainable, max_grad_norm=config.optim.max_grad_norm,
+            autocast_dtype=getattr(autocast, "fast_dtype", None),
+        )  # fmt: skip
+        log(
+            f"CUDA graph: each batch shape runs {graphed.warmup_steps} eager steps, then the whole step is captured "
+            "and replayed."
+        )
     metrics = Metrics(run_dir, step if checkpoint is not None else None, config.tensorboard, log, active=ranks.is_main)
     for record in metrics.records():
         if "loss" in record:
@@ -782,17 +811,20 @@ def _train(
             # The step's micro-batches are read first, so that their scored tokens (on every
             # rank) weight the loss: the step's loss and gradients are one batch's of them all.
             micro_batches = [data.next() for _ in range(config.grad_accum)]
-            total_loss = distributed.accumulate_gradients(step_model, micro_batches, device, ranks, autocast, scaler)
             tokens = sum(batch["input_ids"].numel() for batch in micro_batches)
-            if ranks.is_distributed:  # the logged throughput is the whole world's
-                tokens = distributed.sum_across_ranks(tokens, device)
-            if config.optim.max_grad_norm is not None:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(trainable, config.optim.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
+            if graphed is not None:
+                total_loss = graphed.step(micro_batches)
+            else:
+                total_loss = distributed.accumulate_gradients(step_model, micro_batches, device, ranks, autocast, scaler)
+                if ranks.is_distributed:  # the logged throughput is the whole world's
+                    tokens = distributed.sum_across_ranks(tokens, device)
+                if config.optim.max_grad_norm is not None:
+                    scaler.unscale_(optimizer)
+                    torch.nn.utils.clip_grad_norm_(trainable, config.optim.max_grad_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+            lr = float(scheduler.get_last_lr()[0])  # a tensor under cuda_graph
             scheduler.step()
             step += 1
             now = time.perf_counter()
