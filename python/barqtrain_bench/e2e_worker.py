@@ -33,21 +33,26 @@ import torch
 from barqtrain_bench.models import WORKLOADS, Workload, build_model
 from barqtrain_bench.profile import PROFILED_STEPS, PROFILER_WARMUP_STEPS, profile_steps
 from barqtrain.patch.families import OPS as DEFAULT_OPS
+from barqtrain.train.graph_step import GraphedTrainStep
 
 # BarqTrain's variants and what each passes to barqtrain.get_peft_model: "barqtrain" is its
 # defaults (every default op; the LoRA products in the base dtype on tensor cores, over fp32
 # adapters); "-peft-precision" computes the LoRA products with PEFT's exact fp32 arithmetic;
 # "+attention" adds the opt-in attention kernel; "+compile" compiles each decoder layer
-# (barqtrain.compile_decoder_layers), in the warm-up steps; "-qlora" is QLoRA: the base's
-# linear layers in NF4 (barqtrain.quant.quantize_model, the output head kept), the rest as "barqtrain".
+# (barqtrain.compile_decoder_layers), in the warm-up steps; "+graph" replays the whole step from a
+# CUDA graph (barqtrain.train.graph_step, `cuda_graph: true` in a training config; AdamW capturable),
+# captured in the warm-up steps; "-qlora" is QLoRA: the base's linear layers in NF4
+# (barqtrain.quant.quantize_model, the output head kept), the rest as "barqtrain".
 BARQTRAIN_VARIANTS: dict[str, dict[str, Any]] = {
     "barqtrain": {},
     "barqtrain+compile": {},
+    "barqtrain+graph": {},
     "barqtrain-qlora": {},
     "barqtrain-peft-precision": {"lora_precision": "peft"},
     "barqtrain+attention": {"ops": (*DEFAULT_OPS, "attention")},
 }
 COMPILED_VARIANTS = frozenset({"barqtrain+compile"})
+GRAPHED_VARIANTS = frozenset({"barqtrain+graph"})
 QUANTIZED_VARIANTS = {"barqtrain-qlora": "nf4"}
 BASELINE_VARIANTS = ("hf", "liger", "unsloth")
 VARIANTS = ("hf", *BARQTRAIN_VARIANTS, "liger", "unsloth")
@@ -104,16 +109,21 @@ def run_variant(spec: VariantSpec) -> dict[str, Any]:
             _enable_checkpointing(model, spec.variant)
         model, patch_report = _with_lora(model, spec.variant, workload)
     model.train()
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, fused=device.type == "cuda"
-    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    graphed = spec.variant in GRAPHED_VARIANTS
+    if graphed and device.type != "cuda":
+        raise VariantUnavailable("CUDA graphs need a CUDA GPU")
+    optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE, fused=device.type == "cuda", capturable=graphed)
+    graph_step = GraphedTrainStep(model, optimizer, trainable) if graphed else None
     timed_count = spec.warmup + spec.steps
     profiled_count = PROFILER_WARMUP_STEPS + PROFILED_STEPS if spec.profile else 0
     batches = _token_batches(workload, timed_count + profiled_count, spec.seed, device)
     setup_memory_gib = _allocated_gib(device)
 
-    def train_step(input_ids: torch.Tensor) -> torch.Tensor:
+    def train_step(input_ids: torch.Tensor) -> torch.Tensor | float:
         """One step of the loop every variant shares; returns the loss."""
+        if graph_step is not None:  # the same step, replayed
+            return graph_step.step([{"input_ids": input_ids, "labels": input_ids}])
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         optimizer.step()
@@ -127,7 +137,7 @@ def run_variant(spec: VariantSpec) -> dict[str, Any]:
         loss = train_step(input_ids)
         _synchronize(device)
         step_seconds.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        losses.append(float(loss))
 
     median_step_s = statistics.median(step_seconds[spec.warmup :])
     result = {
@@ -150,8 +160,13 @@ def run_variant(spec: VariantSpec) -> dict[str, Any]:
 def _enable_checkpointing(model: torch.nn.Module, variant: str) -> None:
     """Hugging Face's non-reentrant checkpointing (it needs no inputs that require grad, which
     frozen PEFT embeddings lack); BarqTrain's variants keep the layer inputs in pinned CPU
-    memory, as Unsloth's checkpointing does."""
-    if variant in BARQTRAIN_VARIANTS:
+    memory, as Unsloth's checkpointing does, except the graphed one, whose replays keep them on the
+    GPU (`cuda_graph` refuses offloaded checkpoints)."""
+    if variant in GRAPHED_VARIANTS:
+        import barqtrain
+
+        barqtrain.enable_gradient_checkpointing(model, offload=False)
+    elif variant in BARQTRAIN_VARIANTS:
         import barqtrain
 
         barqtrain.enable_gradient_checkpointing(model, offload=True)

@@ -15,6 +15,7 @@ from barqtrain_bench.models import TINY, WORKLOADS
 from barqtrain_bench.profile import CATEGORIES
 
 BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"]
+GRAPHED = "barqtrain+graph"  # CUDA only
 
 
 def run_tiny(tmp_path, *extra):
@@ -27,7 +28,8 @@ def run_tiny(tmp_path, *extra):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run, where Liger and Unsloth cannot run")
 def test_tiny_run_on_cpu_writes_rows_and_profiles_for_every_variant(tmp_path, capsys):
     result, rows = run_tiny(tmp_path, "--profile")
-    assert list(rows) == ["hf", *BARQTRAIN_VARIANTS, "liger", "unsloth"]
+    assert list(rows) == ["hf", *BARQTRAIN_VARIANTS[:2], GRAPHED, *BARQTRAIN_VARIANTS[2:], "liger", "unsloth"]
+    assert rows[GRAPHED]["status"] == "unavailable" and rows[GRAPHED]["reason"] == "CUDA graphs need a CUDA GPU"
     for name in ("hf", *BARQTRAIN_VARIANTS):
         row = rows[name]
         assert row["status"] == "ok", row.get("traceback") or row.get("error")
