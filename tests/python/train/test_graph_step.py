@@ -70,18 +70,19 @@ def _tiny_llama():
 
 
 def _batches(steps, grad_accum, lengths):
+    """Step i trains on the micro-batches of length lengths[i % len(lengths)]: each length's
+    batches repeat, so that the model memorizes them and the losses fall."""
     generator = torch.Generator().manual_seed(1)
-    out = []
-    for step in range(steps):
-        seq = lengths[step % len(lengths)]
+    by_length = {}
+    for seq in lengths:
         micro = []
-        for _ in range(grad_accum):
+        for index in range(grad_accum):
             ids = torch.randint(0, 512, (2, seq), generator=generator)
             labels = ids.clone()
-            labels[:, : seq // 4] = -100  # unequal scored tokens across micro-batches
+            labels[:, : seq // 4 * (index + 1)] = -100  # unequal scored tokens across micro-batches
             micro.append({"input_ids": ids, "labels": labels})
-        out.append(micro)
-    return out
+        by_length[seq] = micro
+    return [[dict(b) for b in by_length[lengths[step % len(lengths)]]] for step in range(steps)]
 
 
 def _losses(graphed: bool, steps_batches, max_grad_norm=0.5):
@@ -114,7 +115,7 @@ def test_replayed_steps_train_as_the_eager_loop(grad_accum):
     eager, _ = _losses(False, batches)
     graphed, step_fn = _losses(True, copy.deepcopy(batches))
     assert step_fn.graphs == 2
-    assert eager[-1] < eager[0], "the eager loop did not learn"
+    assert eager[-1] < 0.97 * eager[0], "the eager loop did not learn"
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=2e-3, atol=2e-3)
 
 
