@@ -37,7 +37,7 @@ SUITES = {
 E2E_COLUMNS = (
     ("hf", "HF + PEFT"),
     ("barqtrain", "BarqTrain"),
-    ("barqtrain+compile", "BarqTrain, compiled layers"),
+    ("barqtrain+graph", "BarqTrain, CUDA graph (`cuda_graph: true`)"),
     ("unsloth", "Unsloth"),
     ("liger", "Liger Kernel"),
 )
