@@ -14,6 +14,7 @@ from barqtrain.patch import (
     apply_to_qwen3,
     patch_model,
     revert_class_patches,
+    set_shifted_sparse_attention,
     unpatch_model,
 )
 from barqtrain.patch.compile import compile_decoder_layers
@@ -39,6 +40,7 @@ __all__ = [
     "ops",
     "patch_model",
     "revert_class_patches",
+    "set_shifted_sparse_attention",
     "unpatch_model",
     "__version__",
 ]

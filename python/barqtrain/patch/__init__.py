@@ -45,6 +45,7 @@ from barqtrain.patch.families import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedModelError,
 )
+from barqtrain.patch.attention import set_shifted_sparse_attention
 from barqtrain.patch.instance import patch_model, unpatch_model
 from barqtrain.patch.report import ClassNotPatched, ClassPatchReport, NotPatched, PatchedOp, PatchReport
 from barqtrain.patch.trl_sft import patch_sft_trainer
@@ -73,5 +74,6 @@ __all__ = [
     "patch_model",
     "patch_sft_trainer",
     "revert_class_patches",
+    "set_shifted_sparse_attention",
     "unpatch_model",
 ]

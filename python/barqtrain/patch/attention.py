@@ -404,6 +404,29 @@ def _fallback_reason(
     return kernel_unsupported_reason(query, cos.shape[-1], needs_grad)
 
 
+def _attention_options(
+    attention: nn.Module,
+    batch: int,
+    seq: int,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    variant: AttentionVariant,
+) -> dict[str, Any]:
+    """barqtrain.ops.attention's arguments for this module's call, but the tensors and layout."""
+    cos, sin = position_embeddings
+    # Hugging Face's tables repeat their first half (rotate_half); the op takes one half per
+    # token, indexed by the token's flat position in the batch.
+    half = cos.shape[-1] // 2
+    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
+    return {
+        "causal": True,
+        "softmax_scale": attention.scaling,
+        "softcap": (attention.attn_logit_softcapping or 0.0) if variant.softcap else 0.0,
+        "window_left": window - 1 if window is not None else -1,
+        "rope_cos": cos[..., :half].expand(batch, seq, half).reshape(batch * seq, half),
+        "rope_sin": sin[..., :half].expand(batch, seq, half).reshape(batch * seq, half),
+    }
+
+
 def _fused_attention(
     attention: nn.Module,
     query: torch.Tensor,
@@ -416,21 +439,7 @@ def _fused_attention(
     """Attention of [batch, seq, heads, head_dim] projections through barqtrain.ops.attention;
     returns [batch, seq, q_heads * head_dim]."""
     batch, seq, heads, head_dim = query.shape
-    cos, sin = position_embeddings
-    # Hugging Face's tables repeat their first half (rotate_half); the op takes one half per
-    # token, indexed by the token's flat position in the batch.
-    half = cos.shape[-1] // 2
-    rope_cos = cos[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
-    rope_sin = sin[..., :half].expand(batch, seq, half).reshape(batch * seq, half)
-    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
-    options = {
-        "causal": True,
-        "softmax_scale": attention.scaling,
-        "softcap": (attention.attn_logit_softcapping or 0.0) if variant.softcap else 0.0,
-        "window_left": window - 1 if window is not None else -1,
-        "rope_cos": rope_cos,
-        "rope_sin": rope_sin,
-    }
+    options = _attention_options(attention, batch, seq, position_embeddings, variant)
     if layout.cu_seqlens is None:
         positions = torch.arange(batch * seq, device=query.device).view(batch, seq)
         output = ops.attention(query, key, value, position_ids=positions, **options)
@@ -451,6 +460,108 @@ def _fused_attention(
     return output.reshape(batch, seq, -1)
 
 
+# ------------------------------------------------------------------ shifted sparse attention
+
+# The attribute of a FUSED_OP-patched attention module that holds its S²-Attn group size in
+# tokens (absent or 0: full attention).
+S2_ATTRIBUTE = "barqtrain_s2_group_size"
+# Every family's FUSED_OP forward, as fused_attention makes them.
+_FUSED_FORWARDS: set[Callable[..., Any]] = set()
+
+
+def set_shifted_sparse_attention(model: nn.Module, group_size: int) -> int:
+    """LongLoRA's shifted sparse attention (S²-Attn) in the training forwards of every attention
+    module of `model` patched with the attention op (ops=(*OPS, "attention")); 0 turns it off.
+    Returns how many modules it applies to.
+
+    In training, each row's tokens are cut into groups of `group_size` and attend only within
+    their group (causally, and within their packed sequence): half of the heads on groups
+    starting at 0, group_size, 2 group_size, ..., the other half on groups shifted by half a
+    group (starting at 0, group_size / 2, 3 group_size / 2, ...), so that information crosses
+    every boundary of the first half's groups. LongLoRA rolls the shifted heads' tokens and so
+    lets a row's first tokens attend to its last; here the shifted groups are varlen segments,
+    and no token sees a later one. Attention costs O(seq · group_size) instead of O(seq²).
+    In evaluation (module.eval()) the attention is full, as LongLoRA evaluates."""
+    if group_size < 0 or group_size % 2:
+        raise ValueError(f"barqtrain: the S²-Attn group size must be an even number of tokens (0: off), got {group_size}")
+    modules = [m for m in model.modules() if _is_fused_attention_forward(vars(m).get("forward"))]
+    if group_size and not modules:
+        raise ValueError(
+            "barqtrain: shifted sparse attention runs on the attention op, and no attention module of this model is "
+            "patched with it: patch_model(model, ops=(*barqtrain.patch.OPS, 'attention'))"
+        )
+    for module in modules:
+        heads, kv_heads = module.config.num_attention_heads, getattr(module.config, "num_key_value_heads", None)
+        kv_heads = kv_heads or heads
+        if group_size and (heads % 2 or kv_heads % 2):
+            raise ValueError(
+                f"barqtrain: shifted sparse attention shifts half of the heads, so it needs an even number of query "
+                f"and key/value heads; this model has {heads} and {kv_heads}"
+            )
+        setattr(module, S2_ATTRIBUTE, group_size)
+    return len(modules)
+
+
+def _is_fused_attention_forward(forward: object) -> bool:
+    return getattr(forward, "__func__", None) in _FUSED_FORWARDS
+
+
+_s2_boundaries: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def _s2_segments(
+    layout: SequenceLayout, batch: int, seq: int, group: int, shifted: bool, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """cu_seqlens of one half of the heads' groups, cut further at the packed sequences' starts,
+    and the longest segment (at most `group`)."""
+    key = (batch, seq, group, shifted, device)
+    if layout.cu_seqlens is None and key in _s2_boundaries:
+        return _s2_boundaries[key]
+    row_starts = torch.arange(batch, dtype=torch.int64)[:, None] * seq
+    in_row = torch.arange(group // 2 if shifted else 0, seq, group, dtype=torch.int64)
+    starts = [torch.arange(0, batch * seq, seq, dtype=torch.int64), (row_starts + in_row).reshape(-1)]
+    if layout.cu_seqlens is not None:
+        starts.append(layout.cu_seqlens[:-1].to("cpu", torch.int64))  # a sync, as the packed layout's own
+    bounds = torch.cat((torch.unique(torch.cat(starts)), torch.tensor([batch * seq])))
+    segments = (bounds.to(torch.int32).to(device), int((bounds[1:] - bounds[:-1]).max()))
+    if layout.cu_seqlens is None:
+        _s2_boundaries[key] = segments
+    return segments
+
+
+def _shifted_sparse_attention(
+    attention: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    layout: SequenceLayout,
+    variant: AttentionVariant,
+    group: int,
+) -> torch.Tensor:
+    """S²-Attn (set_shifted_sparse_attention) of [batch, seq, heads, head_dim] projections;
+    returns [batch, seq, q_heads * head_dim]."""
+    if layout.kept is not None:
+        raise ValueError(
+            "barqtrain: shifted sparse attention takes batches without padding; pack the rows (data.packing) or "
+            "give every row the full length"
+        )
+    batch, seq, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    options = _attention_options(attention, batch, seq, position_embeddings, variant)
+    positions = torch.arange(batch * seq, device=query.device)
+    halves = []
+    for shifted, q_heads, kv in ((False, slice(0, heads // 2), slice(0, kv_heads // 2)),
+                                 (True, slice(heads // 2, heads), slice(kv_heads // 2, kv_heads))):  # fmt: skip
+        cu_seqlens, longest = _s2_segments(layout, batch, seq, group, shifted, query.device)
+        halves.append(ops.attention(
+            query[:, :, q_heads].reshape(batch * seq, -1, head_dim), key[:, :, kv].reshape(batch * seq, -1, head_dim),
+            value[:, :, kv].reshape(batch * seq, -1, head_dim), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=longest, max_seqlen_k=longest, position_ids=positions, **options,
+        ))  # fmt: skip
+    return torch.cat(halves, dim=1).reshape(batch, seq, -1)
+
+
 def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleReplacement:
     """FUSED_OP's replacement of one family's attention class."""
     modeling_module = module_class.rsplit(".", 1)[0]
@@ -465,6 +576,7 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query, key, value = _project_qkv(self, hidden_states, variant)
         cos, _ = position_embeddings
+        s2_group = getattr(self, S2_ATTRIBUTE, 0) if self.training else 0
         reason = _fallback_reason(self, query, key, value, cos, attention_mask, past_key_values, kwargs)
         if reason is None:
             window = variant.sliding_window(self) if variant.sliding_window is not None else None
@@ -473,6 +585,8 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
                 query.device,
             )
             reason = layout if isinstance(layout, str) else None
+        if reason is not None and s2_group:
+            raise ValueError(f"barqtrain: shifted sparse attention needs the attention op, which cannot compute {reason}")
         if reason is not None:
             warn_fallback(reason, _HUGGING_FACE_ATTENTION)
             return _hugging_face_attention(
@@ -484,10 +598,16 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
             # with the rotated keys, which the fused op never writes out.
             _, rotated_key = _rotate(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
             past_key_values.update(rotated_key, value.transpose(1, 2), self.layer_idx)
-        attn_output = _fused_attention(self, query, key, value, position_embeddings, layout, variant)
+        if s2_group:
+            attn_output = _shifted_sparse_attention(
+                self, query, key, value, position_embeddings, layout, variant, s2_group
+            )
+        else:
+            attn_output = _fused_attention(self, query, key, value, position_embeddings, layout, variant)
         return self.o_proj(attn_output), None
 
     forward.__qualname__ = f"fused_attention({simple_name(module_class)}).forward"
+    _FUSED_FORWARDS.add(forward)
     return ModuleReplacement(FUSED_OP, module_class, forward, _untrainable_head_dim)
 
 

@@ -84,6 +84,12 @@ class ModelConfig:
     )
     path: str | None = _doc("a local Hugging Face model directory (config.json + weights)", None)
     patch: bool = _doc("swap in BarqTrain's fused ops with barqtrain.patch_model", True)
+    shifted_sparse_attention: int = _doc(
+        "LongLoRA's S²-Attn in training: each row's tokens attend within groups of this many tokens, half of the "
+        "heads in groups shifted by half a group (even; 0: full attention); runs the opt-in attention op; full "
+        "attention in evaluation",
+        0,
+    )
     rope_scaling: RopeScalingConfig | None = _doc(
         "RoPE scaling to train past the checkpoint's context (replaces the checkpoint's own); null: as the checkpoint has it",
         None,
@@ -406,6 +412,7 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")
     _check_memory(config)
     _check_cuda_graph(config)
+    _check_shifted_sparse_attention(config)
     if config.data.path is None and config.data.task != "repeat-digits":
         raise ConfigError(f"data.task: unknown task {config.data.task!r}; the built-in task is 'repeat-digits'")
     if config.data.path is None and config.steps is None:
@@ -431,6 +438,21 @@ def _check(config: TrainConfig) -> None:
         and config.model.path is None
     ):
         raise ConfigError("data.tokenizer: a dataset file needs a tokenizer; set data.tokenizer or model.path")
+
+
+def _check_shifted_sparse_attention(config: TrainConfig) -> None:
+    group = config.model.shifted_sparse_attention
+    if not group:
+        return
+    key = "model.shifted_sparse_attention"
+    if group < 0 or group % 2:
+        raise ConfigError(f"{key}: a group size in tokens, even (half of it is the shift), or 0 for off; got {group}")
+    if not config.model.patch:
+        raise ConfigError(f"{key}: runs on BarqTrain's attention op; needs model.patch: true")
+    if config.model.compile != "none":
+        raise ConfigError(f"{key}: torch.compile does not trace its group boundaries yet; use model.compile: none")
+    if config.data.path is not None and not config.data.packing:
+        raise ConfigError(f"{key}: takes rows without padding; set data.packing: true")
 
 
 def _check_cuda_graph(config: TrainConfig) -> None:

@@ -156,6 +156,8 @@ def build_model(
         log_quantized_base(model, config, log)
     if config.gradient_checkpointing in (True, "offload"):
         barqtrain.enable_gradient_checkpointing(model, offload=config.gradient_checkpointing == "offload")
+    # S²-Attn runs on the opt-in attention op.
+    ops = (*barqtrain.patch.OPS, "attention") if config.model.shifted_sparse_attention else barqtrain.patch.OPS
     if config.method in ADAPTER_METHODS:
         import peft
 
@@ -166,13 +168,23 @@ def build_model(
         )
         with _model_errors(config, model):
             if config.model.patch:  # PEFT's adapter (and format), computed by BarqTrain's fused LoRA and ops
-                model = barqtrain.get_peft_model(model, lora_config, lora_precision=lora.precision)
+                model = barqtrain.get_peft_model(model, lora_config, ops=ops, lora_precision=lora.precision)
                 log(model.barqtrain_patch_report)
             else:
                 model = peft.get_peft_model(model, lora_config)
     elif config.model.patch:
         with _model_errors(config, model):
-            log(barqtrain.patch_model(model))
+            log(barqtrain.patch_model(model, ops=ops))
+    if config.model.shifted_sparse_attention:
+        try:
+            layers = barqtrain.set_shifted_sparse_attention(model, config.model.shifted_sparse_attention)
+        except ValueError as error:  # e.g. an odd number of heads
+            reason = str(error).removeprefix("barqtrain: ")
+            raise ConfigError(f"model.shifted_sparse_attention: {reason}; set it to 0") from None
+        log(
+            f"Shifted sparse attention: {layers} attention layers attend within groups of "
+            f"{config.model.shifted_sparse_attention} tokens in training (half of the heads shifted by half a group)."
+        )
     if memory_plan is not None:
         apply_layer_plan(model, memory_plan.layers)
     elif config.memory.mlp_tile_tokens:
