@@ -50,10 +50,18 @@ def check_group_size(name: str, module: nn.Linear, group_size: int | None) -> No
                          "or none (a scale per row)")  # fmt: skip
 
 
+# The instance attribute holding a quantized layer's QuantizedWeight and the tensors it views.
+_WEIGHT_CACHE = "_quantized_weight_cache"
+
+
 class _QuantizedLinear(nn.Linear):
     """y = x Wᵀ + b with W frozen and quantized. An nn.Linear subclass so that PEFT's LoRA
-    wraps it; its `weight` is a QuantizedWeight, rebuilt at each access from the tensors the
-    module holds.
+    wraps it; its `weight` is a QuantizedWeight over the tensors the module holds.
+
+    The QuantizedWeight is built once and kept, and built again only when a tensor it views has
+    been replaced (FSDP2 swaps in the gathered tensors, .to() converts them): torch.compile
+    then finds an existing tensor where it would otherwise have to trace the construction of
+    one, which Dynamo cannot, so a quantized model compiles as one graph.
 
     The quantized data, and the scales that grow with it, are frozen parameters (never
     trained), so that FSDP2 can shard them on dim 0 with the rest of the layer (after
@@ -92,6 +100,36 @@ class _QuantizedLinear(nn.Linear):
                 carried = self._parameters[name].detach().view(SHARDING_CARRIER)
                 self._parameters[name] = nn.Parameter(carried, requires_grad=False)
 
+    @property
+    def weight(self) -> QuantizedWeight:
+        sources = (*self._parameters.values(), *self._buffers.values())
+        cached = self.__dict__.get(_WEIGHT_CACHE)
+        if cached is None or len(cached[0]) != len(sources) or any(a is not b for a, b in zip(cached[0], sources)):
+            cached = (sources, self._quantized_weight())
+            self.__dict__[_WEIGHT_CACHE] = cached
+        return cached[1]
+
+    def _quantized_weight(self) -> QuantizedWeight:
+        """The format's QuantizedWeight over the module's tensors now (each subclass's)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def _apply(self, fn, recurse: bool = True):
+        # Conversions assign param.data: the same Parameter objects over new tensors.
+        self.__dict__.pop(_WEIGHT_CACHE, None)
+        module = super()._apply(fn, recurse)
+        _ = self.weight  # built before any trace
+        return module
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) builds its own over its own tensors.
+        state = self.__dict__.copy()
+        state.pop(_WEIGHT_CACHE, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _ = self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
@@ -107,14 +145,14 @@ class Linear4bit(_QuantizedLinear):
         self.register_frozen("absmax2", packed.absmax2)  # one per 256 absmax: sharded along with them
         self.register_buffer("absmax_code", packed.absmax_code)
         self.register_buffer("absmax_offset", packed.absmax_offset)
+        _ = self.weight  # built now, not in a compiled graph
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quant_type: str = "nf4", double_quant: bool = True) -> Linear4bit:
         packed = quant_ops.quantize_4bit(linear.weight.detach(), quant_type, double_quant)
         return cls(packed, linear.bias)
 
-    @property
-    def weight(self) -> Weight4bit:
+    def _quantized_weight(self) -> Weight4bit:
         return Weight4bit(
             Packed4bit(self.frozen("packed"), self.frozen("absmax"), (self.out_features, self.in_features),
                        self.compute_dtype, self.quant_type, self.absmax_code, self.frozen("absmax2"),
@@ -136,13 +174,13 @@ class Linear8bit(_QuantizedLinear):
         super().__init__(packed.shape, packed.dtype, bias)
         self.register_frozen("int8_weight", packed.q)
         self.register_frozen("row_absmax", packed.row_absmax)
+        _ = self.weight  # built now, not in a compiled graph
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Linear8bit:
         return cls(quant_ops.quantize_int8(linear.weight.detach()), linear.bias)
 
-    @property
-    def weight(self) -> Weight8bit:
+    def _quantized_weight(self) -> Weight8bit:
         return Weight8bit(Packed8bit(self.frozen("int8_weight"), self.frozen("row_absmax"), self.compute_dtype))
 
     def extra_repr(self) -> str:
@@ -160,13 +198,13 @@ class LinearTernary(_QuantizedLinear):
         super().__init__(packed.shape, packed.dtype, bias)
         self.register_frozen("ternary_weight", packed.packed)
         self.register_frozen("weight_scale", packed.scales)
+        _ = self.weight  # built now, not in a compiled graph
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int | None = None) -> LinearTernary:
         return cls(quantize_ternary(linear.weight.detach(), group_size), linear.bias)
 
-    @property
-    def weight(self) -> WeightTernary:
+    def _quantized_weight(self) -> WeightTernary:
         packed = PackedTernary(self.frozen("ternary_weight"), self.frozen("weight_scale"), self.compute_dtype)
         return WeightTernary(packed)
 

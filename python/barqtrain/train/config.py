@@ -96,8 +96,7 @@ class ModelConfig:
     )
     compile: Literal["none", "regional", "model"] = _doc(
         "regional: torch.compile each decoder layer, one compiled graph shared by all layers; model: the whole model "
-        "as one graph (fullgraph; not with a quantized base or gradient checkpointing, which do not trace into one "
-        "graph yet); the first steps include the compilation, and the same shapes each step, or it compiles again; "
+        "as one graph (fullgraph; not with gradient checkpointing, which does not trace into one graph yet); the first steps include the compilation, and the same shapes each step, or it compiles again; "
         "none: run eagerly",
         "none",
     )
@@ -407,9 +406,10 @@ def _check(config: TrainConfig) -> None:
     if group_size is not None and (config.qlora.quant_type != "ternary" or group_size <= 0 or group_size % 32):
         raise ConfigError(f"qlora.group_size: applies to quant_type ternary only, a positive multiple of 32; got "
                           f"{group_size} with quant_type {config.qlora.quant_type}")  # fmt: skip
-    if config.model.compile == "model" and (config.method == "qlora" or config.gradient_checkpointing):
-        reason = "a quantized base (method qlora)" if config.method == "qlora" else "gradient checkpointing"
-        raise ConfigError(f"model.compile: model: {reason} does not trace into one graph yet; use model.compile: regional")
+    if config.model.compile == "model" and config.gradient_checkpointing:
+        raise ConfigError(
+            "model.compile: model: gradient checkpointing does not trace into one graph yet; use model.compile: regional"
+        )
     _check_memory(config)
     _check_cuda_graph(config)
     _check_shifted_sparse_attention(config)

@@ -166,3 +166,36 @@ def test_every_family_compiles_as_one_graph(family, batch_name, lora):
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
     loss_and_gradients(model)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
+def test_a_qlora_model_compiles_as_one_graph(quant_type):
+    """QLoRA: the fused dequant-GEMM ops of the quantized base inside the one graph (the layers'
+    QuantizedWeight is built before tracing), forward and backward; loss and LoRA gradients as
+    the eager model's, and no recompilation on the next step."""
+    from barqtrain.quant import quantize_model
+
+    batch = BATCHES["packed"]()
+
+    def qlora_model() -> torch.nn.Module:
+        model = tiny_model("llama", torch.float32)  # the reference ops compute in float32
+        quantize_model(model, quant_type)
+        config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
+        return barqtrain.get_peft_model(model, config)
+
+    def loss_and_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return [loss.detach(), *gradients]
+
+    expected = loss_and_gradients(qlora_model())
+    model = qlora_model()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True)
+    compiled = loss_and_gradients(model)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+    loss_and_gradients(model)
+    assert counter.frame_count == 1
