@@ -128,6 +128,29 @@ def test_every_family_lora_layer_traces_without_a_graph_break(family, batch_name
         assert torch.equal(mine, theirs)
 
 
+def _loss_and_gradients(model: torch.nn.Module, batch: dict) -> list[torch.Tensor]:
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    return [loss.detach(), *gradients]
+
+
+def _check_one_graph(make_model, batch: dict) -> None:
+    """make_model() compiled with fullgraph (aot_eager runs the traced forward and backward
+    graphs as they are) computes the eager model's loss and gradients in float32, and a second
+    step of the same shapes compiles nothing new."""
+    expected = _loss_and_gradients(make_model(), batch)
+    model = make_model()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True)
+    compiled = _loss_and_gradients(model, batch)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+    _loss_and_gradients(model, batch)
+    assert counter.frame_count == 1
+
+
 # Every family, plain and LoRA, on packed rows; plain and padded rows on a family without and
 # one with sliding windows and softcaps.
 WHOLE_MODEL_CASES = [(family, "packed", lora) for family in sorted(FAMILIES) for lora in (False, True)] + [
@@ -137,9 +160,8 @@ WHOLE_MODEL_CASES = [(family, "packed", lora) for family in sorted(FAMILIES) for
 
 @pytest.mark.parametrize(("family", "batch_name", "lora"), WHOLE_MODEL_CASES)
 def test_every_family_compiles_as_one_graph(family, batch_name, lora):
-    """torch.compile(model, fullgraph=True) fails on any graph break. AOTAutograd traces the
-    backward too (aot_eager runs the traced graphs as they are): loss and gradients as the eager
-    model's in float32, and a second step of the same shapes compiles nothing new."""
+    """torch.compile(model, fullgraph=True) fails on any graph break; AOTAutograd traces the
+    backward too."""
     batch = BATCHES[batch_name]()
 
     def patched_model() -> torch.nn.Module:
@@ -150,22 +172,7 @@ def test_every_family_compiles_as_one_graph(family, batch_name, lora):
         config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
         return barqtrain.get_peft_model(model, config)
 
-    def loss_and_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        model.zero_grad(set_to_none=True)
-        return [loss.detach(), *gradients]
-
-    expected = loss_and_gradients(patched_model())
-    model = patched_model()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    model.compile(backend=counter, fullgraph=True)
-    compiled = loss_and_gradients(model)
-    assert counter.frame_count == 1
-    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
-    loss_and_gradients(model)
-    assert counter.frame_count == 1
+    _check_one_graph(patched_model, batch)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "int8", "ternary"])
@@ -183,19 +190,4 @@ def test_a_qlora_model_compiles_as_one_graph(quant_type):
         config = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear", init_lora_weights=False)
         return barqtrain.get_peft_model(model, config)
 
-    def loss_and_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-        loss = model(**batch, use_cache=False).loss
-        loss.backward()
-        gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        model.zero_grad(set_to_none=True)
-        return [loss.detach(), *gradients]
-
-    expected = loss_and_gradients(qlora_model())
-    model = qlora_model()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    model.compile(backend=counter, fullgraph=True)
-    compiled = loss_and_gradients(model)
-    assert counter.frame_count == 1
-    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
-    loss_and_gradients(model)
-    assert counter.frame_count == 1
+    _check_one_graph(qlora_model, batch)
