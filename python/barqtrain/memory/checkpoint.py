@@ -43,22 +43,62 @@ def enable_gradient_checkpointing(model: nn.Module, offload: bool = True) -> Non
     wrapping one), non-reentrant; with `offload`, every checkpointed layer's kept input is
     offloaded to pinned CPU memory by one OffloadedCheckpoint shared by the model's layers.
 
-    Hugging Face's `gradient_checkpointing_enable` still sets the layers' flags and makes the
-    embedding output require grad (what LoRA on a frozen base needs); only the checkpoint
-    function it installs is replaced. `gradient_checkpointing_disable()` undoes both."""
+    Hugging Face's `gradient_checkpointing_enable` still sets the layers' flags; only the
+    checkpoint function it installs is replaced. Its hook that makes the embedding output require
+    grad (what LoRA on a frozen base needs with a reentrant checkpoint) stays with `offload` and is
+    removed without (drop_input_require_grads). `gradient_checkpointing_disable()` undoes both."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not hasattr(base, "gradient_checkpointing_enable"):
         raise TypeError(
             f"{type(base).__name__} is not a Hugging Face PreTrainedModel (it has no gradient_checkpointing_enable)"
         )
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not offload:
-        return
-    offloaded = OffloadedCheckpoint()
-    for module in base.modules():
-        # The modules Hugging Face's _set_gradient_checkpointing gave a checkpoint function.
-        if hasattr(module, "gradient_checkpointing"):
-            module._gradient_checkpointing_func = offloaded
+    if offload:
+        offloaded = OffloadedCheckpoint()
+        for module in base.modules():
+            # The modules Hugging Face's _set_gradient_checkpointing gave a checkpoint function.
+            if hasattr(module, "gradient_checkpointing"):
+                module._gradient_checkpointing_func = offloaded
+    drop_input_require_grads(base)
+
+
+# The name of the forward hook by which Hugging Face's enable_input_require_grads (called by
+# gradient_checkpointing_enable and by PEFT's get_peft_model) makes the embedding output require grad.
+_REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
+
+
+def drop_input_require_grads(model: nn.Module) -> int:
+    """Removes the hooks that make the input embeddings' output require grad from `model` (a
+    PreTrainedModel or a PEFT model wrapping one) when every checkpointed module runs torch's
+    non-reentrant checkpoint; returns how many.
+
+    Reentrant checkpointing needs its input to require grad to backpropagate into a frozen base's
+    adapters; torch's non-reentrant one does not, so there the hook only costs: its
+    `requires_grad_` on the embedding output is what keeps torch.compile from tracing a
+    checkpointed model as one graph. OffloadedCheckpoint keeps them: it does not trace into one
+    graph anyway, and with every layer input requiring grad its compiled layers share one graph."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    functions = [getattr(m, "_gradient_checkpointing_func", None) for m in base.modules()
+                 if getattr(m, "gradient_checkpointing", False)]  # fmt: skip
+    if not functions or not all(_non_reentrant(function) for function in functions):
+        return 0
+    get_embeddings = getattr(base, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if embeddings is None:
+        return 0
+    hooks = embeddings._forward_hooks
+    found = [key for key, hook in hooks.items() if getattr(hook, "__name__", None) == _REQUIRE_GRADS_HOOK]
+    for key in found:
+        del hooks[key]
+    return len(found)
+
+
+def _non_reentrant(function: object) -> bool:
+    return (
+        isinstance(function, functools.partial)
+        and function.func is torch_checkpoint
+        and function.keywords.get("use_reentrant") is False
+    )
 
 
 def offloaded_checkpoint_of(model: nn.Module) -> OffloadedCheckpoint | None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from barqtrain.memory.checkpoint import drop_input_require_grads
 from barqtrain.patch.families import OPS
 from barqtrain.patch.instance import patch_model
 from barqtrain.patch.lora import DEFAULT_LORA_PRECISION, checked_precision
@@ -54,6 +55,8 @@ def get_peft_model(
     peft_model = peft.get_peft_model(
         model, peft_config, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype
     )
+    # PEFT registers the input-require-grads hook again on a checkpointed model.
+    drop_input_require_grads(peft_model)
     report = patch_model(peft_model, ops=OPS if ops is None else ops, lora_precision=lora_precision)
     setattr(peft_model, REPORT_ATTRIBUTE, report)
     return peft_model

@@ -96,7 +96,7 @@ class ModelConfig:
     )
     compile: Literal["none", "regional", "model"] = _doc(
         "regional: torch.compile each decoder layer, one compiled graph shared by all layers; model: the whole model "
-        "as one graph (fullgraph; not with gradient checkpointing, which does not trace into one graph yet); the first steps include the compilation, and the same shapes each step, or it compiles again; "
+        "as one graph (fullgraph; with gradient_checkpointing false or true, not offload or auto); the first steps include the compilation, and the same shapes each step, or it compiles again; "
         "none: run eagerly",
         "none",
     )
@@ -406,9 +406,11 @@ def _check(config: TrainConfig) -> None:
     if group_size is not None and (config.qlora.quant_type != "ternary" or group_size <= 0 or group_size % 32):
         raise ConfigError(f"qlora.group_size: applies to quant_type ternary only, a positive multiple of 32; got "
                           f"{group_size} with quant_type {config.qlora.quant_type}")  # fmt: skip
-    if config.model.compile == "model" and config.gradient_checkpointing:
+    if config.model.compile == "model" and config.gradient_checkpointing in ("offload", "auto"):
         raise ConfigError(
-            "model.compile: model: gradient checkpointing does not trace into one graph yet; use model.compile: regional"
+            f"model.compile: model: gradient_checkpointing: {config.gradient_checkpointing} (offloaded layer inputs, "
+            "copied on a side stream) does not trace into one graph; use gradient_checkpointing: true or "
+            "model.compile: regional"
         )
     _check_memory(config)
     _check_cuda_graph(config)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from barqtrain.memory import OffloadedCheckpoint, enable_gradient_checkpointing, offloaded_checkpoint_of
+from barqtrain.memory.checkpoint import drop_input_require_grads
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
@@ -146,11 +147,26 @@ def test_disable_restores_plain_training() -> None:
     assert_same(accumulate(model, micro_batches()), accumulate(lora_model("none", 0.0, True), micro_batches()))
 
 
+def require_grads_hooks(model: nn.Module) -> int:
+    hooks = model.get_base_model().get_input_embeddings()._forward_hooks.values()
+    return sum(getattr(hook, "__name__", None) == "make_inputs_require_grads" for hook in hooks)
+
+
 def test_without_offload_it_is_hugging_face_checkpointing() -> None:
     model = lora_model("none", 0.0, False)
     enable_gradient_checkpointing(model, offload=False)
     assert model.is_gradient_checkpointing and offloaded_checkpoint_of(model) is None
-    assert_same(accumulate(model, micro_batches()), accumulate(lora_model("hf", 0.0, False), micro_batches()))
+    # torch's non-reentrant checkpoint needs no input that requires grad: the hook is gone.
+    assert require_grads_hooks(model) == 0 and require_grads_hooks(lora_model("hf", 0.0, False)) > 0
+    result = accumulate(model, micro_batches())
+    assert_same(result, accumulate(lora_model("hf", 0.0, False), micro_batches()))
+    assert_same(result, accumulate(lora_model("none", 0.0, False), micro_batches()))
+
+
+def test_a_reentrant_checkpoint_keeps_the_input_require_grads_hook() -> None:
+    model = lora_model("none", 0.0, False)
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert drop_input_require_grads(model) == 0 and require_grads_hooks(model) > 0
 
 
 def test_a_model_that_is_not_hugging_faces_is_an_error() -> None:

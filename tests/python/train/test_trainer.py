@@ -114,14 +114,17 @@ def test_compilation_trains_as_the_eager_run(tmp_path, compile, announced):
     torch.testing.assert_close([compiled[s] for s in range(1, 5)], [eager[s] for s in range(1, 5)], rtol=1e-4, atol=0)
 
 
-def test_whole_model_compilation_refuses_what_does_not_trace_as_one_graph():
-    with pytest.raises(ConfigError, match="^model.compile: model: gradient checkpointing does not trace into one graph"):
-        config_from_dict({"steps": 1, "model": {"compile": "model"}, "gradient_checkpointing": True})
+@pytest.mark.parametrize("checkpointing", ["offload", "auto"])
+def test_whole_model_compilation_refuses_what_does_not_trace_as_one_graph(checkpointing):
+    with pytest.raises(ConfigError, match=f"^model.compile: model: gradient_checkpointing: {checkpointing} .* does not "
+                                          "trace into one graph"):  # fmt: skip
+        config_from_dict({"steps": 1, "model": {"compile": "model"}, "gradient_checkpointing": checkpointing})
 
 
-def test_a_qlora_run_compiles_as_one_graph_and_trains_as_the_eager_one(tmp_path):
+@pytest.mark.parametrize(("method", "checkpointing"), [("qlora", False), ("lora", True)])
+def test_qlora_and_checkpointed_runs_compile_as_one_graph_and_train_as_eager_ones(tmp_path, method, checkpointing):
     def run(name: str, compile: str) -> dict[int, float]:
-        config = small_config(tmp_path / name, steps=4, method="qlora")
+        config = small_config(tmp_path / name, steps=4, method=method, gradient_checkpointing=checkpointing)
         config.lora.dropout = 0.0
         config.model.compile = compile
         return train(config, log=lambda *_: None, device="cpu").losses
