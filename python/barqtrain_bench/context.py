@@ -12,9 +12,6 @@ folder.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -23,9 +20,9 @@ from typing import Any
 
 import torch
 
-from barqtrain_bench.context_worker import FRAMEWORKS, METHODS, NO_PLAN, OUT_OF_MEMORY, Attempt
-from barqtrain_bench.e2e import worker_environment
-from barqtrain_bench.e2e_worker import LORA_SETTINGS, UNSLOTH_ENVIRONMENT
+from barqtrain_bench.context_worker import FRAMEWORKS, NO_PLAN, OUT_OF_MEMORY, Attempt
+from barqtrain_bench.e2e import run_worker_process
+from barqtrain_bench.e2e_worker import LORA_SETTINGS
 from barqtrain_bench.environment import collect_environment, device_name
 from barqtrain_bench.report import (
     BarPanel,
@@ -122,29 +119,10 @@ def run_context_benchmark(
 
 
 def run_attempt_process(attempt: Attempt) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="barqtrain-context-attempt-") as scratch:
-        result_path = Path(scratch) / "result.json"
-        command = [
-            sys.executable, "-m", "barqtrain_bench.context_worker",
-            "--attempt", json.dumps(asdict(attempt)), "--result", str(result_path),
-        ]  # fmt: skip
-        environment = worker_environment()
-        if attempt.framework == "unsloth":  # Hugging Face's libraries read them on import
-            environment.update(UNSLOTH_ENVIRONMENT)
-        try:
-            completed = subprocess.run(
-                command, capture_output=True, text=True, timeout=ATTEMPT_TIMEOUT_S, env=environment
-            )
-        except subprocess.TimeoutExpired:
-            return {"status": "error", "error": f"the attempt did not finish within {ATTEMPT_TIMEOUT_S} s"}
-        if result_path.exists():
-            return json.loads(result_path.read_text())
-        # The process died before it could write (a crash in native code, a kill by the OS for host memory).
-        return {
-            "status": "error",
-            "error": f"the attempt's process exited with code {completed.returncode} and no result; "
-            f"its last output:\n{completed.stderr[-3000:]}",
-        }
+    return run_worker_process(
+        "barqtrain_bench.context_worker", "--attempt", asdict(attempt), ATTEMPT_TIMEOUT_S,
+        unsloth=attempt.framework == "unsloth",
+    )  # fmt: skip
 
 
 def _unavailable(attempt: Attempt) -> str | None:

@@ -146,18 +146,23 @@ def _baseline_unavailable(variant: str, workload: Workload, tokenizer_dir: str |
 
 
 def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="barqtrain-e2e-") as scratch:
+    return run_worker_process(
+        "barqtrain_bench.e2e_worker", "--spec", asdict(spec), VARIANT_TIMEOUT_S, unsloth=spec.variant == "unsloth"
+    )
+
+
+def run_worker_process(module: str, option: str, payload: dict[str, Any], timeout_s: float, unsloth: bool) -> dict[str, Any]:
+    """`python -m module option JSON --result FILE` in a process of its own (every bench worker's
+    interface); returns the row it wrote, or an error row when it wrote none."""
+    with tempfile.TemporaryDirectory(prefix="barqtrain-bench-") as scratch:
         result_path = Path(scratch) / "result.json"
-        command = [
-            sys.executable, "-m", "barqtrain_bench.e2e_worker",
-            "--spec", json.dumps(asdict(spec)), "--result", str(result_path),
-        ]  # fmt: skip
+        command = [sys.executable, "-m", module, option, json.dumps(payload), "--result", str(result_path)]
         try:
             completed = subprocess.run(
-                command, capture_output=True, text=True, timeout=VARIANT_TIMEOUT_S, env=_worker_environment(spec)
+                command, capture_output=True, text=True, timeout=timeout_s, env=worker_environment(unsloth)
             )
         except subprocess.TimeoutExpired:
-            return {"status": "error", "error": f"the variant did not finish within {VARIANT_TIMEOUT_S} s"}
+            return {"status": "error", "error": f"the worker process did not finish within {timeout_s} s"}
         if result_path.exists():
             return json.loads(result_path.read_text())
         # The process died before it could write (a crash in native code, a kill by the OS).
@@ -168,20 +173,16 @@ def run_variant_process(spec: VariantSpec) -> dict[str, Any]:
         }
 
 
-def worker_environment() -> dict[str, str]:
+def worker_environment(unsloth: bool = False) -> dict[str, str]:
     """This process's environment for a worker process, which must import this very copy of
     barqtrain and of this package, also when they were found through a sys.path entry (a source
-    checkout, a test runner) rather than an install."""
+    checkout, a test runner) rather than an install; with `unsloth`, Unsloth's offline settings,
+    set from the start (Hugging Face's libraries read them on import)."""
     roots = (Path(package.__file__).resolve().parent.parent for package in (barqtrain, barqtrain_bench))
     package_roots = dict.fromkeys(str(root) for root in roots)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, (*package_roots, environment.get("PYTHONPATH"))))
-    return environment
-
-
-def _worker_environment(spec: VariantSpec) -> dict[str, str]:
-    environment = worker_environment()
-    if spec.variant == "unsloth":  # set from the start: Hugging Face's libraries read them on import
+    if unsloth:
         environment.update(UNSLOTH_ENVIRONMENT)
     return environment
 

@@ -96,9 +96,8 @@ def test_the_worker_imports_neither_transformers_nor_peft_before_unsloth():
         "import sys, barqtrain_bench.e2e_worker; "
         "print([name for name in ('transformers', 'peft', 'trl') if name in sys.modules])"
     )
-    spec = VariantSpec(model="tiny", variant="unsloth", steps=1, warmup=0)
     completed = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=e2e._worker_environment(spec), check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, env=e2e.worker_environment(unsloth=True), check=True
     )
     assert completed.stdout.strip() == "[]"
 
