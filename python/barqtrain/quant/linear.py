@@ -5,6 +5,7 @@ computed alike."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 
 import torch
@@ -54,7 +55,7 @@ def check_group_size(name: str, module: nn.Linear, group_size: int | None) -> No
 _WEIGHT_CACHE = "_quantized_weight_cache"
 
 
-class _QuantizedLinear(nn.Linear):
+class _QuantizedLinear(nn.Linear, abc.ABC):
     """y = x Wᵀ + b with W frozen and quantized. An nn.Linear subclass so that PEFT's LoRA
     wraps it; its `weight` is a QuantizedWeight over the tensors the module holds.
 
@@ -109,9 +110,9 @@ class _QuantizedLinear(nn.Linear):
             self.__dict__[_WEIGHT_CACHE] = cached
         return cached[1]
 
+    @abc.abstractmethod
     def _quantized_weight(self) -> QuantizedWeight:
-        """The format's QuantizedWeight over the module's tensors now (each subclass's)."""
-        raise NotImplementedError(type(self).__name__)
+        """The format's QuantizedWeight over the module's tensors now."""
 
     def _apply(self, fn, recurse: bool = True):
         # Conversions assign param.data: the same Parameter objects over new tensors.
