@@ -239,7 +239,24 @@ def accumulate_gradients(
     num_items = torch.tensor(count, dtype=torch.int64, device=device)
     if ranks.is_distributed:
         dist.all_reduce(num_items)
-    num_items = num_items.clamp(min=1)
+    step_loss = backward_micro_batches(model, micro_batches, num_items.clamp(min=1), device, ranks, autocast, scaler)
+    if ranks.is_distributed:
+        dist.all_reduce(step_loss)
+    return float(step_loss.item())
+
+
+def backward_micro_batches(
+    model: torch.nn.Module,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    num_items: torch.Tensor,
+    device: torch.device,
+    ranks: Ranks = SINGLE,
+    autocast: contextlib.AbstractContextManager | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """accumulate_gradients' forwards and backwards, given the step's scored tokens num_items
+    (an int64 tensor on `device`); returns this rank's summed loss, float64 on `device`. Reads
+    nothing back to the host: a CUDA graph captures it (barqtrain.train.graph_step)."""
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
     last = len(micro_batches) - 1
     for index, batch in enumerate(micro_batches):
@@ -251,9 +268,7 @@ def accumulate_gradients(
             backward = loss * ranks.world_size if ranks.is_distributed else loss
             (backward if scaler is None else scaler.scale(backward)).backward()
         step_loss += loss.detach().to(torch.float64)
-    if ranks.is_distributed:
-        dist.all_reduce(step_loss)
-    return float(step_loss.item())
+    return step_loss
 
 
 def sum_across_ranks(value: int, device: torch.device) -> int:

@@ -1,10 +1,11 @@
 """The training step replayed from a CUDA graph (the `cuda_graph: true` of a training config).
 
-Why: an eager LoRA step of a 1B model launches about 2,250 kernels, and at that size the host's
-work per step (Python, autograd, dispatch: ~100 ms on an H200's host) is as long as the GPU's
-(~90 ms), so the GPU waits between kernels. Captured once per batch shape, the whole step
-(forward and backward of every micro-batch, gradient clipping, the optimizer's update) costs
-the host one launch. `barqtrain bench e2e --variants barqtrain,barqtrain+graph` measures it.
+Why: an eager LoRA step of a 1B model launches about 2,250 kernels, and the host's Python,
+autograd and dispatch for them take about as long as the kernels, so the GPU waits between them
+(12.3 ms of a 104.5 ms step at the Llama-3.2-1B shape on an H200). Captured once per batch shape,
+the whole step (forward and backward of every micro-batch, gradient clipping, the optimizer's
+update) costs the host one launch: 97.4 ms, 3.1 ms of it idle (`barqtrain bench e2e --profile
+--variants barqtrain,barqtrain+graph`).
 
 What a replay assumes, and how it holds:
 - the same tensors every step: the micro-batches are copied into buffers the graph reads;
@@ -28,13 +29,13 @@ one length.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from barqtrain.train.batches import scored_tokens
+from barqtrain.train.distributed import backward_micro_batches
 
 Batch = dict[str, torch.Tensor]
 
@@ -129,36 +130,25 @@ class GraphedTrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         return float(captured.loss)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        # Autocast's cache of cast weights would be freed after the capture and read by replays.
-        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
-
     def _run(self, micro_batches: Sequence[Batch], num_items: torch.Tensor) -> torch.Tensor:
         """The step's work on the GPU, the same eager or under capture; returns its loss."""
-        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in micro_batches:
-            with self._autocast():
-                loss = self.model(**batch, use_cache=False, num_items_in_batch=num_items).loss
-            loss.backward()
-            step_loss += loss.detach().to(torch.float64)
+        # Autocast's cache of cast weights would be freed after the capture and read by replays.
+        autocast = None
+        if self.autocast_dtype is not None:
+            autocast = torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+        step_loss = backward_micro_batches(self.model, micro_batches, num_items, self.device, autocast=autocast)
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters, self.max_grad_norm, foreach=True)
         self.optimizer.step()
         return step_loss
-
-    def _on_device(self, micro_batches: Sequence[Batch]) -> list[Batch]:
-        return [{name: t.to(self.device, non_blocking=True) for name, t in batch.items()} for batch in micro_batches]
 
     def _eager_step(self, micro_batches: Sequence[Batch], count: int) -> float:
         # On a side stream, as a capture's warm-up must be (the capture runs on one too).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            batches = self._on_device(micro_batches)
             num_items = torch.tensor(count, dtype=torch.int64, device=self.device)
-            loss = self._run(batches, num_items)
+            loss = self._run(micro_batches, num_items)
             self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream(self.device).wait_stream(side)
         return float(loss)
