@@ -16,6 +16,7 @@
 #   WORLD_SIZES=2 scripts/multi_gpu_check.sh OUTDIR                      # only 2 processes
 #   SCALING_ARGS="--cases llama-70b-qlora --steps 5" scripts/multi_gpu_check.sh OUTDIR
 #   SCALING_BUDGET_S=1800 scripts/multi_gpu_check.sh OUTDIR               # every point, more time
+#   STEPS=scaling scripts/multi_gpu_check.sh OUTDIR                       # the benchmark only
 #
 # SCALING_ARGS: more `barqtrain bench scaling` options, after the script's own (so they win):
 # --cases, --steps, --warmup, --strategy, --compare none. It needs an installed BarqTrain with
@@ -32,6 +33,13 @@ export BARQTRAIN_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 # here: on shared machines a program that uses it can take the host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SCALING_ARGS=${SCALING_ARGS:-}
+STEPS=${STEPS:-"tests scaling"}  # which of the two steps run
+for step in $STEPS; do
+  if [[ $step != tests && $step != scaling ]]; then
+    echo "multi_gpu_check: STEPS: 'tests' and/or 'scaling', got '$step'" >&2
+    exit 2
+  fi
+done
 SCALING_BUDGET_S=${SCALING_BUDGET_S:-360}
 # The 70B shape comes second: the budget must reach it; the 8B shape's QLoRA is the case it may cut.
 SCALING_DEFAULTS="--cases llama-8b-lora,llama-70b-qlora,llama-8b-qlora --steps 3 --warmup 1"
@@ -59,32 +67,38 @@ fi
   echo "GPUs: $GPUS; world sizes: $WORLD_SIZES"
 } 2>&1 | tee "$LOG"
 
-start=$SECONDS
-(
-  cd /tmp &&
-    BARQTRAIN_DISTRIBUTED_DEVICE=cuda BARQTRAIN_DISTRIBUTED_WORLD_SIZES=${WORLD_SIZES// /,} \
-      $PYTHON -m pytest -v -p no:cacheprovider "$REPO/tests/python/train/test_distributed.py" \
-      --junitxml="$OUTDIR/pytest.xml"
-) >>"$LOG" 2>&1
-status=$?
-test_seconds=$((SECONDS - start))
-outcome=$([[ $status -eq 0 ]] && echo PASS || echo FAIL)
-echo "$outcome  test_distributed.py with NCCL at world sizes $WORLD_SIZES ($test_seconds s); log: $LOG" | tee -a "$LOG"
+status=0 outcome=SKIPPED test_seconds=0
+if [[ " $STEPS " == *" tests "* ]]; then
+  start=$SECONDS
+  (
+    cd /tmp &&
+      BARQTRAIN_DISTRIBUTED_DEVICE=cuda BARQTRAIN_DISTRIBUTED_WORLD_SIZES=${WORLD_SIZES// /,} \
+        $PYTHON -m pytest -v -p no:cacheprovider "$REPO/tests/python/train/test_distributed.py" \
+        --junitxml="$OUTDIR/pytest.xml"
+  ) >>"$LOG" 2>&1
+  status=$?
+  test_seconds=$((SECONDS - start))
+  outcome=$([[ $status -eq 0 ]] && echo PASS || echo FAIL)
+  echo "$outcome  test_distributed.py with NCCL at world sizes $WORLD_SIZES ($test_seconds s); log: $LOG" | tee -a "$LOG"
+fi
 
-# A failed point is a row of scaling.json with its error, not a failure of this step; the step
-# fails when the benchmark itself cannot run (a usage error, a crash).
-start=$SECONDS
-# shellcheck disable=SC2086  # the options are meant to split into words
-(
-  cd /tmp &&
-    $PYTHON -m barqtrain.cli bench scaling --out "$OUTDIR/scaling" --gpus "${WORLD_SIZES// /,}" \
-      --time-budget "$SCALING_BUDGET_S" $SCALING_DEFAULTS $SCALING_ARGS
-) 2>&1 | tee -a "$LOG"
-scaling_status=${PIPESTATUS[0]}
-scaling_seconds=$((SECONDS - start))
-scaling_outcome=$([[ $scaling_status -eq 0 ]] && echo PASS || echo FAIL)
-echo "$scaling_outcome  bench scaling at $WORLD_SIZES GPUs ($scaling_seconds s): $OUTDIR/scaling/scaling.md" |
-  tee -a "$LOG"
+scaling_status=0 scaling_outcome=SKIPPED scaling_seconds=0
+if [[ " $STEPS " == *" scaling "* ]]; then
+  # A failed point is a row of scaling.json with its error, not a failure of this step; the step
+  # fails when the benchmark itself cannot run (a usage error, a crash).
+  start=$SECONDS
+  # shellcheck disable=SC2086  # the options are meant to split into words
+  (
+    cd /tmp &&
+      $PYTHON -m barqtrain.cli bench scaling --out "$OUTDIR/scaling" --gpus "${WORLD_SIZES// /,}" \
+        --time-budget "$SCALING_BUDGET_S" $SCALING_DEFAULTS $SCALING_ARGS
+  ) 2>&1 | tee -a "$LOG"
+  scaling_status=${PIPESTATUS[0]}
+  scaling_seconds=$((SECONDS - start))
+  scaling_outcome=$([[ $scaling_status -eq 0 ]] && echo PASS || echo FAIL)
+  echo "$scaling_outcome  bench scaling at $WORLD_SIZES GPUs ($scaling_seconds s): $OUTDIR/scaling/scaling.md" |
+    tee -a "$LOG"
+fi
 
 sizes_json="[${WORLD_SIZES// /, }]"
 scaling_json=$(printf '{"outcome": "%s", "seconds": %d}' "$scaling_outcome" "$scaling_seconds")
