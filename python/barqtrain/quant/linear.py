@@ -110,13 +110,20 @@ class _QuantizedLinear(nn.Linear, abc.ABC):
             self.__dict__[_WEIGHT_CACHE] = cached
         return cached[1]
 
+    def drop_weight_cache(self) -> None:
+        """Forget the built QuantizedWeight and with it every reference to the tensors it views.
+        Once FSDP2 has swapped the module's parameters for their shards, the cache is the only
+        holder of the unsharded data: kept, every rank would carry the whole quantized base
+        until the layer's first forward builds the cache again over the gathered tensors."""
+        self.__dict__.pop(_WEIGHT_CACHE, None)
+
     @abc.abstractmethod
     def _quantized_weight(self) -> QuantizedWeight:
         """The format's QuantizedWeight over the module's tensors now."""
 
     def _apply(self, fn, recurse: bool = True):
         # Conversions assign param.data: the same Parameter objects over new tensors.
-        self.__dict__.pop(_WEIGHT_CACHE, None)
+        self.drop_weight_cache()
         module = super()._apply(fn, recurse)
         _ = self.weight  # built before any trace
         return module

@@ -202,6 +202,8 @@ def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
+    for module in quantized:  # the unsharded data go now, not at each layer's first forward
+        module.drop_weight_cache()
     local_bytes = sum(p.to_local().nbytes for module in quantized for p in module.parameters(recurse=False))
     return ShardedQuantizedBase(len(quantized), total_bytes, local_bytes)
 

@@ -11,6 +11,7 @@ runs the same tests with NCCL, one GPU per process:
 BARQTRAIN_DISTRIBUTED_DEVICE=cuda, BARQTRAIN_DISTRIBUTED_WORLD_SIZES=1,2,... (as many as
 there are GPUs)."""
 
+import gc
 import json
 import os
 import re
@@ -26,7 +27,8 @@ import yaml
 from barqtrain.train import distributed
 from barqtrain.train.config import ConfigError, config_from_dict, to_dict
 from barqtrain.train.distributed import check_supported, ranks_from_env
-from barqtrain.train.trainer import check_resumable, latest_checkpoint, train
+from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
+from barqtrain.train.trainer import build_model, check_resumable, latest_checkpoint, train
 from distributed_worker import RESUMED, variant, variants_under
 from safetensors.torch import load_file
 
@@ -308,5 +310,24 @@ def test_a_gloo_barrier_leaves_its_work_to_the_main_thread(tmp_path):
     try:
         distributed.barrier()
         assert distributed._last_gloo_barrier is not None and distributed._last_gloo_barrier.is_completed()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharding_frees_every_rank_of_the_whole_quantized_base(tmp_path):
+    """Once FSDP2 holds the quantized data's shards, no tensor views the unsharded data any
+    more (a quantized layer's cached weight kept them, the whole base on every rank until the
+    layer's first forward: a 70B-shape base, 33 GiB per GPU)."""
+    config = config_from_dict({**CONFIG, "method": "qlora", "output_dir": str(tmp_path / "run")})
+    model = build_model(config, torch.device("cpu"), quiet)
+    quantized = [module for module in model.modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)]
+    unsharded = {p.untyped_storage().data_ptr() for module in quantized for p in module.parameters(recurse=False)}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        distributed.shard_model(model)
+        gc.collect()
+        plain = (torch.Tensor, torch.nn.Parameter)  # subclasses (DTensor, the quantized weight) hold plain ones
+        alive = {t.untyped_storage().data_ptr() for t in gc.get_objects() if type(t) in plain and not t.is_meta}
+        assert quantized and not unsharded & alive
     finally:
         dist.destroy_process_group()
