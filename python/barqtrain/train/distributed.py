@@ -10,9 +10,8 @@ the model is spread (parallelize):
   parameters only (with LoRA, the adapters; the frozen base takes no part), once per
   optimizer step. Every rank then steps its optimizer (AdamW or bitsandbytes' 8-bit AdamW)
   on the same gradients, and fp16 loss scaling sees the same overflows on every rank.
-- fsdp: every decoder layer, the input embeddings (unless tied to the head) and the root are
-  sharded with `fully_shard` (frozen base weights and trainable LoRA weights may share a
-  unit: FSDP2 keeps per-parameter requires_grad).
+- fsdp: every decoder layer and the root are sharded with `fully_shard` (frozen base weights
+  and trainable LoRA weights may share a unit: FSDP2 keeps per-parameter requires_grad).
   A QLoRA base is sharded too: its 4-bit or int8 data and their scales are frozen parameters
   (barqtrain.quant.linear), split on dim 0 and gathered whole, per layer, for the fused
   dequant-GEMM, so each rank stores 1/N of the base and no 16-bit copy of it ever exists.
@@ -184,11 +183,9 @@ class ShardedQuantizedBase:
 
 
 def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
-    """fully_shard each decoder layer (its weights gathered only while it computes), the input
-    embeddings when the head does not share them (gathered for the lookup only: a root unit
-    would hold them gathered through the whole step, 2.1 GB at the 70B shape), then the root
-    (final norm, head). A QLoRA base's quantized data are sharded with their layer (carried as
-    float8 bytes: see barqtrain.quant.linear)."""
+    """fully_shard each decoder layer (its weights gathered only while it computes), then the
+    root (embeddings, final norm, head). A QLoRA base's quantized data are sharded with their
+    layer (carried as float8 bytes: see barqtrain.quant.linear)."""
     from torch.distributed.fsdp import fully_shard
 
     from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
@@ -204,9 +201,6 @@ def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
     total_bytes = sum(p.nbytes for module in quantized for p in module.parameters(recurse=False))
     for layer in layers:
         fully_shard(layer)
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embeddings is not None and (head is None or head.weight is not embeddings.weight):
-        fully_shard(embeddings)
     fully_shard(model)
     for module in quantized:  # the unsharded data go now, not at each layer's first forward
         module.drop_weight_cache()
