@@ -33,6 +33,7 @@ SUITES = {
     "lora": "LoRA linear and decoder layer (`barqtrain bench lora`)",
     "qlora": "QLoRA: dequantization, fused dequant-GEMM, QLoRA linear (`barqtrain bench qlora`)",
     "data": "Data wait (`barqtrain bench data`)",
+    "scaling": "Several GPUs: LoRA and QLoRA under DDP and FSDP2 (`barqtrain bench scaling`)",
 }
 E2E_COLUMNS = (
     ("hf", "HF + PEFT"),
@@ -95,7 +96,9 @@ def provenance(runs: list[dict]) -> str:
 
 
 def gpu(run) -> str:
-    return run["gpu_dir"].upper()
+    """The results folder as the GPUs it names: h200 -> H200, h200x4 -> 4 × H200."""
+    name, _, count = run["gpu_dir"].partition("x")
+    return f"{count} × {name.upper()}" if count else name.upper()
 
 
 def e2e_shape(data: dict, model: str) -> str:
@@ -218,6 +221,32 @@ def section_data(runs) -> str:
             + md_table(["GPU", "workload", "pipeline", "step", "wait", "wait share", "tokens/s"], rows, "lllrrrr"))
 
 
+def section_scaling(runs) -> str:
+    rows, missing = [], []
+    for run in runs:
+        cases = run["data"]["settings"]["cases"]
+        for r in run["data"]["results"]:
+            case = cases[r["case"]]
+            method = {"lora": "LoRA", "qlora": f"QLoRA ({str(case['quant_type']).upper()})"}.get(case["method"], case["method"])
+            shape = (f"{case['description'].replace(' shape', '')} {method}, "
+                     f"{case['batch_size_per_gpu']} × {case['seq_len']} per GPU")
+            if r["status"] != "ok":
+                why = (r.get("error") or r.get("reason") or "").splitlines()[0].split("; log:")[0]
+                missing.append(f"- {r['case']}, {r['variant']}, {r['gpus']} GPUs: {r['status']}: {why}")
+                continue
+            rows.append([gpu(run), f"[{Path(run['rel']).name}]({run['rel']})", shape, r["variant"], r["parallel"],
+                         str(r["gpus"]), tokens(r["tokens_per_s"]), f"{r['efficiency']:.2f}" if "efficiency" in r else "",
+                         f"{r['speedup_vs_hf']:.2f}×" if "speedup_vs_hf" in r else "", f"{num(r['peak_memory_gib'])} GiB"])
+    text = md_table(["machine", "result", "shape, batch", "variant", "parallel", "GPUs", "tokens/s", "efficiency",
+                     "× HF + PEFT", "peak memory per GPU"], rows, "lllllrrrrr")
+    text += ("\n\nThe batch per GPU is fixed; efficiency is tokens/s at N GPUs over N times tokens/s at 1 of the same"
+             " case and variant. r16 on all seven linear layers, offloaded gradient checkpointing, one `torchrun`"
+             " launch per point, HF + PEFT under Accelerate's FSDP2.")
+    if missing:
+        text += "\n\nNot measured:\n\n" + "\n".join(missing)
+    return text
+
+
 def cpu_section() -> str:
     lines = []
     for path in sorted((RESULTS / "cpu").glob("*.md")):
@@ -240,7 +269,7 @@ def benchmarks_md(runs) -> str:
            "and every row; rerun its command to reproduce it. Compare numbers within one run: runs differ by a few",
            "percent. The history of earlier runs is in git (branch `lab-notebook`).", ""]
     sections = {"e2e": section_e2e, "ops": section_ops, "xent": section_xent, "attn": section_attn,
-                "lora": section_lora, "qlora": section_qlora, "data": section_data}
+                "lora": section_lora, "qlora": section_qlora, "data": section_data, "scaling": section_scaling}
     for suite, title in SUITES.items():
         suite_runs = [r for r in runs if r["suite"] == suite]
         if not suite_runs:
