@@ -195,7 +195,6 @@ def _run_barqtrain(spec: PointSpec, case: ScalingCase) -> dict[str, Any]:
     ranks = distributed.ranks_from_env()
     formed = False
     if ranks.is_distributed:
-        distributed.check_supported(config)
         device, formed = distributed.start(ranks)
     else:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

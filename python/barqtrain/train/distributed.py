@@ -16,7 +16,8 @@ the model is spread (parallelize):
   (barqtrain.quant.linear), split on dim 0 and gathered whole, per layer, for the fused
   dequant-GEMM, so each rank stores 1/N of the base and no 16-bit copy of it ever exists.
   fp16 loss scaling agrees across ranks because the overflow check on sharded (DTensor)
-  gradients takes the maximum over the ranks.
+  gradients takes the maximum over the ranks. 8-bit AdamW steps each rank's shards
+  (barqtrain.train.optim.AdamW8bitOverShards).
 
 Only rank 0 prints and writes; checkpoints hold the full (gathered) model and optimizer state
 keyed by parameter name, under either strategy and in one process alike (full_state), so a
@@ -72,15 +73,6 @@ def ranks_from_env() -> Ranks:
             "`torchrun --nproc-per-node N -m barqtrain.cli train CONFIG`"
         ) from None
     return ranks
-
-
-def check_supported(config: TrainConfig) -> None:
-    """What data-parallel training does not cover fails before the process group forms."""
-    if config.optim.name == "adamw_8bit" and config.distributed.strategy == "fsdp":
-        raise ConfigError(
-            "optim.name: adamw_8bit cannot step FSDP's sharded parameters (bitsandbytes quantizes its states in "
-            "blocks of whole tensors); use distributed.strategy: ddp, which holds the adapters whole, or adamw"
-        )
 
 
 def check_world_size(

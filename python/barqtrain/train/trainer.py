@@ -54,7 +54,7 @@ from barqtrain.train.config import (
 )
 from barqtrain.train.graph_step import GraphedTrainStep
 from barqtrain.train.metrics import Metrics, write_plot
-from barqtrain.train.optim import build_optimizer, check_optimizer, lr_lambda
+from barqtrain.train.optim import build_optimizer, check_optimizer, check_optimizer_state, lr_lambda
 from barqtrain.train.progress import Progress, duration, is_terminal, perplexity, without_transformers_bars
 from barqtrain.train.write_errors import run_write_errors
 
@@ -520,6 +520,7 @@ def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, dat
     returns its step."""
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=False)
+    check_optimizer_state(optimizer, optimizer_state, path)
     try:
         if _keyed_by_index(optimizer_state):
             _load_state_of_one_process(path, model, config, optimizer, optimizer_state, ranks)
@@ -697,7 +698,6 @@ def train(
     ranks = distributed.ranks_from_env()
     if not ranks.is_distributed:
         return _train(config, resume, stop_after, log, device, progress_bar, ranks, overwrite, resume_from)
-    distributed.check_supported(config)
     device, formed = distributed.start(ranks)
     try:
         log = distributed.main_only(log, ranks)

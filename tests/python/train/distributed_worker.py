@@ -2,7 +2,7 @@
 process group (formed here, so train() joins it: nccl on GPUs, gloo on the CPU), each run in
 ROOT/NAME:
 
-- VARIANT-whole for each of VARIANTS (full-8bit under ddp only: FSDP refuses 8-bit AdamW);
+- VARIANT-whole for each of VARIANTS;
 - METHOD-stopped for each of RESUMED: stopped at the checkpoint of step STOP_AFTER, resumed;
 - lora-switched: stopped under STRATEGY, resumed under the other strategy;
 - lora-left-stopped: stopped, for one process to resume;
@@ -21,10 +21,11 @@ VARIANTS = {
     "full": {"method": "full"},
     "qlora": {"method": "qlora"},  # the fused dequant-GEMM on GPUs, the reference dequantization on the CPU
     "lora-fp16": {"method": "lora", "precision": "fp16"},  # loss scaling
-    # The embeddings' moments in 8-bit blocks (LoRA's small tensors keep fp32 ones).
+    # The embeddings' moments in 8-bit blocks (LoRA's small tensors keep fp32 ones): under FSDP,
+    # blocks of each rank's shard.
     "full-8bit": {"method": "full", "optim": {"name": "adamw_8bit", "warmup_steps": 1}},
 }
-RESUMED = ("lora", "full", "qlora")
+RESUMED = ("lora", "full", "qlora", "full-8bit")
 
 
 def variant(name: str, device_type: str) -> dict:
@@ -32,10 +33,6 @@ def variant(name: str, device_type: str) -> dict:
     if name == "qlora" and device_type == "cuda":
         return {**VARIANTS[name], "precision": "bf16"}
     return VARIANTS[name]
-
-
-def variants_under(strategy: str) -> list[str]:
-    return [name for name in VARIANTS if not (name == "full-8bit" and strategy == "fsdp")]
 
 
 def main() -> None:
@@ -50,7 +47,7 @@ def main() -> None:
     mapping = {**yaml.safe_load(open(config_path)), "distributed": {"strategy": strategy}}
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     _, formed = distributed.start(distributed.ranks_from_env())
-    for name in variants_under(strategy):
+    for name in VARIANTS:
         train(config_from_dict({**mapping, **variant(name, device_type), "output_dir": f"{root}/{name}-whole"}),
               progress_bar=False)  # fmt: skip
     for name in RESUMED:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import yaml
 from barqtrain.train import distributed
 from barqtrain.train.config import ConfigError, config_from_dict, to_dict
-from barqtrain.train.distributed import check_supported, ranks_from_env
+from barqtrain.train.distributed import ranks_from_env
 from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
 from barqtrain.train.trainer import build_model, check_resumable, latest_checkpoint, train
-from distributed_worker import RESUMED, variant, variants_under
+from distributed_worker import RESUMED, VARIANTS, variant
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -60,6 +60,10 @@ LOSS_RTOL = {("cpu", "fp32"): 1e-5, ("cpu", "fp16"): 1e-4, ("cuda", "fp32"): 1e-
 # states round to 256 codes, so that a tiny difference can move one to the next code.
 WEIGHTS_CLOSE = {"cpu": (1e-3, 1e-4), "cuda": (1e-2, 1e-3)}
 WEIGHTS_NORM_RTOL = {"cpu": 2e-2, "cuda": 5e-2}
+# Under FSDP, 8-bit AdamW quantizes each rank's shard in its own blocks of 256, one process
+# the whole tensor: other absmaxes, so the moments round differently from the first update
+# (4 ranks: 4.5e-5 relative in the losses of the 4-step run).
+SHARDED_8BIT_LOSS_RTOL = 2e-4
 
 
 def precision(name: str) -> str:
@@ -71,8 +75,14 @@ def rounds_coarsely(name: str) -> bool:
     return settings["precision"] != "fp32" or settings["optim"].get("name") == "adamw_8bit"
 
 
-def assert_same_losses(learned: dict[int, float], expected: dict[int, float], name: str) -> None:
-    assert learned == pytest.approx(expected, rel=LOSS_RTOL[DEVICE, precision(name)], abs=1e-6)
+def assert_same_losses(
+    learned: dict[int, float], expected: dict[int, float], name: str, blocks_differ: bool = False
+) -> None:
+    """blocks_differ: 8-bit AdamW's states quantized over FSDP's shards against whole tensors."""
+    rtol = LOSS_RTOL[DEVICE, precision(name)]
+    if blocks_differ and {**CONFIG, **variant(name, DEVICE)}["optim"].get("name") == "adamw_8bit":
+        rtol = max(rtol, SHARDED_8BIT_LOSS_RTOL)
+    assert learned == pytest.approx(expected, rel=rtol, abs=1e-6)
 
 
 def assert_same_weights(learned: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], name: str) -> None:
@@ -161,13 +171,13 @@ def single_runs(tmp_path_factory):
 
 
 def test_n_processes_learn_what_one_process_with_the_global_batch_learns(runs, single_runs):
-    """Every variant the strategy trains (8-bit AdamW not under FSDP: test_fsdp_refuses_8bit_adamw)."""
+    """Every variant, under either strategy."""
     strategy, world_size, root, _ = runs
-    for name in variants_under(strategy):
+    for name in VARIANTS:
         single = single_runs(name, world_size * ROWS_PER_PROCESS)
         several = losses(root / f"{name}-whole")
         assert sorted(several) == list(range(1, STEPS + 1)), name
-        assert_same_losses(several, losses(single), name)
+        assert_same_losses(several, losses(single), name, blocks_differ=strategy == "fsdp")
         assert several[STEPS] < several[1], name
         assert_same_weights(weights(root / f"{name}-whole"), weights(single), name)
 
@@ -217,7 +227,7 @@ def test_only_rank_0_prints(runs):
     # The whole runs, the stopped runs and their resumes, the switched run's first half, the
     # run left stopped and the resume of one process's run; the switched run's resume under
     # the other strategy.
-    under_strategy = len(variants_under(strategy)) + 2 * len(RESUMED) + 3
+    under_strategy = len(VARIANTS) + 2 * len(RESUMED) + 3
     announced = {
         "ddp": f"DDP: {world_size} processes, each with the whole model",
         "fsdp": f"FSDP: {world_size} processes, ",
@@ -278,15 +288,6 @@ def test_distributed_strategy_is_ddp_or_fsdp_and_fsdp_by_default():
         config_from_dict({"distributed": {"strategy": "dp"}})
     with pytest.raises(ConfigError, match=r"^distributed\.shards: unknown key; expected one of strategy$"):
         config_from_dict({"distributed": {"shards": 2}})
-
-
-def test_fsdp_refuses_8bit_adamw():
-    """bitsandbytes quantizes 8-bit AdamW's states in blocks of whole tensors; DDP holds them whole."""
-    with pytest.raises(ConfigError, match="^optim.name: adamw_8bit cannot step FSDP's sharded parameters"):
-        check_supported(config_from_dict({"optim": {"name": "adamw_8bit"}, "distributed": {"strategy": "fsdp"}}))
-    ddp_8bit = {"optim": {"name": "adamw_8bit"}, "distributed": {"strategy": "ddp"}}
-    for mapping in ({"method": "qlora"}, {"precision": "fp16"}, ddp_8bit):
-        check_supported(config_from_dict(mapping))
 
 
 def test_the_torchrun_environment(monkeypatch):

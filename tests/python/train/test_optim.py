@@ -3,13 +3,21 @@ only where it can really run."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from barqtrain.train.config import ConfigError, TrainConfig, config_from_dict
-from barqtrain.train.optim import build_optimizer, lr_lambda
+from barqtrain.train.optim import (
+    AdamW8bitOverShards,
+    build_optimizer,
+    check_optimizer_state,
+    has_8bit_adamw_kernel,
+    lr_lambda,
+)
 
 HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
@@ -49,6 +57,71 @@ def test_cpu_8bit_adamw_keeps_8bit_states_of_large_tensors():
     optimizer.step()
     assert optimizer.state[params[0]]["state1"].dtype == torch.uint8
     torch.testing.assert_close(params[0].detach(), -0.1 * params[0].grad.sign(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_8bit_adamw_over_fsdp_shards_steps_as_bitsandbytes_and_gives_back_its_state(device, tmp_path):
+    """In a world of one process each shard is the whole tensor, so the sharded optimizer steps
+    exactly as bitsandbytes' own; its state, fp32 moments placed like the parameters, loads into
+    a new one as the same 8-bit codes and absmaxes (resumes are exact)."""
+    import bitsandbytes
+    from torch.distributed.fsdp import fully_shard
+
+    if not has_8bit_adamw_kernel(torch.device(device)):
+        pytest.skip(f"the installed bitsandbytes has no 8-bit AdamW kernel for {device}")
+    torch.manual_seed(0)
+    sharded = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 16)).to(device)
+    whole = copy.deepcopy(sharded)
+    inputs = torch.randn(32, 64, device=device)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for module in (*sharded, sharded):
+            fully_shard(module)
+        config = config_from_dict({"optim": {"name": "adamw_8bit", "lr": 0.01}})
+        optimizer = build_optimizer(config, list(sharded.parameters()), torch.device(device))
+        assert isinstance(optimizer, AdamW8bitOverShards)
+        reference = bitsandbytes.optim.AdamW8bit(whole.parameters(), lr=0.01, betas=(0.9, 0.999), weight_decay=0.0)
+        for _ in range(4):
+            for model, opt in ((sharded, optimizer), (whole, reference)):
+                opt.zero_grad()
+                model(inputs).square().mean().backward()
+                opt.step()
+        for a, b in zip(sharded.parameters(), whole.parameters()):
+            assert torch.equal(a.full_tensor(), b)
+        state = optimizer.state_dict()
+        assert {type(s["exp_avg"]).__name__ for s in state["state"].values()} == {"DTensor"}
+        restored = AdamW8bitOverShards(list(sharded.parameters()), lr=0.01, betas=(0.9, 0.999), weight_decay=0.0)
+        restored.load_state_dict(state)
+        for p in sharded.parameters():
+            saved, loaded = optimizer.state[p], restored.state[p]
+            assert saved["step"] == loaded["step"] == 4
+            assert all(torch.equal(saved[key], loaded[key]) for key in saved if key.startswith(("state", "absmax")))
+        assert any(s["state1"].dtype == torch.uint8 for s in optimizer.state.values())  # the 8192-element weight
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_8bit_checkpoint_resumes_where_its_form_of_the_state_fits():
+    """bitsandbytes' quantized state of whole tensors and the sharded optimizer's fp32 moments
+    do not go into each other's optimizer: a one-line error says how to resume."""
+    whole_state = {"state": {0: {"step": 2, "state1": torch.zeros(4, dtype=torch.uint8)}}, "param_groups": []}
+    moments = {"state": {"a.weight": {"step": torch.tensor(2.0), "exp_avg": torch.zeros(4)}}, "param_groups": []}
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    plain = torch.optim.AdamW(params)
+    check_optimizer_state(plain, moments, "ckpt")
+    if HAS_BITSANDBYTES:
+        import bitsandbytes
+
+        own = bitsandbytes.optim.AdamW8bit(params)
+        check_optimizer_state(own, whole_state, "ckpt")
+        with pytest.raises(ConfigError, match="^--resume: ckpt holds 8-bit AdamW's moments as FSDP's sharded .* fsdp"):
+            check_optimizer_state(own, moments, "ckpt")
+        sharded = AdamW8bitOverShards(params, lr=0.01, betas=(0.9, 0.999), weight_decay=0.0)
+        check_optimizer_state(sharded, moments, "ckpt")
+        with pytest.raises(ConfigError, match="^--resume: ckpt holds bitsandbytes' 8-bit AdamW state of whole tensors"):
+            check_optimizer_state(sharded, whole_state, "ckpt")
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
