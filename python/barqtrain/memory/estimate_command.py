@@ -1,6 +1,6 @@
-"""`barqtrain estimate CONFIG.yaml [--json] [--seq-length N]`: the peak GPU memory, pinned host
-memory and step time of training CONFIG, by component, before any model is loaded (see
-barqtrain.memory.estimate)."""
+"""`barqtrain estimate CONFIG.yaml [--json] [--seq-length N] [--processes N]`: the peak GPU
+memory, pinned host memory and step time of training CONFIG, by component, before any model is
+loaded (see barqtrain.memory.estimate); with --processes, one process's of N under torchrun."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--seq-length", type=int, metavar="N", help="estimate rows of N tokens instead of the config's data.seq_length"
     )
+    parser.add_argument(
+        "--processes", type=int, metavar="N",
+        help="one process's estimate of N under torchrun, with the config's distributed.strategy (default: WORLD_SIZE, or 1)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -28,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seq_length is not None and args.seq_length < 1:
         raise ConfigError(f"--seq-length: must be at least 1, got {args.seq_length}")
-    result = estimate(load_config(args.config), seq=args.seq_length)
+    result = estimate(load_config(args.config), seq=args.seq_length, processes=args.processes)
     print(result.to_json() if args.json else result.table())
     return 0

@@ -14,7 +14,12 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   (offload); with the MLP tiled over the sequence (memory.mlp_tile_tokens), the MLP keeps its
   input alone and its working memory is one tile's;
 - the transient working memory of the largest backward op of a layer, of the fused linear +
-  cross-entropy's chunks, and cuBLAS's workspaces.
+  cross-entropy's chunks, and cuBLAS's workspaces;
+- per process under torchrun (`processes`, default WORLD_SIZE): with distributed.strategy fsdp
+  every weight, adapter, gradient and optimizer state is 1/N, plus what FSDP gathers (the root
+  unit, FSDP_GATHERED_LAYERS decoder layers); with ddp everything is whole, plus DDP's buckets,
+  an fp32 copy of the trainable gradients. Checked against the 2- and 4-GPU peaks of `barqtrain
+  bench scaling` (benchmarks/results/h200x4/) by tests/python/memory/test_estimate_distributed.py.
 
 The peak is the largest of three moments of a steady-state step (the optimizer states exist,
 as they do from the second step on): the end of the forward pass (all kept activations and the
@@ -81,6 +86,11 @@ GEMM_FRACTION = {2048: 0.44, 4096: 0.60}
 ATTENTION_FRACTION = 0.82
 QUANTIZED_GEMM_SLOWDOWN = 1.1
 COPY_FRACTION = 0.8
+
+# FSDP2 keeps the root unit (embeddings, final norm, head) gathered through the step, and up to
+# three decoder layers' weights whole: the one computing, the next one it prefetches, and that
+# one's all-gather output until it is copied out into the layer's parameters.
+FSDP_GATHERED_LAYERS = 3
 
 # Pinned memory cannot be paged out: offloaded inputs beyond this fraction of the host's RAM
 # leave too little for the process, its data loader and the system.
@@ -572,6 +582,8 @@ class Estimate:
     step_flops: float
     micro_batches: int  # per optimizer step (grad_accum)
     layer: list[Kept] = field(default_factory=list)  # one decoder layer's kept tensors, op by op
+    processes: int = 1  # the estimate is one process's of this many under torchrun
+    strategy: str | None = None  # distributed.strategy with several processes
 
     @property
     def tokens_per_second(self) -> float:
@@ -592,6 +604,8 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "processes": self.processes,
+            "strategy": self.strategy,
             "peak_gib": self.peak_bytes / GIB,
             "reserved_gib": self.reserved_bytes / GIB,
             "peak_moment": self.peak_moment,
@@ -607,6 +621,10 @@ class Estimate:
             "plan": {"layers": list(self.plan.choices), "mlp_tile_tokens": self.plan.mlp_tile_tokens},
         }
 
+    def per_process(self) -> str:
+        """How the estimate is meant: '' for one process, else per process of how many under what."""
+        return f" per process, {self.processes} processes under {self.strategy}" if self.processes > 1 else ""
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
@@ -618,7 +636,7 @@ class Estimate:
         size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
         lines = [
             f"Estimate: {self.model.model_type} ({size} parameters), {run.method}, {run.batch} x {run.seq} tokens "
-            f"a micro-batch; {self.plan.describe()}",
+            f"a micro-batch{self.per_process()}; {self.plan.describe()}",
             f"  {'component':<{width}}  {'GiB':>8}",
         ]
         for c in self.components:
@@ -824,12 +842,36 @@ def _held_note(plan: LayerPlan, costs: LayerCosts) -> str:
     return ", ".join(parts)
 
 
+def torchrun_processes(processes: int | None = None) -> int:
+    """processes, or without it torchrun's WORLD_SIZE (1 outside torchrun)."""
+    if processes is not None:
+        if processes < 1:
+            raise ConfigError(f"--processes: at least 1, got {processes}")
+        return processes
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE: an integer, got {os.environ['WORLD_SIZE']!r}") from None
+
+
+def root_weight_bytes(model: ModelShape, config: TrainConfig) -> int:
+    """The weights outside the decoder layers (embeddings, final norm, head): FSDP's root unit."""
+    per_parameter = 4 if config.method == "full" else _DTYPE_BYTES[_compute_precision(config)]
+    return per_parameter * (model.hidden + model.embedding_parameters())
+
+
 def estimate(
-    config: TrainConfig, model: ModelShape | None = None, seq: int | None = None, plan: LayerPlan | None = None
+    config: TrainConfig,
+    model: ModelShape | None = None,
+    seq: int | None = None,
+    plan: LayerPlan | None = None,
+    processes: int | None = None,
 ) -> Estimate:
     """The estimate of training `config` (its model's shape read from config.json or the named
     shape unless given; seq: rows of this many tokens instead of data.seq_length) under `plan`:
-    None is the config's (gradient_checkpointing: auto: the planner's for memory.budget_gib)."""
+    None is the config's (gradient_checkpointing: auto: the planner's for memory.budget_gib);
+    processes: one process's estimate of this many under torchrun with distributed.strategy
+    (None: WORLD_SIZE)."""
     if not config.model.patch:
         raise ConfigError(
             "model.patch: false trains with Hugging Face's and PEFT's modules, which keep other tensors (the logits "
@@ -844,24 +886,37 @@ def estimate(
     if plan is None and config.gradient_checkpointing == "auto":
         from barqtrain.memory.planner import plan_memory
 
-        return plan_memory(config, model=model, seq=seq).estimate
+        return plan_memory(config, model=model, seq=seq, processes=processes).estimate
     plan = config_plan(config, model.layers) if plan is None else plan
     if len(plan.choices) != model.layers:
         raise ValueError(f"barqtrain: a plan of {len(plan.choices)} layers for a model of {model.layers}")
     run = run_shape(config, seq, plan)
+    processes = torchrun_processes(processes)
+    strategy = config.distributed.strategy if processes > 1 else None
+    shards = processes if strategy == "fsdp" else 1  # what every sharded tensor is divided by
     components: list[Component] = []
     weights, how = weight_bytes(model, config)
-    components.append(Component("weights", weights, how))
     tensors = trainable_tensors(model, run)
     trainable = sum(tensors)
-    if run.method in ADAPTER_METHODS:
-        components.append(Component("LoRA adapters (fp32)", 4 * trainable, f"{trainable:,} parameters"))
+    adapters = 4 * trainable if run.method in ADAPTER_METHODS else 0
+    if shards > 1:
+        components.append(Component("weights, this process's shards", weights // shards, f"{how}; 1/{shards} each"))
+        layer = (weights - root_weight_bytes(model, config) + adapters) // model.layers
+        gathered = root_weight_bytes(model, config) + FSDP_GATHERED_LAYERS * layer
+        note = f"the root unit and {FSDP_GATHERED_LAYERS} layers"
+        components.append(Component("weights FSDP gathers", gathered, note))
+    else:
+        components.append(Component("weights", weights, how))
+    if adapters:
+        components.append(Component("LoRA adapters (fp32)", adapters // shards, f"{trainable:,} parameters"))
     states, states_note = optimizer_state_bytes(config, tensors)
-    components.append(Component("optimizer states", states, states_note))
-    gradients = 4 * trainable
+    components.append(Component("optimizer states", states // shards, states_note))
+    gradients = 4 * trainable // shards
+    if strategy == "ddp":
+        components.append(Component("DDP's gradient buckets", 4 * trainable, "an fp32 copy of the trainable gradients"))
     components.append(Component("CUDA library workspaces", CUBLAS_WORKSPACE_BYTES, "cuBLAS, one per GEMM thread"))
 
-    layer = layer_activations(model, run)
+    layer_kept = layer_activations(model, run)
     costs = LayerCosts.of(model, run)
     loss = loss_activations(model, run)
     loss_kept = _sum(loss)
@@ -937,14 +992,15 @@ def estimate(
     return Estimate(
         model=model, run=run, plan=plan, components=components, peak_moment=peak_moment,
         pinned_host_bytes=plan.count("offload") * costs.input, step_seconds=config.grad_accum * micro_batch_seconds,
-        step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer,
+        step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer_kept,
+        processes=processes, strategy=strategy,
     )
 
 
 def log_estimate(config: TrainConfig, log: Callable[..., None]) -> Estimate | None:
     """Logs the short block `barqtrain train` prints before it builds the model: the estimated
-    peak and its largest parts, or why there is no estimate (a model the estimator does not
-    cover); returns the estimate."""
+    peak (per process under torchrun) and its largest parts, or why there is no estimate (a
+    model the estimator does not cover); returns the estimate."""
     try:
         result = estimate(config)
     except ConfigError as error:
@@ -959,7 +1015,8 @@ def log_estimate_of(result: Estimate, log: Callable[..., None]) -> None:
     parts = ", ".join(f"{c.name} {c.bytes / GIB:.2f}" for c in largest)
     pinned = f", {result.pinned_host_bytes / GIB:.2f} GiB pinned host memory" if result.pinned_host_bytes else ""
     log(
-        f"Estimate (`barqtrain estimate` for all of it): peak {result.peak_bytes / GIB:.2f} GiB of GPU memory at "
+        f"Estimate (`barqtrain estimate` for all of it): peak {result.peak_bytes / GIB:.2f} GiB of GPU memory"
+        f"{result.per_process()} at "
         f"{result.peak_moment} ({parts} GiB){pinned}; about {result.step_seconds:.2f} s a step on an H200."
     )
     if result.pinned_exceeds_host():

@@ -11,7 +11,7 @@ inputs as the host can pin, the planner takes the fastest that fits: a budget th
 layer's tensors gets a plan in which nothing is recomputed and nothing is tiled, as both only
 cost time.
 
-    plan = barqtrain.memory.plan_memory(config, budget_bytes=80 * 2**30)
+    plan = barqtrain.memory.plan_memory(config, budget=80 * 2**30)
     print(plan.describe())
     barqtrain.memory.apply_layer_plan(model, plan.layers)   # a patched model, LoRA-wrapped or not
 """
@@ -55,7 +55,8 @@ class MemoryPlan:
         pinned = f", {result.pinned_host_bytes / GIB:.2f} GiB of pinned host memory" if result.pinned_host_bytes else ""
         return (
             f"Memory plan for a budget of {self.budget_bytes / GIB:.1f} GiB: {self.layers.describe()}. Estimate: peak "
-            f"{result.peak_bytes / GIB:.2f} GiB allocated ({result.reserved_bytes / GIB:.2f} GiB reserved) at "
+            f"{result.peak_bytes / GIB:.2f} GiB allocated ({result.reserved_bytes / GIB:.2f} GiB reserved)"
+            f"{result.per_process()} at "
             f"{result.peak_moment}{pinned}; about {result.step_seconds:.2f} s a step on an H200."
         )
 
@@ -82,10 +83,12 @@ def plan_memory(
     model: ModelShape | None = None,
     seq: int | None = None,
     pinnable_bytes: float | None = None,
+    processes: int | None = None,
 ) -> MemoryPlan:
     """The fastest plan for `config` whose estimated reserved peak is at most `budget` bytes (None:
     budget_bytes(config)) and whose offloaded inputs fit `pinnable_bytes` of pinned host memory
-    (None: 80% of this machine's RAM); seq: rows of this many tokens instead of data.seq_length.
+    (None: 80% of this machine's RAM); seq: rows of this many tokens instead of data.seq_length;
+    processes: plan one process of this many under torchrun (None: WORLD_SIZE).
     A budget nothing fits is a ConfigError naming memory.budget_gib and the least that would do."""
     model = model_shape(config) if model is None else model
     budget = budget_bytes(config) if budget is None else budget
@@ -98,7 +101,7 @@ def plan_memory(
         for kept in range(layers, -1, -1):
 
             def plan_with(offloaded: int, kept: int = kept, tile: int = tile) -> Estimate:
-                return estimate(config, model, seq, LayerPlan(layer_choices(layers, kept, offloaded), tile))
+                return estimate(config, model, seq, LayerPlan(layer_choices(layers, kept, offloaded), tile), processes)
 
             fastest = plan_with(0)
             if best is not None and fastest.step_seconds >= best.step_seconds:
