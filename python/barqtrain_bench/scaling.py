@@ -145,7 +145,11 @@ def _run_or_skip(
         if left <= 0:
             return {"status": "skipped", "reason": f"the --time-budget of {time_budget_s:g} s was spent before it"}
         timeout_s = min(timeout_s, left)
-    return run_point(spec, gpus, out_dir / LOG_DIR / f"{spec.case}-{spec.variant}-{gpus}gpu.log", timeout_s)
+    row = run_point(spec, gpus, out_dir / LOG_DIR / f"{spec.case}-{spec.variant}-{gpus}gpu.log", timeout_s)
+    if row.pop("timed_out", False) and timeout_s < POINT_TIMEOUT_S:  # the budget stopped it, not a hang
+        reason = f"the --time-budget of {time_budget_s:g} s ran out {timeout_s:.0f} s into it"
+        return {"status": "skipped", "reason": reason, "command": row["command"], "log": row["log"]}
+    return row
 
 
 def _variant_unavailable(variant: str, case: ScalingCase) -> str | None:
@@ -221,7 +225,8 @@ def merge_ranks(
         error = f"rank {failed['rank']}: {failed['error']}"
         return {"status": "error", "error": error, "traceback": failed["traceback"]}
     if returncode is None:
-        return {"status": "error", "error": f"the launch did not finish within {timeout_s:.0f} s; log: {log_path}"}
+        error = f"the launch did not finish within {timeout_s:.0f} s; log: {log_path}"
+        return {"status": "error", "error": error, "timed_out": True}
     if len(ranks) < gpus:
         tail = log_path.read_text()[-3000:]
         return {

@@ -257,6 +257,9 @@ def test_points_past_the_time_budget_are_skipped_and_unavailable_baselines_are_n
     def run_point(spec, gpus, log_path, timeout_s):
         launched.append((spec.variant, gpus, timeout_s))
         rows_on_disk.append(len(json.loads((tmp_path / "scaling.json").read_text())["results"]))
+        if gpus == 2:  # the budget's end stops it
+            return {"status": "error", "error": "the launch did not finish within 50 s", "timed_out": True,
+                    "command": "torchrun ...", "log": str(log_path)}  # fmt: skip
         return {"status": "ok", "parallel": "one process", "tokens_per_s": 100.0, "tokens_per_s_per_gpu": 100.0,
                 "step_s": 1.0, "peak_memory_gib": None, "setup_peak_memory_gib": None}  # fmt: skip
 
@@ -266,10 +269,11 @@ def test_points_past_the_time_budget_are_skipped_and_unavailable_baselines_are_n
     assert launched == [("barqtrain", 1, 95.0), ("barqtrain", 2, 50.0)]  # capped at the budget left
     assert rows_on_disk == [0, 2]  # written after every point: a run cut short keeps what it measured
     assert [(row["variant"], row["gpus"], row["status"]) for row in rows] == [
-        ("barqtrain", 1, "ok"), ("hf", 1, "unavailable"), ("barqtrain", 2, "ok"), ("hf", 2, "unavailable"),
+        ("barqtrain", 1, "ok"), ("hf", 1, "unavailable"), ("barqtrain", 2, "skipped"), ("hf", 2, "unavailable"),
         ("barqtrain", 4, "skipped"), ("hf", 4, "unavailable"),
     ]  # fmt: skip
     assert rows[1]["reason"] == "accelerate not installed"
+    assert rows[2]["reason"] == "the --time-budget of 100 s ran out 50 s into it" and "timed_out" not in rows[2]
     assert rows[4]["reason"] == "the --time-budget of 100 s was spent before it"
     assert "- llama-8b-lora / barqtrain / 4 GPUs: skipped:" in (tmp_path / "scaling.md").read_text()
 
