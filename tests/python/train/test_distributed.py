@@ -316,19 +316,44 @@ def test_a_gloo_barrier_leaves_its_work_to_the_main_thread(tmp_path):
 
 
 def test_sharding_frees_every_rank_of_the_whole_quantized_base(tmp_path):
-    """Once FSDP2 holds the quantized data's shards, no tensor views the unsharded data any
-    more (a quantized layer's cached weight kept them, the whole base on every rank until the
-    layer's first forward: a 70B-shape base, 33 GiB per GPU)."""
+    """Once FSDP2 holds a layer's quantized shards, nothing holds the layer's unsharded data any
+    more, from before the next layer is sharded (a quantized layer's cached weight kept them,
+    the whole base on every rank until the layer's first forward: a 70B-shape base, 33 GiB per
+    GPU). The test keeps one handle on each storage and counts the others."""
+    from torch.distributed import fsdp
+
     config = config_from_dict({**CONFIG, "method": "qlora", "output_dir": str(tmp_path / "run")})
     model = build_model(config, torch.device("cpu"), quiet)
-    quantized = [module for module in model.modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)]
-    unsharded = {p.untyped_storage().data_ptr() for module in quantized for p in module.parameters(recurse=False)}
+    layers = distributed.decoder_layers(model)
+
+    def storages(modules) -> list[torch.UntypedStorage]:
+        found = {}
+        for module in modules:
+            if isinstance(module, QUANTIZED_LINEAR_TYPES):
+                for p in module.parameters(recurse=False):
+                    found.setdefault(p.untyped_storage()._cdata, p.untyped_storage())
+        return list(found.values())
+
+    def held_elsewhere(handles) -> int:
+        gc.collect()
+        return sum(torch._C._storage_Use_Count(handle._cdata) > 1 for handle in handles)
+
+    first_layer, whole_base = storages(layers[0].modules()), storages(model.modules())
+    sharded = []
+    original_fully_shard = fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        if len(sharded) == 1:  # the first layer is sharded: its unsharded data are gone
+            assert first_layer and held_elsewhere(first_layer) == 0
+        sharded.append(module)
+        return original_fully_shard(module, *args, **kwargs)
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        distributed.shard_model(model)
-        gc.collect()
-        plain = (torch.Tensor, torch.nn.Parameter)  # subclasses (DTensor, the quantized weight) hold plain ones
-        alive = {t.untyped_storage().data_ptr() for t in gc.get_objects() if type(t) in plain and not t.is_meta}
-        assert quantized and not unsharded & alive
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fsdp, "fully_shard", fully_shard)
+            distributed.shard_model(model)
+        assert len(sharded) == len(layers) + 1
+        assert len(whole_base) > len(first_layer) and held_elsewhere(whole_base) == 0
     finally:
         dist.destroy_process_group()
