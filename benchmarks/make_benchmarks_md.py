@@ -4,7 +4,8 @@
     python benchmarks/make_benchmarks_md.py --check   # exit 1 if either is out of date
 
 The curated results are one JSON per `barqtrain bench` suite and GPU,
-benchmarks/results/<gpu>/<suite>.json (end to end: e2e-<workload>.json, several per GPU),
+benchmarks/results/<gpu>/<suite>.json (end to end: e2e-<workload>.json, several per GPU; several
+GPUs: <gpu>x<count>/scaling-<case>.json),
 each as the suite wrote it: the GPU, date, commit and exact command in its `environment`,
 then every row. To update one, run the command on that GPU, copy its JSON over the old one
 and run this script. The CPU results (cpu/*.md) and the convergence run (convergence-cpu.json)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "results"
-SUITES = {"ops", "xent", "attn", "lora", "qlora", "data", "e2e"}
+SUITES = {"ops", "xent", "attn", "lora", "qlora", "data", "e2e", "scaling"}
+SEVERAL_PER_GPU = {"e2e", "scaling"}  # <suite>-<workload or case>.json
 
 
 def test_curated_results_name_gpu_date_commit_and_command():
@@ -20,7 +21,7 @@ def test_curated_results_name_gpu_date_commit_and_command():
     for path in files:
         data = json.loads(path.read_text())
         assert data["benchmark"] in SUITES, path
-        name = path.stem if data["benchmark"] != "e2e" else path.stem.split("-", 1)[0]
+        name = path.stem.split("-", 1)[0] if data["benchmark"] in SEVERAL_PER_GPU else path.stem
         assert name == data["benchmark"], f"{path}: a {data['benchmark']} result under another suite's name"
         env = data["environment"]
         for key in ("device", "date", "git_commit", "command"):
