@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from barqtrain.train.config import ADAPTER_METHODS, NAMED_MODELS, ConfigError, TrainConfig
+from barqtrain.train.optim import ADAMW_8BIT_BLOCK, ADAMW_8BIT_MIN_SIZE
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -68,10 +69,6 @@ CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
 # largest fraction of the allocated peak that `torch.cuda.max_memory_reserved` added in the GPU
 # test's matrix, per checkpointing policy (a recompute allocates and frees in more sizes).
 RESERVED_SLACK: dict[str, float] = {"off": 0.04, "on": 0.12, "offload": 0.16}
-# bitsandbytes' 8-bit AdamW: one byte per state element, an fp32 absmax per block of 256; tensors
-# under 4096 elements keep fp32 states.
-ADAMW_8BIT_BLOCK = 256
-ADAMW_8BIT_MIN_SIZE = 4096
 
 # Step-time ceilings of one H200 (SPEC section 4) and the fractions of them BarqTrain's steps
 # reach, fitted to the steps the GPU test of this module times (its 20 configurations; the step

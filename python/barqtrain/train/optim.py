@@ -10,9 +10,10 @@ from torch.distributed.tensor import DTensor
 
 from barqtrain.train.config import ConfigError, TrainConfig
 
-# bitsandbytes' 8-bit optimizers quantize each state in blocks of this many elements of the
-# flattened tensor, one absmax per block.
-STATE_BLOCK = 256
+# bitsandbytes' 8-bit AdamW: one byte per state element and an fp32 absmax per block of this many
+# elements of the flattened tensor; tensors of fewer than ADAMW_8BIT_MIN_SIZE keep fp32 states.
+ADAMW_8BIT_BLOCK = 256
+ADAMW_8BIT_MIN_SIZE = 4096
 
 
 def check_optimizer(config: TrainConfig, device: torch.device) -> None:
@@ -78,13 +79,13 @@ def lr_lambda(config: TrainConfig, total_steps: int) -> Callable[[int], float]:
 class AdamW8bitOverShards(torch.optim.Optimizer):
     """bitsandbytes' 8-bit AdamW for FSDP2's sharded (DTensor) parameters, which its kernels
     cannot take: every rank steps the local shard of each parameter with bitsandbytes' own
-    AdamW8bit (the moments quantized in blocks of STATE_BLOCK elements of the shard), and the
+    AdamW8bit (the moments quantized in blocks of ADAMW_8BIT_BLOCK elements of the shard), and the
     state this optimizer gives and takes is torch AdamW's (step, exp_avg, exp_avg_sq in fp32,
     placed like their parameter). A checkpoint therefore holds the whole moments keyed by
     parameter name, like every other run's, and resumes with any number of processes:
     re-quantizing a shard's dequantized moments gives back the same codes where the blocks are
     the same (each block's largest element is its absmax, which the dynamic code holds exactly).
-    A shard of fewer than bitsandbytes' min_8bit_size (4096) elements keeps fp32 moments."""
+    A shard of fewer than ADAMW_8BIT_MIN_SIZE elements keeps fp32 moments."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float],
                  weight_decay: float, eps: float = 1e-8) -> None:  # fmt: skip
@@ -158,17 +159,19 @@ class AdamW8bitOverShards(torch.optim.Optimizer):
                 self.state[p] = inner
 
 
-def check_optimizer_state(optimizer: torch.optim.Optimizer, optimizer_state: dict, checkpoint) -> None:
+def check_optimizer_state(config: TrainConfig, optimizer: torch.optim.Optimizer, optimizer_state: dict,
+                          checkpoint) -> None:  # fmt: skip
     """An 8-bit AdamW checkpoint resumes where its form of the state fits: bitsandbytes' own
     quantized state of whole tensors (one process, DDP) or fp32 moments (FSDP's shards)."""
+    if config.optim.name != "adamw_8bit":  # resuming cannot change optim.name
+        return
     saved = optimizer_state["state"].values()
     if isinstance(optimizer, AdamW8bitOverShards) and any("state1" in state for state in saved):
         raise ConfigError(
             f"--resume: {checkpoint} holds bitsandbytes' 8-bit AdamW state of whole tensors (written by one process "
             "or under distributed.strategy: ddp), which FSDP's sharded parameters cannot take; resume it that way"
         )
-    bitsandbytes_own = type(optimizer).__module__.startswith("bitsandbytes")
-    if bitsandbytes_own and any("exp_avg" in state for state in saved):
+    if not isinstance(optimizer, AdamW8bitOverShards) and any("exp_avg" in state for state in saved):
         raise ConfigError(
             f"--resume: {checkpoint} holds 8-bit AdamW's moments as FSDP's sharded parameters wrote them; resume "
             "it under torchrun with distributed.strategy: fsdp (any number of processes)"
@@ -198,7 +201,7 @@ def _moment(inner: dict, which: int) -> torch.Tensor:
     if state.dtype != torch.uint8:
         return state.clone()
     code, absmax = inner[f"qmap{which}"], inner[f"absmax{which}"]
-    scale = absmax.repeat_interleave(STATE_BLOCK)[: state.numel()]
+    scale = absmax.repeat_interleave(ADAMW_8BIT_BLOCK)[: state.numel()]
     return (code[state.flatten().long()] * scale).view(state.shape)
 
 
@@ -215,10 +218,11 @@ def _set_moment(inner: dict, which: int, values: torch.Tensor) -> None:
     code = inner[f"qmap{which}"]
     flat = values.flatten()
     extreme = torch.where(flat >= 0, code.max(), -code.min())
-    padded = torch.nn.functional.pad(flat.abs() / extreme, (0, -flat.numel() % STATE_BLOCK))
-    absmax = padded.view(-1, STATE_BLOCK).amax(dim=1)
+    padded = torch.nn.functional.pad(flat.abs() / extreme, (0, -flat.numel() % ADAMW_8BIT_BLOCK))
+    absmax = padded.view(-1, ADAMW_8BIT_BLOCK).amax(dim=1)
     inner[f"absmax{which}"].copy_(absmax)
-    normalized = flat / absmax.clamp_min(torch.finfo(torch.float32).tiny).repeat_interleave(STATE_BLOCK)[: flat.numel()]
+    scale = absmax.clamp_min(torch.finfo(torch.float32).tiny).repeat_interleave(ADAMW_8BIT_BLOCK)[: flat.numel()]
+    normalized = flat / scale
     above = torch.searchsorted(code, normalized).clamp(1, code.numel() - 1)
     nearer_below = (normalized - code[above - 1]).abs() <= (code[above] - normalized).abs()
     state.copy_((above - nearer_below.long()).to(torch.uint8).view(state.shape))

@@ -520,7 +520,7 @@ def load_checkpoint(path: Path, model, config, optimizer, scheduler, scaler, dat
     returns its step."""
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=False)
-    check_optimizer_state(optimizer, optimizer_state, path)
+    check_optimizer_state(config, optimizer, optimizer_state, path)
     try:
         if _keyed_by_index(optimizer_state):
             _load_state_of_one_process(path, model, config, optimizer, optimizer_state, ranks)

@@ -101,19 +101,19 @@ def test_an_8bit_checkpoint_resumes_where_its_form_of_the_state_fits():
     whole_state = {"state": {0: {"step": 2, "state1": torch.zeros(4, dtype=torch.uint8)}}, "param_groups": []}
     moments = {"state": {"a.weight": {"step": torch.tensor(2.0), "exp_avg": torch.zeros(4)}}, "param_groups": []}
     params = [torch.nn.Parameter(torch.zeros(4))]
-    plain = torch.optim.AdamW(params)
-    check_optimizer_state(plain, moments, "ckpt")
+    check_optimizer_state(TrainConfig(), torch.optim.AdamW(params), moments, "ckpt")
     if HAS_BITSANDBYTES:
         import bitsandbytes
 
+        config = config_from_dict({"optim": {"name": "adamw_8bit"}})
         own = bitsandbytes.optim.AdamW8bit(params)
-        check_optimizer_state(own, whole_state, "ckpt")
+        check_optimizer_state(config, own, whole_state, "ckpt")
         with pytest.raises(ConfigError, match="^--resume: ckpt holds 8-bit AdamW's moments as FSDP's sharded .* fsdp"):
-            check_optimizer_state(own, moments, "ckpt")
+            check_optimizer_state(config, own, moments, "ckpt")
         sharded = AdamW8bitOverShards(params, lr=0.01, betas=(0.9, 0.999), weight_decay=0.0)
-        check_optimizer_state(sharded, moments, "ckpt")
+        check_optimizer_state(config, sharded, moments, "ckpt")
         with pytest.raises(ConfigError, match="^--resume: ckpt holds bitsandbytes' 8-bit AdamW state of whole tensors"):
-            check_optimizer_state(sharded, whole_state, "ckpt")
+            check_optimizer_state(config, sharded, whole_state, "ckpt")
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
