@@ -674,7 +674,7 @@ def weight_bytes(model: ModelShape, config: TrainConfig) -> tuple[int, str]:
             total += quantized_bytes(out, inp, quant_type, double_quant, config.qlora.group_size)
         total += compute * out if bias else 0
     total *= model.layers
-    total += compute * (model.layers * model.layer_norm_parameters() + model.hidden + model.embedding_parameters())
+    total += compute * model.layers * model.layer_norm_parameters() + root_weight_bytes(model, config)
     how = quant_type + (" + double-quantized absmax" if double_quant and quant_type in ("nf4", "fp4") else "")
     if kept_16bit:
         how += f"; {kept_16bit} projections a layer stay 16-bit (shape)"
@@ -898,8 +898,9 @@ def estimate(
     adapters = 4 * trainable if run.method in ADAPTER_METHODS else 0
     if shards > 1:
         components.append(Component("weights, this process's shards", weights // shards, f"{how}; 1/{shards} each"))
-        layer = (weights - root_weight_bytes(model, config) + adapters) // model.layers
-        gathered = root_weight_bytes(model, config) + FSDP_GATHERED_LAYERS * layer
+        root = root_weight_bytes(model, config)
+        layer = (weights - root + adapters) // model.layers
+        gathered = root + FSDP_GATHERED_LAYERS * layer
         note = f"the root unit and {FSDP_GATHERED_LAYERS} layers"
         components.append(Component("weights FSDP gathers", gathered, note))
     else:

@@ -192,16 +192,13 @@ def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
         module.carry_for_sharding()
     total_bytes = sum(p.nbytes for module in quantized for p in module.parameters(recurse=False))
     # A quantized layer's cached weight is the last holder of its unsharded data once FSDP has
-    # swapped in the shards: dropped layer by layer, so that sharding never holds the whole base
+    # swapped in the shards: dropped unit by unit, so that sharding never holds the whole base
     # twice (whole and sharded), nor keeps it until each layer's first forward.
-    for layer in layers:
-        fully_shard(layer)
-        for module in layer.modules():
+    for unit in (*layers, model):
+        fully_shard(unit)
+        for module in unit.modules():
             if isinstance(module, QUANTIZED_LINEAR_TYPES):
                 module.drop_weight_cache()
-    fully_shard(model)
-    for module in quantized:
-        module.drop_weight_cache()
     local_bytes = sum(p.to_local().nbytes for module in quantized for p in module.parameters(recurse=False))
     return ShardedQuantizedBase(len(quantized), total_bytes, local_bytes)
 
