@@ -96,7 +96,8 @@ class ModelConfig:
     )
     compile: Literal["none", "regional", "model"] = _doc(
         "regional: torch.compile each decoder layer, one compiled graph shared by all layers; model: the whole model "
-        "as one graph (fullgraph; with gradient_checkpointing false or true, not offload or auto); the first steps include the compilation, and the same shapes each step, or it compiles again; "
+        "as one graph (fullgraph; with gradient_checkpointing false or true, not offload or auto); the first steps "
+        "include the compilation, and the same shapes each step, or it compiles again; "
         "none: run eagerly",
         "none",
     )
