@@ -898,6 +898,15 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, const at::Tensor& absm
   return out;
 }
 
+// From this many rows of A on, a 4-bit or int8 GEMM writes the 16-bit weight and runs cuBLAS
+// instead of the fused dequant-GEMM. The fused kernels run 1.16-1.45x cuBLAS's time (the
+// conversion between the wgmmas, docs/qlora.md) whatever the rows, while writing the weight
+// costs one pass of 2.5 bytes a weight, fixed: ~35 us for 4096 x 14336 against cuBLAS's 1.26 ms
+// at 8192 rows. Training's micro-batches are far above the crossover (`barqtrain bench qlora`
+// times both sides of it); decoding and small batches stay below it, where the fused kernel
+// never allocates the weight. barqtrain.ops.quant.DEQUANTIZE_THEN_GEMM_ROWS is the same number.
+constexpr int64_t kDequantizeThenGemmRows = 1024;
+
 // A and C of a dequant-GEMM: A's rows (copied when they are not 16-byte aligned rows) and a
 // fresh C shaped like A with its last dimension the output's.
 struct QuantGemmOperands {
@@ -914,6 +923,14 @@ struct QuantGemmOperands {
     std::vector<int64_t> out_shape(a_in.sizes().begin(), a_in.sizes().end());
     out_shape.back() = grad_input ? in_features : out_features;
     c = at::empty(out_shape, a.options());
+  }
+
+  // C = A · Wᵀ (forward) or A · W (backward) by cuBLAS, for W the dequantized 16-bit weight
+  // [out_features, in_features] in A's dtype.
+  at::Tensor multiply_dequantized(const at::Tensor& weight) const {
+    at::Tensor c_rows = c.view({a.size(0), c.size(-1)});
+    at::mm_out(c_rows, a, grad_input ? weight : weight.t());
+    return c;
   }
 
   void fill(k::QuantGemmParams& p) const {
@@ -946,6 +963,10 @@ at::Tensor matmul_4bit_cuda(const at::Tensor& a_in, const at::Tensor& packed, co
   const c10::cuda::CUDAGuard guard(packed.device());
   QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
   if (operands.c.numel() == 0) return operands.c;
+  if (operands.a.size(0) >= kDequantizeThenGemmRows) {
+    return operands.multiply_dequantized(dequantize_4bit_cuda(packed, absmax, code, absmax2, offset, quant_type,
+                                                              {out_features, in_features}, a_in.scalar_type()));
+  }
   const at::Tensor offset_1 = offset ? offset->reshape({1}) : at::Tensor();
   const std::optional<at::Tensor> offset_arg = offset ? std::optional<at::Tensor>(offset_1) : std::nullopt;
   k::Nf4GemmParams p;
@@ -1015,6 +1036,9 @@ at::Tensor matmul_int8_cuda(const at::Tensor& a_in, const at::Tensor& q, const a
   const c10::cuda::CUDAGuard guard(q.device());
   QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
   if (operands.c.numel() == 0) return operands.c;
+  if (operands.a.size(0) >= kDequantizeThenGemmRows) {
+    return operands.multiply_dequantized(dequantize_int8_rows_cuda(q, row_absmax, a_in.scalar_type()));
+  }
   k::Int8GemmParams p;
   operands.fill(p);
   p.q = q.data_ptr<int8_t>();

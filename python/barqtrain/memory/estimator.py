@@ -14,7 +14,8 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   (offload); with the MLP tiled over the sequence (memory.mlp_tile_tokens), the MLP keeps its
   input alone and its working memory is one tile's;
 - the transient working memory of the largest backward op of a layer, of the fused linear +
-  cross-entropy's chunks, and cuBLAS's workspaces;
+  cross-entropy's chunks, of a quantized GEMM's 16-bit weight (QLoRA at training's row
+  counts), and cuBLAS's workspaces;
 - per process under torchrun (`processes`, default WORLD_SIZE): with distributed.strategy fsdp
   every weight, adapter, gradient and optimizer state is 1/N, plus what FSDP gathers (the root
   unit, FSDP_GATHERED_LAYERS decoder layers); with ddp everything is whole, plus DDP's buckets,
@@ -681,6 +682,23 @@ def weight_bytes(model: ModelShape, config: TrainConfig) -> tuple[int, str]:
     return total, f"{how}, embeddings and head {_compute_precision(config)}"
 
 
+def dequantized_weight_bytes(model: ModelShape, config: TrainConfig, run: RunShape) -> int:
+    """The 16-bit weight a 4-bit or int8 GEMM of DEQUANTIZE_THEN_GEMM_ROWS rows or more writes
+    for cuBLAS and frees after it: the largest such projection's (0 when none runs so)."""
+    from barqtrain.ops.quant import DEQUANTIZE_THEN_GEMM_ROWS
+    from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE
+
+    quant_type = config.qlora.quant_type
+    if run.method != "qlora" or quant_type == "ternary":
+        return 0
+    largest = 0
+    for name, (out, inp, _) in model.projections().items():
+        rows = run.mlp_tile_tokens if run.mlp_tiled and name in MLP_PROJECTIONS else run.tokens
+        if rows >= DEQUANTIZE_THEN_GEMM_ROWS and not (inp % IN_FEATURES_MULTIPLE[quant_type] or out % OUT_FEATURES_MULTIPLE):
+            largest = max(largest, _allocated(run.compute_bytes * out * inp))
+    return largest
+
+
 def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool, group_size: int | None = None) -> int:
     """Bytes of one quantized weight [out, inp] and its quantization state, as barqtrain.quant
     stores them (each tensor rounded up to the allocator's 512-byte blocks); group_size:
@@ -921,6 +939,7 @@ def estimate(
     batch_kept = _sum([k for k in loss if k.module in ("batch", "rope")])
     backward_work = layer_backward_workspace(model, run)
     loss_work = loss_workspace(model, run)
+    dequantized = dequantized_weight_bytes(model, config, run)
     choices = plan.choices
 
     # What the decoder layers hold at the end of the forward pass, and during the backward pass
@@ -953,8 +972,8 @@ def estimate(
     # is added to the head's.
     embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
     moments = {
-        FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer),
-        LAYER_BACKWARD: kept_backward + batch_kept + backward_work + accumulated + head_gradient,
+        FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer + dequantized),
+        LAYER_BACKWARD: kept_backward + batch_kept + backward_work + dequantized + accumulated + head_gradient,
         BACKWARD_END: batch_kept + gradients + embedding_gradient,
     }
     moment = max(moments, key=moments.get)
@@ -965,14 +984,19 @@ def estimate(
     if moment == FORWARD_END:
         components.append(Component("saved activations, decoder layers", kept_forward, forward_note))
         components.append(Component("batch, final norm and loss's kept tensors", loss_kept))
-        if forward_layer > loss_work:
-            components.append(Component("a checkpointed layer's forward", forward_layer))
+        if forward_layer + dequantized > loss_work:
+            if forward_layer:
+                components.append(Component("a checkpointed layer's forward", forward_layer))
+            if dequantized:
+                components.append(Component("a dequantized weight", dequantized, "written for cuBLAS, one GEMM's"))
         else:
             components.append(Component("loss workspace (logit chunks)", loss_work))
     elif moment == LAYER_BACKWARD:
         components.append(Component("saved activations, decoder layers", kept_backward, backward_note))
         components.append(Component("batch", batch_kept))
         components.append(Component("backward workspace of a layer", backward_work, "gradients in flight, MLP/attention"))
+        if dequantized:
+            components.append(Component("a dequantized weight", dequantized, "written for cuBLAS, one GEMM's"))
         if accumulated:
             components.append(Component("gradients (fp32), accumulating", accumulated))
         if head_gradient:

@@ -15,6 +15,9 @@ dequantized (q * absmax_row) * (1 / 127). matmul_int8's CPU reference multiplies
 dequantized weight; its CUDA kernel does in the backward and, in the forward, scales the fp32
 sums of x qᵀ by absmax / 127 instead (the weight is then never rounded to 16 bits; see
 csrc/kernels/quant/quant.h).
+
+On CUDA, from DEQUANTIZE_THEN_GEMM_ROWS rows of the input on, both GEMMs dequantize the weight
+and run cuBLAS on it (so the int8 forward too multiplies by the 16-bit dequantized weight).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ import torch.nn.functional as F
 QUANT_TYPES = ("nf4", "fp4")
 BLOCK = 64
 ABSMAX_BLOCK = 256
+# From this many rows of a on, the CUDA matmul_4bit and matmul_int8 write the 16-bit weight
+# (dequantize_4bit's / dequantize_int8_rows' bits) and multiply by it with cuBLAS: at training's
+# row counts that is faster than the fused kernel, whose conversion costs a fixed fraction of
+# every GEMM (csrc/ops/registration.cpp, kDequantizeThenGemmRows, says why this number).
+DEQUANTIZE_THEN_GEMM_ROWS = 1024
 
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -256,7 +264,8 @@ def dequantize_4bit(weight: Packed4bit, dtype: torch.dtype | None = None) -> tor
 
 def matmul_4bit(a: torch.Tensor, weight: Packed4bit, grad_input: bool = False) -> torch.Tensor:
     """a Wᵀ (a [..., in]) or, with grad_input, a W (a [..., out]); differentiable in a. The
-    4-bit weight is dequantized inside the GEMM (CUDA) or by the reference (CPU)."""
+    4-bit weight is dequantized inside the GEMM (CUDA, fewer than DEQUANTIZE_THEN_GEMM_ROWS
+    rows), into a 16-bit weight for cuBLAS (CUDA, more) or by the reference (CPU)."""
     return torch.ops.barqtrain.matmul_4bit(a, *weight.op_args(), *weight.shape, grad_input)
 
 
@@ -306,5 +315,6 @@ def dequantize_int8(weight: Packed8bit, dtype: torch.dtype | None = None) -> tor
 
 def matmul_int8(a: torch.Tensor, weight: Packed8bit, grad_input: bool = False) -> torch.Tensor:
     """a Wᵀ (a [..., in]) or, with grad_input, a W (a [..., out]); differentiable in a. The
-    int8 weight is converted inside the GEMM (CUDA) or dequantized by the reference (CPU)."""
+    int8 weight is converted inside the GEMM (CUDA, fewer than DEQUANTIZE_THEN_GEMM_ROWS rows),
+    dequantized for cuBLAS (CUDA, more) or by the reference (CPU)."""
     return torch.ops.barqtrain.matmul_int8(a, weight.q, weight.row_absmax, grad_input)

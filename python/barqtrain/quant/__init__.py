@@ -11,6 +11,7 @@ is: patch_model computes its PEFT LoRA layers the same way (see docs/qlora.md).
 """
 
 from barqtrain.ops.quant import (
+    DEQUANTIZE_THEN_GEMM_ROWS,
     Packed4bit,
     Packed8bit,
     dequantize_4bit,
@@ -48,6 +49,7 @@ from barqtrain.quant.weight import (
 )
 
 __all__ = [
+    "DEQUANTIZE_THEN_GEMM_ROWS",
     "QUANT_TYPES",
     "Linear4bit",
     "Linear8bit",

@@ -52,8 +52,8 @@ def test_quantize_and_dequantize_are_bit_exact_with_bitsandbytes_cuda(bnb, quant
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 192, 64), (1031, 4096, 1024)])
-def test_fused_gemm_is_no_worse_than_torch_on_the_dequantized_weight(bnb, dtype, m, n, k):
+@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 192, 64), (1023, 4096, 1024), (1031, 4096, 1024)])
+def test_4bit_gemm_is_no_worse_than_torch_on_the_dequantized_weight(bnb, dtype, m, n, k):
     packed = quant.quantize_4bit(fresh_weight((n, k), dtype))
     dense = quant.dequantize_4bit(packed)
     for grad_input, a_cols in ((False, k), (True, n)):
@@ -67,7 +67,8 @@ def test_fused_gemm_is_no_worse_than_torch_on_the_dequantized_weight(bnb, dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize(("m", "n", "k"), [(333, 1024, 512), (1, 200, 16), (1031, 4096, 1040), (77, 4104, 4096)])
+@pytest.mark.parametrize(("m", "n", "k"),
+                         [(333, 1024, 512), (1, 200, 16), (1023, 4096, 1040), (1031, 4096, 1040), (77, 4104, 4096)])
 def test_int8_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, m, n, k):
     weight = fresh_weight((n, k), dtype)
     weight[1] *= 30  # rows of very different scales
@@ -103,6 +104,33 @@ def test_ternary_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, gr
         error = (ours.double() - exact).norm() / exact.norm()
         torch_error = (torch_out.double() - exact).norm() / exact.norm()
         assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+@pytest.mark.parametrize("grad_input", [False, True])
+def test_gemm_dequantizes_for_cublas_from_the_switch_row_count_on(fmt, grad_input):
+    """Below DEQUANTIZE_THEN_GEMM_ROWS rows the fused kernel never holds a 16-bit weight; from
+    there on the op holds one for the call only and returns cuBLAS's product on it, bit for bit."""
+    torch.manual_seed(0)
+    weight = fresh_weight((4096, 4096), torch.bfloat16)
+    packed = quant.quantize_4bit(weight) if fmt == "nf4" else quant.quantize_int8(weight)
+    dense = quant.dequantize_4bit(packed) if fmt == "nf4" else quant.dequantize_int8(packed)
+    matmul = quant.matmul_4bit if fmt == "nf4" else quant.matmul_int8
+    switch = quant.DEQUANTIZE_THEN_GEMM_ROWS
+    for rows in (switch - 1, switch):
+        a = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        cublas = a @ (dense if grad_input else dense.T)  # also allocates cuBLAS's workspace before the count
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ours = matmul(a, packed, grad_input=grad_input)
+        held = torch.cuda.max_memory_allocated() - before - ours.nbytes
+        assert torch.cuda.memory_allocated() == before + ours.nbytes, f"{rows} rows: the op left memory allocated"
+        if rows < switch:
+            assert held < dense.nbytes // 4, f"{rows} rows: {held} bytes held beside C, a 16-bit weight is {dense.nbytes}"
+        else:
+            assert held >= dense.nbytes, f"{rows} rows: {held} bytes held beside C, less than the 16-bit weight"
+            assert torch.equal(ours, cublas), f"{rows} rows: not cuBLAS's product on the dequantized weight"
 
 
 def test_ternary_quantizer_agrees_with_the_cpu_reference():
