@@ -4,9 +4,11 @@
             in the same run (bytes: 0.5 read + 2 written per element, plus the absmax bytes);
             bitsandbytes' dequantize_4bit beside it, and a device copy moving the same bytes (at
             these sizes, 37-147 MB, a copy itself stays below the 1 GiB ceiling).
-  gemm    : the fused dequant-GEMMs (x Wᵀ forward, dy W backward), NF4, int8 and ternary, against the
-            bf16 cuBLAS GEMM of the same shape, and bitsandbytes' dequantize + matmul, at 8192
-            tokens x 4096 -> 14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096).
+  gemm    : the quantized GEMMs (x Wᵀ forward, dy W backward), NF4, int8 and ternary, against the
+            bf16 cuBLAS GEMM of the same shape, and bitsandbytes' dequantize + matmul, for
+            4096 -> 14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096), at
+            8192 tokens and on both sides of the row count where NF4 and int8 switch from the
+            fused kernel to dequantize + cuBLAS (DEQUANTIZE_THEN_GEMM_ROWS).
   step    : one LoRA linear forward + backward (r 16, bf16 adapters) over the NF4, the int8 and
             the ternary base against the same over the bf16 base, and bitsandbytes + PEFT's
             Linear4bit LoRA layer; with the GPU memory each base weight takes.
@@ -70,6 +72,10 @@ def _dequant_rows(quant: Any, bnb: Any, copy_tbps: float, device: torch.device) 
 
 
 def _gemm_rows(quant: Any, bnb: Any, device: torch.device) -> list[dict[str, Any]]:
+    """Each GEMM at the row counts around the switch from the fused kernel to dequantize +
+    cuBLAS (the time on both sides of it says whether the switch is placed right) and at
+    TOKENS."""
+    switch = quant.DEQUANTIZE_THEN_GEMM_ROWS
     rows = []
     for in_features, out_features in SHAPES[:2]:
         weight = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16) * 0.02
@@ -77,25 +83,28 @@ def _gemm_rows(quant: Any, bnb: Any, device: torch.device) -> list[dict[str, Any
         ternary = quant.quantize_ternary(weight)
         for direction, a_cols in (("forward x Wᵀ", in_features), ("backward dy W", out_features)):
             grad_input = direction.startswith("backward")
-            a = torch.randn(TOKENS, a_cols, device=device, dtype=torch.bfloat16)
             dense = weight if grad_input else weight.T
-            cublas_ms = _time(lambda: a @ dense)
-            fused_ms = _time(lambda: quant.matmul_4bit(a, packed, grad_input=grad_input))
-            int8_ms = _time(lambda: quant.matmul_int8(a, packed8, grad_input=grad_input))
-            ternary_ms = _time(lambda: quant.matmul_ternary(a, ternary, grad_input=grad_input))
-            row = {"case": f"{TOKENS}x{a_cols} -> {in_features if grad_input else out_features}", "direction": direction,
-                   "cublas_bf16_ms": cublas_ms, "fused_4bit_ms": fused_ms, "fused_vs_cublas": fused_ms / cublas_ms,
-                   "fused_int8_ms": int8_ms, "int8_vs_cublas": int8_ms / cublas_ms,
-                   "fused_ternary_ms": ternary_ms, "ternary_vs_cublas": ternary_ms / cublas_ms}  # fmt: skip
-            if bnb is not None:
-                bnb_packed, state = _bnb_state(bnb, weight)
+            for tokens in (switch // 2, switch - 1, switch, TOKENS):
+                a = torch.randn(tokens, a_cols, device=device, dtype=torch.bfloat16)
+                cublas_ms = _time(lambda: a @ dense)
+                nf4_ms = _time(lambda: quant.matmul_4bit(a, packed, grad_input=grad_input))
+                int8_ms = _time(lambda: quant.matmul_int8(a, packed8, grad_input=grad_input))
+                ternary_ms = _time(lambda: quant.matmul_ternary(a, ternary, grad_input=grad_input))
+                path = "fused kernel" if tokens < switch else "dequantize + cuBLAS"
+                row = {"case": f"{tokens}x{a_cols} -> {in_features if grad_input else out_features}",
+                       "direction": direction, "rows": tokens, "path": path, "cublas_bf16_ms": cublas_ms,
+                       "nf4_ms": nf4_ms, "nf4_vs_cublas": nf4_ms / cublas_ms,
+                       "int8_ms": int8_ms, "int8_vs_cublas": int8_ms / cublas_ms,
+                       "ternary_ms": ternary_ms, "ternary_vs_cublas": ternary_ms / cublas_ms}  # fmt: skip
+                if bnb is not None:
+                    bnb_packed, state = _bnb_state(bnb, weight)
 
-                def bnb_run():
-                    w = bnb.functional.dequantize_4bit(bnb_packed, state)
-                    return a @ (w if grad_input else w.T)
+                    def bnb_run():
+                        w = bnb.functional.dequantize_4bit(bnb_packed, state)
+                        return a @ (w if grad_input else w.T)
 
-                row.update(bnb_dequant_matmul_ms=_time(bnb_run))
-            rows.append(row)
+                    row.update(bnb_dequant_matmul_ms=_time(bnb_run))
+                rows.append(row)
     return rows
 
 
@@ -175,11 +184,11 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
     ))  # fmt: skip
     print()
     print(format_table(
-        ("GEMM", "direction", "cuBLAS bf16 ms", "fused NF4 ms", "x cuBLAS", "fused int8 ms", "x cuBLAS",
-         "fused ternary ms", "x cuBLAS", "bnb dequant+matmul ms"),
-        [(r["case"], r["direction"], format_value(r["cublas_bf16_ms"], ".3f"), format_value(r["fused_4bit_ms"], ".3f"),
-          format_value(r["fused_vs_cublas"], ".2f"), format_value(r["fused_int8_ms"], ".3f"),
-          format_value(r["int8_vs_cublas"], ".2f"), format_value(r["fused_ternary_ms"], ".3f"),
+        ("GEMM", "direction", "NF4 / int8 path", "cuBLAS bf16 ms", "NF4 ms", "x cuBLAS", "int8 ms", "x cuBLAS",
+         "ternary (fused) ms", "x cuBLAS", "bnb dequant+matmul ms"),
+        [(r["case"], r["direction"], r["path"], format_value(r["cublas_bf16_ms"], ".3f"), format_value(r["nf4_ms"], ".3f"),
+          format_value(r["nf4_vs_cublas"], ".2f"), format_value(r["int8_ms"], ".3f"),
+          format_value(r["int8_vs_cublas"], ".2f"), format_value(r["ternary_ms"], ".3f"),
           format_value(r["ternary_vs_cublas"], ".2f"), format_value(r.get("bnb_dequant_matmul_ms"), ".3f"))
          for r in gemm],
     ))  # fmt: skip
