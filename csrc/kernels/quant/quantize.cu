@@ -1,6 +1,6 @@
 // 4-bit and int8 quantize / dequantize kernels (see quant.h for the formats).
 //
-// Dequantization is a stream of 2.5 bytes per element (bf16): packed words in, 16-byte
+// Dequantization is a stream of 2.5 bytes per element (bf16; int8: 3): packed words in, 16-byte
 // stores out, contiguous across a warp in both directions.
 #include <algorithm>
 #include <cfloat>
@@ -180,13 +180,30 @@ __global__ void __launch_bounds__(kThreads) quantize_int8_kernel(QuantizeInt8Par
   for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) q[c] = static_cast<int8_t>(__float2int_rn(to_float(row[c]) * scale));
 }
 
-template <typename T>
+// kValues int8 values a thread and step: 16 (one 16-byte load, 16-byte stores) where rows are
+// a multiple of 16 values and both tensors 16-byte aligned, else 1. A chunk never straddles
+// two rows, so it reads its row's absmax once.
+template <typename T, int kValues>
 __global__ void __launch_bounds__(kThreads) dequantize_int8_kernel(DequantizeInt8Params p) {
+  struct alignas(kValues) Codes {
+    int8_t v[kValues];
+  };
+  struct alignas(kValues * sizeof(T) < 16 ? kValues * sizeof(T) : 16) Values {
+    T v[kValues];
+  };
   const float inverse127 = 1.0f / 127.0f;
-  const int64_t numel = p.rows * p.cols;
-  T* out = static_cast<T*>(p.out);
-  for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < numel; i += int64_t{gridDim.x} * kThreads) {
-    out[i] = from_float<T>(__fmul_rn(__fmul_rn(static_cast<float>(p.q[i]), p.row_absmax[i / p.cols]), inverse127));
+  const int64_t chunks = p.rows * p.cols / kValues, chunks_per_row = p.cols / kValues;
+  const Codes* q = reinterpret_cast<const Codes*>(p.q);
+  Values* out = static_cast<Values*>(p.out);
+  for (int64_t c = blockIdx.x * int64_t{kThreads} + threadIdx.x; c < chunks; c += int64_t{gridDim.x} * kThreads) {
+    const Codes codes = q[c];
+    const float absmax = p.row_absmax[c / chunks_per_row];
+    Values values;
+#pragma unroll
+    for (int e = 0; e < kValues; ++e) {
+      values.v[e] = from_float<T>(__fmul_rn(__fmul_rn(static_cast<float>(codes.v[e]), absmax), inverse127));
+    }
+    out[c] = values;
   }
 }
 
@@ -255,9 +272,14 @@ void quantize_int8_rows(const QuantizeInt8Params& p, cudaStream_t stream) {
 
 void dequantize_int8_rows(const DequantizeInt8Params& p, cudaStream_t stream) {
   if (p.rows * p.cols == 0) return;
+  const bool vector = p.cols % 16 == 0 && is_aligned(p.q, 16) && is_aligned(p.out, 16);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    dequantize_int8_kernel<T><<<grid_for(p.rows * p.cols), kThreads, 0, stream>>>(p);
+    if (vector) {
+      dequantize_int8_kernel<T, 16><<<grid_for(p.rows * p.cols / 16), kThreads, 0, stream>>>(p);
+    } else {
+      dequantize_int8_kernel<T, 1><<<grid_for(p.rows * p.cols), kThreads, 0, stream>>>(p);
+    }
   });
   check_cuda(cudaGetLastError(), "dequantize_int8_rows launch");
 }
