@@ -76,6 +76,7 @@
 
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/cutlass_element.cuh"
 #include "kernels/quant/dequant_gemm_sm90.h"
@@ -590,21 +591,31 @@ void launch(const typename Format<T, kOp>::Params& p, cudaStream_t stream, const
   using L = Layouts<T, kOp, Format>;
   using Fmt = typename L::Fmt;
   using Element = typename L::Element;
-  const int depth = static_cast<int>(kOp == QuantGemmOp::kForward ? p.k : p.n);
-  Tensor mA = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.a)), make_shape(static_cast<int>(p.m), depth),
-                          make_stride(p.a_row_stride, _1{}));
-  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, mA, take<0, 2>(typename L::AStages{}));
-  const int64_t stored_row_bytes = p.k * Fmt::kBitsPerValue / 8;
-  Tensor mW = make_tensor(make_gmem_ptr(Fmt::stored_bytes(p)), make_shape(static_cast<int>(p.n), static_cast<int>(stored_row_bytes)),
-                          make_stride(stored_row_bytes, _1{}));
-  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename L::StoredStage{});
+  // The TMA descriptors of A's tile and of W's stored bytes.
+  auto make_tma_copies = [&] {
+    const int depth = static_cast<int>(kOp == QuantGemmOp::kForward ? p.k : p.n);
+    Tensor mA = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.a)), make_shape(static_cast<int>(p.m), depth),
+                            make_stride(p.a_row_stride, _1{}));
+    const int64_t stored_row_bytes = p.k * Fmt::kBitsPerValue / 8;
+    Tensor mW = make_tensor(make_gmem_ptr(Fmt::stored_bytes(p)),
+                            make_shape(static_cast<int>(p.n), static_cast<int>(stored_row_bytes)),
+                            make_stride(stored_row_bytes, _1{}));
+    return std::make_pair(make_tma_copy(SM90_TMA_LOAD{}, mA, take<0, 2>(typename L::AStages{})),
+                          make_tma_copy(SM90_TMA_LOAD{}, mW, typename L::StoredStage{}));
+  };
+  using TmaCopies = decltype(make_tma_copies());
 
   constexpr size_t bytes = sizeof(SharedStorage<T, kOp, Format>);
   static_assert(bytes <= 227 * 1024, "more shared memory than an sm_90 block may have");
-  auto* kernel = hopper_dequant_gemm_kernel<T, kOp, Format, decltype(tma_a), decltype(tma_w)>;
+  auto* kernel =
+      hopper_dequant_gemm_kernel<T, kOp, Format, typename TmaCopies::first_type, typename TmaCopies::second_type>;
+  // A runtime call before the descriptors are encoded: it makes the device's primary context
+  // current in a host thread that has none yet (one that called no CUDA runtime function), which
+  // the driver's descriptor encoding does not do for itself; without it such a thread crashes.
   // Set on every launch: the attribute belongs to the current device, and it is cheap.
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
              (std::string(name) + " shared memory").c_str());
+  const auto [tma_a, tma_w] = make_tma_copies();
   const int64_t out_cols = kOp == QuantGemmOp::kForward ? p.n : p.k;
   const dim3 grid(static_cast<unsigned>((out_cols + kTileOut - 1) / kTileOut),
                   static_cast<unsigned>((p.m + kTileRows - 1) / kTileRows));

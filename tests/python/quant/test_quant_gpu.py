@@ -6,6 +6,7 @@ streaming quantized loading. Each test says what it compares in its failure."""
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,6 +132,42 @@ def test_gemm_dequantizes_for_cublas_from_the_switch_row_count_on(fmt, grad_inpu
         else:
             assert held >= dense.nbytes, f"{rows} rows: {held} bytes held beside C, less than the 16-bit weight"
             assert torch.equal(ours, cublas), f"{rows} rows: not cuBLAS's product on the dequantized weight"
+        del ours, cublas  # before the next count
+
+
+FUSED_GEMMS_IN_A_NEW_THREAD = """
+import threading, torch
+from barqtrain import quant
+torch.manual_seed(0)
+weight = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+gemms = [(quant.matmul_4bit, quant.quantize_4bit(weight)), (quant.matmul_int8, quant.quantize_int8(weight)),
+         (quant.matmul_ternary, quant.quantize_ternary(weight))]
+inputs = {cols: torch.randn(64, cols, device="cuda", dtype=torch.bfloat16) for cols in (256, 512)}
+del weight
+torch.empty(64 << 20, device="cuda", dtype=torch.uint8)  # freed at once: the thread's outputs reuse it, no cudaMalloc
+results = []
+
+def body():
+    for matmul, packed in gemms:
+        for grad_input in (False, True):
+            results.append(matmul(inputs[512 if grad_input else 256], packed, grad_input=grad_input))
+    torch.cuda.synchronize()
+
+thread = threading.Thread(target=body)
+thread.start()
+thread.join()
+assert len(results) == 6 and all(r.isfinite().all() for r in results), "the thread's GEMMs did not all finish"
+print("OK")
+"""
+
+
+def test_fused_gemms_run_in_a_new_host_thread():
+    """A host thread that has called no CUDA runtime function has no current CUDA context until
+    one does; the Hopper GEMMs encode their TMA descriptors through the driver, which needs one
+    (such a thread crashed there). In a child process, so that a crash fails this test alone."""
+    run = subprocess.run([sys.executable, "-c", FUSED_GEMMS_IN_A_NEW_THREAD], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0 and "OK" in run.stdout, f"exit {run.returncode}: {run.stderr[-3000:]}"
 
 
 def test_ternary_quantizer_agrees_with_the_cpu_reference():
