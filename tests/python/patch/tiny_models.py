@@ -166,13 +166,19 @@ def memorized_batch(device: str = "cpu") -> Batch:
     return dict(input_ids=ids, labels=ids)
 
 
-def train_losses(model: nn.Module, batch: Batch, steps: int, lr: float = 1e-3) -> list[float]:
-    """The losses of `steps` AdamW steps on the same batch (so that the loss must fall)."""
+def train_losses(model: nn.Module, batch: Batch, steps: int, lr: float = 1e-3,
+                 autocast: torch.dtype | None = None) -> list[float]:
+    """The losses of `steps` AdamW steps on the same batch (so that the loss must fall), each
+    forward under torch.autocast(autocast) when given. Entered per step: autocast keeps its 16-bit
+    copies of fp32 weights until its region ends, so one region around every step would run each
+    forward on the first step's weights."""
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    device_type = next(model.parameters()).device.type
     losses = []
     for _ in range(steps):
-        loss = model(**batch).loss
+        with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
