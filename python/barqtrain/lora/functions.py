@@ -159,6 +159,27 @@ def _is_dense(weight: torch.Tensor) -> bool:
     return type(weight) in (torch.Tensor, nn.Parameter)
 
 
+def _cublas_weight(weight: torch.Tensor, a: torch.Tensor) -> torch.Tensor | None:
+    """The 16-bit weight cuBLAS multiplies `a` by: a plain one as it is, a quantized one's where
+    its own GEMM with `a` would dequantize it for cuBLAS anyway (QuantizedWeight.dequantized_for);
+    None where a fused dequant-GEMM runs."""
+    if _is_dense(weight):
+        return weight
+    dequantized_for = getattr(weight, "dequantized_for", None)
+    return None if dequantized_for is None else dequantized_for(a)
+
+
+def _base_plus_lora(x: torch.Tensor, xa_part: torch.Tensor, lora_B: torch.Tensor, projection: Projection,
+                    scaling: float) -> torch.Tensor:
+    """x Wᵀ + b + s · (x Aᵀ) Bᵀ in x's dtype: one matmul_sum (the LoRA term in the base GEMM's
+    epilogue) where cuBLAS runs the base GEMM, else the base's own GEMM and the LoRA term added
+    by an addmm_. A dequantized weight lives only while its GEMM runs."""
+    weight = _cublas_weight(projection.weight, x)
+    if weight is not None:
+        return matmul_sum([xa_part, x], [lora_B.T, weight.T], [scaling, 1.0], projection.bias)
+    return F.linear(x, projection.weight, projection.bias).addmm_(xa_part, lora_B.T, alpha=scaling)
+
+
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale · (a @ b), rounded once (the GEMM's alpha: no operand to zero-fill, no second pass)."""
     return matmul_sum([a], [b], [scale])
@@ -195,13 +216,12 @@ def _project(x: torch.Tensor, projections: Sequence[Projection]) -> tuple[list[t
         saved.append(xa)
         for index, xa_part in zip(group.indices, xa.split(group.ranks(projections), dim=1), strict=True):
             projection, lora_B = projections[index], group.lora_B(projections, index)
-            weight, bias, scaling = projection.weight, projection.bias, projection.lora.scaling
-            if group.dtype == x.dtype and _is_dense(weight):
-                outputs[index] = matmul_sum([xa_part, x], [lora_B.T, weight.T], [scaling, 1.0], bias)
-            elif group.dtype == x.dtype:
-                outputs[index] = F.linear(x, weight, bias).addmm_(xa_part, lora_B.T, alpha=scaling)
+            scaling = projection.lora.scaling
+            if group.dtype == x.dtype:
+                outputs[index] = _base_plus_lora(x, xa_part, lora_B, projection, scaling)
             else:
-                summed = F.linear(x, weight, bias).to(group.dtype).addmm_(xa_part, lora_B.T, alpha=scaling)
+                summed = F.linear(x, projection.weight, projection.bias).to(group.dtype)
+                summed.addmm_(xa_part, lora_B.T, alpha=scaling)
                 outputs[index] = summed.to(x.dtype)
     return [F.linear(x, p.weight, p.bias) if y is None else y for p, y in zip(projections, outputs, strict=True)], saved
 

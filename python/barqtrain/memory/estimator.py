@@ -694,7 +694,8 @@ def dequantized_weight_bytes(model: ModelShape, config: TrainConfig, run: RunSha
     largest = 0
     for name, (out, inp, _) in model.projections().items():
         rows = run.mlp_tile_tokens if run.mlp_tiled and name in MLP_PROJECTIONS else run.tokens
-        if rows >= DEQUANTIZE_THEN_GEMM_ROWS and not (inp % IN_FEATURES_MULTIPLE[quant_type] or out % OUT_FEATURES_MULTIPLE):
+        quantized = not (inp % IN_FEATURES_MULTIPLE[quant_type] or out % OUT_FEATURES_MULTIPLE)
+        if quantized and rows >= DEQUANTIZE_THEN_GEMM_ROWS:
             largest = max(largest, _allocated(run.compute_bytes * out * inp))
     return largest
 

@@ -50,6 +50,9 @@ class QuantizedWeight(torch.Tensor):
         if func is torch.Tensor.addmm_ and len(args) == 3 and isinstance(args[2], QuantizedWeight):
             out, a, weight = args
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            dense = weight.dequantized_for(a)
+            if dense is not None:  # the sum in cuBLAS's epilogue, no pass of its own
+                return out.addmm_(a, dense, beta=beta, alpha=alpha)
             if beta != 1:
                 out.mul_(beta)
             return out.add_(weight._matmul(a, grad_input=True), alpha=alpha)
@@ -61,6 +64,21 @@ class QuantizedWeight(torch.Tensor):
             f"barqtrain: {name} is not supported on a {cls.kind} weight (supported: F.linear(x, W), x @ W, "
             "out.addmm_(x, W)); call .dequantize() for the 16-bit weight"
         )
+
+    def dequantized_for(self, a: torch.Tensor) -> torch.Tensor | None:
+        """The 16-bit weight, where this weight's GEMM with `a` would write it for cuBLAS anyway
+        (the op's own rule: CUDA, a 4-bit or int8 weight, DEQUANTIZE_THEN_GEMM_ROWS rows of `a`
+        or more), so that a caller can fold more into that GEMM (a bias, a LoRA term, a sum);
+        None where the fused kernel runs, and where autograd would save the 16-bit weight for
+        the backward pass (a requires grad under grad mode: the op saves only the packed one)."""
+        if not a.is_cuda or a.dim() == 0 or a.numel() < quant_ops.DEQUANTIZE_THEN_GEMM_ROWS * a.shape[-1]:
+            return None
+        if torch.is_grad_enabled() and a.requires_grad:
+            return None
+        return self._dequantized_for_cublas(a.dtype)
+
+    def _dequantized_for_cublas(self, dtype: torch.dtype) -> torch.Tensor | None:
+        return None  # formats whose GEMM always runs its fused kernel
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -88,6 +106,8 @@ class Weight4bit(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return quant_ops.dequantize_4bit(self.packed, dtype)
 
+    _dequantized_for_cublas = dequantize
+
 
 class Weight8bit(QuantizedWeight):
     """An int8 weight with an absmax per row; .packed is its Packed8bit."""
@@ -108,6 +128,8 @@ class Weight8bit(QuantizedWeight):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return quant_ops.dequantize_int8(self.packed, dtype)
+
+    _dequantized_for_cublas = dequantize
 
 
 class WeightTernary(QuantizedWeight):
