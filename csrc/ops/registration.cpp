@@ -118,6 +118,8 @@ TORCH_LIBRARY(barqtrain, m) {
   // [out_features, groups] (in_features / groups weights of a row share one); unpacked inside
   // the GEMM.
   m.def("matmul_ternary(Tensor a, Tensor packed, Tensor scales, bool grad_input) -> Tensor");
+  // The ternary weight's values round(t * scale) in `dtype`, [out_features, in_features].
+  m.def("dequantize_ternary(Tensor packed, Tensor scales, ScalarType dtype) -> Tensor");
   // out [M, N] = bias + sum_i alpha[i] * a[i] @ b[i] (a[i] [M, K_i], b[i] [K_i, N], any strides),
   // in a's dtype. The products go into out in the order given, each after the first added by
   // its GEMM's epilogue (beta 1), so none has a [M, N] tensor of its own; list the small-K
@@ -898,13 +900,14 @@ at::Tensor dequantize_4bit_cuda(const at::Tensor& packed, const at::Tensor& absm
   return out;
 }
 
-// From this many rows of A on, a 4-bit or int8 GEMM writes the 16-bit weight and runs cuBLAS
-// instead of the fused dequant-GEMM. The fused kernels run 1.16-1.45x cuBLAS's time (the
+// From this many rows of A on, a 4-bit, int8 or ternary GEMM writes the 16-bit weight and runs
+// cuBLAS instead of its fused kernel. The fused kernels run 1.07-1.45x cuBLAS's time (the
 // conversion between the wgmmas, docs/qlora.md) whatever the rows, while writing the weight
-// costs one pass of 2.5 bytes a weight, fixed: ~35 us for 4096 x 14336 against cuBLAS's 1.26 ms
-// at 8192 rows. Training's micro-batches are far above the crossover (`barqtrain bench qlora`
-// times both sides of it); decoding and small batches stay below it, where the fused kernel
-// never allocates the weight. barqtrain.ops.quant.DEQUANTIZE_THEN_GEMM_ROWS is the same number.
+// costs one pass of 2.25-3 bytes a weight, fixed: ~45 us for 4096 x 14336 against cuBLAS's
+// 1.35 ms at 8192 rows. Training's micro-batches are far above the crossover (`barqtrain bench
+// qlora` times both sides of it); decoding and small batches stay below it, where the fused
+// kernel never allocates the weight. barqtrain.ops.quant.DEQUANTIZE_THEN_GEMM_ROWS is the same
+// number.
 constexpr int64_t kDequantizeThenGemmRows = 1024;
 
 // A and C of a dequant-GEMM: A's rows (copied when they are not 16-byte aligned rows) and a
@@ -1047,20 +1050,43 @@ at::Tensor matmul_int8_cuda(const at::Tensor& a_in, const at::Tensor& q, const a
   return operands.c;
 }
 
-at::Tensor matmul_ternary_cuda(const at::Tensor& a_in, const at::Tensor& packed, const at::Tensor& scales,
-                               bool grad_input) {
+// The checks both ternary ops make of a packed weight and its scales.
+void check_ternary(const at::Tensor& packed, const at::Tensor& scales, const char* op) {
   TORCH_CHECK(packed.is_cuda() && packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "barqtrain: matmul_ternary packed must be a contiguous 2-D uint8 CUDA tensor, got ", packed.scalar_type(),
-              " ", packed.sizes());
+              "barqtrain: ", op, " packed must be a contiguous 2-D uint8 CUDA tensor, got ", packed.scalar_type(), " ",
+              packed.sizes());
   const int64_t out_features = packed.size(0), in_features = packed.size(1) * 4;
-  TORCH_CHECK(in_features % k::kTernarySliceWeights == 0, "barqtrain: matmul_ternary needs in_features a multiple of ",
+  TORCH_CHECK(in_features % k::kTernarySliceWeights == 0, "barqtrain: ", op, " needs in_features a multiple of ",
               k::kTernarySliceWeights, ", got ", in_features);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == out_features && scales.size(1) > 0 && in_features % scales.size(1) == 0 &&
                   scales.device() == packed.device(),
-              "barqtrain: matmul_ternary scales must be contiguous float32 [", out_features,
+              "barqtrain: ", op, " scales must be contiguous float32 [", out_features,
               ", groups] with groups dividing in_features (", in_features, ") on ", packed.device(), ", got ",
               scales.scalar_type(), " ", scales.sizes());
+}
+
+at::Tensor dequantize_ternary_cuda(const at::Tensor& packed, const at::Tensor& scales, at::ScalarType dtype) {
+  check_ternary(packed, scales, "dequantize_ternary");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const int64_t out_features = packed.size(0), in_features = packed.size(1) * 4;
+  at::Tensor out = at::empty({out_features, in_features}, packed.options().dtype(dtype));
+  k::DequantizeTernaryParams p;
+  p.packed = packed.data_ptr<uint8_t>();
+  p.scales = scales.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.rows = out_features;
+  p.cols = in_features;
+  p.group_size = in_features / scales.size(1);
+  p.dtype = kernel_dtype(out, "dtype");
+  k::dequantize_ternary(p, current_stream(packed));
+  return out;
+}
+
+at::Tensor matmul_ternary_cuda(const at::Tensor& a_in, const at::Tensor& packed, const at::Tensor& scales,
+                               bool grad_input) {
+  check_ternary(packed, scales, "matmul_ternary");
+  const int64_t out_features = packed.size(0), in_features = packed.size(1) * 4;
   TORCH_CHECK(a_in.is_cuda() && a_in.device() == packed.device(),
               "barqtrain: matmul_ternary input must be a CUDA tensor on ", packed.device());
   TORCH_CHECK(a_in.scalar_type() == at::kBFloat16 || a_in.scalar_type() == at::kHalf,
@@ -1071,6 +1097,9 @@ at::Tensor matmul_ternary_cuda(const at::Tensor& a_in, const at::Tensor& packed,
   const c10::cuda::CUDAGuard guard(packed.device());
   QuantGemmOperands operands(a_in, grad_input, out_features, in_features);
   if (operands.c.numel() == 0) return operands.c;
+  if (operands.a.size(0) >= kDequantizeThenGemmRows) {
+    return operands.multiply_dequantized(dequantize_ternary_cuda(packed, scales, a_in.scalar_type()));
+  }
   k::TernaryGemmParams p;
   operands.fill(p);
   p.packed = static_cast<const uint8_t*>(packed.data_ptr());
@@ -1130,6 +1159,7 @@ TORCH_LIBRARY_IMPL(barqtrain, CUDA, m) {
   m.impl("dequantize_int8_rows", &dequantize_int8_rows_cuda);
   m.impl("matmul_int8", &matmul_int8_cuda);
   m.impl("matmul_ternary", &matmul_ternary_cuda);
+  m.impl("dequantize_ternary", &dequantize_ternary_cuda);
   m.impl("matmul_sum", &matmul_sum_cuda);
 }
 #endif  // BARQTRAIN_WITH_CUDA

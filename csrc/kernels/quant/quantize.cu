@@ -1,4 +1,5 @@
-// 4-bit and int8 quantize / dequantize kernels (see quant.h for the formats).
+// 4-bit and int8 quantize / dequantize kernels, and ternary dequantization (see quant.h and
+// ternary.h for the formats).
 //
 // Dequantization is a stream of 2.5 bytes per element (bf16; int8: 3): packed words in, 16-byte
 // stores out, contiguous across a warp in both directions.
@@ -7,6 +8,7 @@
 
 #include "kernels/quant/quant.h"
 #include "kernels/quant/quant_device.cuh"
+#include "kernels/quant/ternary.h"
 
 namespace barqtrain::kernels {
 namespace {
@@ -207,6 +209,33 @@ __global__ void __launch_bounds__(kThreads) dequantize_int8_kernel(DequantizeInt
   }
 }
 
+// One 32-bit word of codes a thread and step: 16 weights of one row under one scale (a group is
+// a multiple of 32 weights), stored as 16-byte vectors. Weight e of the word sits at bit
+// 2 * (e / 2) + 16 * (e % 2) (ternary.h).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequantize_ternary_kernel(DequantizeTernaryParams p) {
+  constexpr int kWeights = 16;
+  struct alignas(16) Values {
+    T v[kWeights];
+  };
+  const int64_t words = p.rows * p.cols / kWeights, words_per_row = p.cols / kWeights;
+  const int64_t groups_per_row = p.cols / p.group_size;
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(p.packed);
+  Values* out = static_cast<Values*>(p.out);
+  for (int64_t w = blockIdx.x * int64_t{kThreads} + threadIdx.x; w < words; w += int64_t{gridDim.x} * kThreads) {
+    const uint32_t word = __ldcs(packed + w);
+    const int64_t row = w / words_per_row, col = (w - row * words_per_row) * kWeights;
+    const float scale = p.scales[row * groups_per_row + col / p.group_size];
+    Values values;
+#pragma unroll
+    for (int e = 0; e < kWeights; ++e) {
+      const int code = static_cast<int>((word >> (2 * (e / 2) + 16 * (e % 2))) & 3u);
+      values.v[e] = from_float<T>(static_cast<float>(code - 1) * scale);
+    }
+    out[w] = values;
+  }
+}
+
 void check_absmax(const Absmax4bit& a) {
   if (a.double_quantized()) {
     require(a.code != nullptr && a.absmax2 != nullptr && a.offset != nullptr,
@@ -282,6 +311,20 @@ void dequantize_int8_rows(const DequantizeInt8Params& p, cudaStream_t stream) {
     }
   });
   check_cuda(cudaGetLastError(), "dequantize_int8_rows launch");
+}
+
+void dequantize_ternary(const DequantizeTernaryParams& p, cudaStream_t stream) {
+  require(p.cols % kTernarySliceWeights == 0 && p.group_size > 0 && p.group_size % kTernarySliceWeights == 0 &&
+              p.cols % p.group_size == 0,
+          "ternary dequantization needs cols and group_size multiples of 32, group_size dividing cols; got cols " +
+              std::to_string(p.cols) + ", group_size " + std::to_string(p.group_size));
+  require(is_aligned(p.packed, 4) && is_aligned(p.out, 16), "ternary dequantization needs aligned packed and out");
+  if (p.rows * p.cols == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dequantize_ternary_kernel<T><<<grid_for(p.rows * p.cols / 16), kThreads, 0, stream>>>(p);
+  });
+  check_cuda(cudaGetLastError(), "dequantize_ternary launch");
 }
 
 }  // namespace barqtrain::kernels

@@ -38,6 +38,19 @@ struct TernaryGemmParams : QuantGemmParams {
   int64_t group_size = 0;           // a multiple of 32 dividing k
 };
 
+// out [rows, cols] = round_to_T(t * scale) for every weight: the bits
+// barqtrain.ops.ternary.dequantize_ternary's CPU reference writes (t * scale is exact in fp32).
+struct DequantizeTernaryParams {
+  const uint8_t* packed = nullptr;  // [rows, cols / 4] bytes, 4-byte aligned
+  const float* scales = nullptr;    // [rows, cols / group_size]
+  void* out = nullptr;              // [rows, cols], dtype, 16-byte aligned
+  int64_t rows = 0;
+  int64_t cols = 0;                 // a multiple of kTernarySliceWeights
+  int64_t group_size = 0;           // a multiple of kTernarySliceWeights dividing cols
+  DType dtype = DType::kBFloat16;
+};
+
 void ternary_gemm(const TernaryGemmParams& params, cudaStream_t stream);
+void dequantize_ternary(const DequantizeTernaryParams& params, cudaStream_t stream);
 
 }  // namespace barqtrain::kernels

@@ -683,13 +683,13 @@ def weight_bytes(model: ModelShape, config: TrainConfig) -> tuple[int, str]:
 
 
 def dequantized_weight_bytes(model: ModelShape, config: TrainConfig, run: RunShape) -> int:
-    """The 16-bit weight a 4-bit or int8 GEMM of DEQUANTIZE_THEN_GEMM_ROWS rows or more writes
-    for cuBLAS and frees after it: the largest such projection's (0 when none runs so)."""
+    """The 16-bit weight a quantized GEMM of DEQUANTIZE_THEN_GEMM_ROWS rows or more writes for
+    cuBLAS and frees after it: the largest such projection's (0 when none runs so)."""
     from barqtrain.ops.quant import DEQUANTIZE_THEN_GEMM_ROWS
     from barqtrain.quant.linear import IN_FEATURES_MULTIPLE, OUT_FEATURES_MULTIPLE
 
     quant_type = config.qlora.quant_type
-    if run.method != "qlora" or quant_type == "ternary":
+    if run.method != "qlora":
         return 0
     largest = 0
     for name, (out, inp, _) in model.projections().items():

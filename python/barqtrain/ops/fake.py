@@ -137,6 +137,11 @@ def matmul_ternary(a, packed, scales, grad_input):
     return a.new_empty((*a.shape[:-1], in_features if grad_input else out_features))
 
 
+@torch.library.register_fake("barqtrain::dequantize_ternary")
+def dequantize_ternary(packed, scales, dtype):
+    return packed.new_empty((packed.shape[0], packed.shape[1] * 4), dtype=dtype)
+
+
 @torch.library.register_fake("barqtrain::matmul_sum")
 def matmul_sum(a, b, alpha, bias=None):
     torch._check(len(a) == len(b) and len(a) > 0, lambda: "matmul_sum needs as many a as b, at least one")

@@ -13,9 +13,11 @@ row of in_features weights is in_features / 4 bytes. Weight e of a word's 16 sit
 half-word, so that one mask gives a pair of adjacent weights in the two 16-bit halves the GEMM
 multiplies by (see csrc/kernels/quant/dequant_values.cuh).
 
-matmul_ternary's CPU implementation below is the reference (a GEMM over the dequantized
-weight); its CUDA kernel unpacks the codes inside the GEMM and never writes the 16-bit weight.
-quantize_ternary and dequantize_ternary are PyTorch arithmetic, the same on every device.
+matmul_ternary's and dequantize_ternary's CPU implementations below are the references (a GEMM
+over the dequantized weight); on CUDA, below DEQUANTIZE_THEN_GEMM_ROWS rows of the input, the
+GEMM unpacks the codes inside itself and never writes the 16-bit weight, and from there on it
+dequantizes the weight (a CUDA kernel writing the reference's bits) and runs cuBLAS.
+quantize_ternary is PyTorch arithmetic, the same on every device.
 """
 
 from __future__ import annotations
@@ -127,9 +129,17 @@ def _dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
     return values.reshape(rows, cols).to(dtype)
 
 
+def dequantize_ternary_reference(packed, scales, dtype):
+    PackedTernary(packed, scales, dtype)  # the format's checks, as errors naming what is wrong
+    return _dequantize(packed, scales, dtype)
+
+
+torch.library.impl("barqtrain::dequantize_ternary", "CPU", dequantize_ternary_reference)
+
+
 def dequantize_ternary(weight: PackedTernary, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight's values t * scale in `dtype` (default: its compute dtype), rounded once."""
-    return _dequantize(weight.packed, weight.scales, dtype or weight.dtype)
+    return torch.ops.barqtrain.dequantize_ternary(weight.packed, weight.scales, dtype or weight.dtype)
 
 
 def matmul_ternary_reference(a, packed, scales, grad_input):
@@ -151,5 +161,6 @@ torch.library.register_autograd(
 
 def matmul_ternary(a: torch.Tensor, weight: PackedTernary, grad_input: bool = False) -> torch.Tensor:
     """a Wᵀ (a [..., in]) or, with grad_input, a W (a [..., out]); differentiable in a. The
-    codes are unpacked inside the GEMM (CUDA) or dequantized by the reference (CPU)."""
+    codes are unpacked inside the GEMM (CUDA, fewer than DEQUANTIZE_THEN_GEMM_ROWS rows), into a
+    16-bit weight for cuBLAS (CUDA, more) or by the reference (CPU)."""
     return torch.ops.barqtrain.matmul_ternary(a, weight.packed, weight.scales, grad_input)

@@ -2,8 +2,9 @@
 it uses a 16-bit one.
 
 Tensor subclasses with the logical shape [out, in] and the compute dtype, and no 16-bit data:
-F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the fused dequant-GEMM (barqtrain.ops.quant.
-matmul_4bit or matmul_int8, barqtrain.ops.ternary.matmul_ternary). That is all barqtrain.lora's
+F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the quantized GEMM (barqtrain.ops.quant.
+matmul_4bit or matmul_int8, barqtrain.ops.ternary.matmul_ternary: fused, or on CUDA at training's
+row counts cuBLAS on the dequantized weight, where addmm_ sums in cuBLAS's epilogue). That is all barqtrain.lora's
 functions do with a base weight, so the LoRA linear, the q/k/v projections and the gated MLP
 compute a quantized base unchanged (QLoRA). Any other operation on it is an error naming it;
 .dequantize() gives the 16-bit weight explicitly.
@@ -67,18 +68,15 @@ class QuantizedWeight(torch.Tensor):
 
     def dequantized_for(self, a: torch.Tensor) -> torch.Tensor | None:
         """The 16-bit weight, where this weight's GEMM with `a` would write it for cuBLAS anyway
-        (the op's own rule: CUDA, a 4-bit or int8 weight, DEQUANTIZE_THEN_GEMM_ROWS rows of `a`
-        or more), so that a caller can fold more into that GEMM (a bias, a LoRA term, a sum);
-        None where the fused kernel runs, and where autograd would save the 16-bit weight for
-        the backward pass (a requires grad under grad mode: the op saves only the packed one)."""
+        (the op's own rule: CUDA, DEQUANTIZE_THEN_GEMM_ROWS rows of `a` or more), so that a
+        caller can fold more into that GEMM (a bias, a LoRA term, a sum); None where the fused
+        kernel runs, and where autograd would save the 16-bit weight for the backward pass (a
+        requires grad under grad mode: the op saves only the packed one)."""
         if not a.is_cuda or a.dim() == 0 or a.numel() < quant_ops.DEQUANTIZE_THEN_GEMM_ROWS * a.shape[-1]:
             return None
         if torch.is_grad_enabled() and a.requires_grad:
             return None
-        return self._dequantized_for_cublas(a.dtype)
-
-    def _dequantized_for_cublas(self, dtype: torch.dtype) -> torch.Tensor | None:
-        return None  # formats whose GEMM always runs its fused kernel
+        return self.dequantize(a.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -106,8 +104,6 @@ class Weight4bit(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return quant_ops.dequantize_4bit(self.packed, dtype)
 
-    _dequantized_for_cublas = dequantize
-
 
 class Weight8bit(QuantizedWeight):
     """An int8 weight with an absmax per row; .packed is its Packed8bit."""
@@ -128,8 +124,6 @@ class Weight8bit(QuantizedWeight):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return quant_ops.dequantize_int8(self.packed, dtype)
-
-    _dequantized_for_cublas = dequantize
 
 
 class WeightTernary(QuantizedWeight):

@@ -215,10 +215,11 @@ TEST(Dequantize4bit, Nf4Fp32) {
   check_dequantize_4bit<float>(false, k::Code4bit::kNF4, 64 * 97);
 }
 
-TEST(Int8Rows, QuantizeDequantizeMatchReference) {
+// cols a multiple of 16 takes the dequantization's 16-byte path, other cols its one-value path.
+void check_int8_rows(int64_t cols) {
   BARQTRAIN_REQUIRE_GPU();
-  const int64_t rows = 37, cols = 1000;
-  std::mt19937_64 rng = fresh_rng(11);
+  const int64_t rows = 37;
+  std::mt19937_64 rng = fresh_rng(11 + cols);
   std::vector<__nv_bfloat16> x;
   std::vector<double> exact;
   random_values<__nv_bfloat16>(rows * cols, 0.0, 1.0, rng, x, exact);
@@ -253,6 +254,9 @@ TEST(Int8Rows, QuantizeDequantizeMatchReference) {
         << "element " << i;
   }
 }
+
+TEST(Int8Rows, QuantizeDequantizeMatchReference) { check_int8_rows(1000); }
+TEST(Int8Rows, QuantizeDequantizeMatchReferenceVectorized) { check_int8_rows(1024); }
 
 struct GemmCase {
   k::DType dtype;
@@ -661,6 +665,54 @@ TEST(TernaryGemmChecks, RejectsBadShapesAndGroups) {
   expect_error(params(48, 48), "multiple of 32");
   expect_error(params(128, 48), "group_size");
   expect_error(params(128, 256), "group_size");
+}
+
+template <typename T>
+void check_dequantize_ternary(int64_t group_size) {
+  BARQTRAIN_REQUIRE_GPU();
+  const int64_t rows = 37, cols = 320;
+  std::mt19937_64 rng = fresh_rng(17 + group_size);
+  std::vector<T> w;
+  std::vector<double> w_exact;
+  random_values<T>(rows * cols, 0.0, 0.05, rng, w, w_exact);
+  std::vector<float> w_float = as_float(w);
+  std::fill(w_float.begin(), w_float.begin() + cols, 0.0f);  // a zero row: scale 0
+  const ref::QuantizedTernary q = ref::quantize_ternary(w_float, rows, cols, group_size);
+  const std::vector<float> want = ref::dequantize_ternary(q, cols, group_size);
+  DeviceBuffer d_packed = DeviceBuffer::from_host(ref::pack_ternary(q.codes));
+  DeviceBuffer d_scales = DeviceBuffer::from_host(q.scales);
+  DeviceBuffer d_out(rows * cols * sizeof(T));
+  k::DequantizeTernaryParams p;
+  p.packed = static_cast<const uint8_t*>(d_packed.get());
+  p.scales = static_cast<const float*>(d_scales.get());
+  p.out = d_out.get();
+  p.rows = rows;
+  p.cols = cols;
+  p.group_size = group_size;
+  p.dtype = std::is_same<T, float>::value ? k::DType::kFloat32
+            : std::is_same<T, __half>::value ? k::DType::kFloat16 : k::DType::kBFloat16;
+  k::dequantize_ternary(p, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto out = d_out.to_host<T>(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    ASSERT_EQ(Storage<T>::to_double(out[i]), Storage<T>::to_double(Storage<T>::from_double(want[i])))
+        << "element " << i;
+  }
+}
+
+TEST(DequantizeTernary, Bf16PerRow) { check_dequantize_ternary<__nv_bfloat16>(320); }
+TEST(DequantizeTernary, Fp16Groups) { check_dequantize_ternary<__half>(64); }
+TEST(DequantizeTernary, Fp32Groups) { check_dequantize_ternary<float>(32); }
+
+TEST(DequantizeTernary, RejectsBadShapes) {
+  k::DequantizeTernaryParams p;
+  p.rows = 1;
+  p.cols = 48;
+  p.group_size = 48;
+  EXPECT_THROW(k::dequantize_ternary(p, nullptr), std::invalid_argument);
+  p.cols = 128;
+  p.group_size = 96;
+  EXPECT_THROW(k::dequantize_ternary(p, nullptr), std::invalid_argument);
 }
 
 }  // namespace

@@ -185,6 +185,11 @@ def _matmul_ternary(device):
     return [(a, packed.packed, packed.scales, False), (dy, packed.packed, packed.scales, True)]
 
 
+def _dequantize_ternary(device):
+    packed = ternary_ops.quantize_ternary(_weight(device, 57), group_size=64)
+    return [(packed.packed, packed.scales, packed.dtype)]
+
+
 def _matmul_sum(device):
     a = [_randn(33, k, device=device, dtype=torch.float32, seed=53 + k) for k in (4, 20)]
     b = [_randn(17, k, device=device, dtype=torch.float32, seed=63 + k).T for k in (4, 20)]
@@ -212,6 +217,7 @@ CASES: dict[str, Case] = {
     "dequantize_int8_rows": _dequantize_int8_rows,
     "matmul_int8": _matmul_int8,
     "matmul_ternary": _matmul_ternary,
+    "dequantize_ternary": _dequantize_ternary,
     "matmul_sum": _matmul_sum,
 }
 

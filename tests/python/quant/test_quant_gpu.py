@@ -107,16 +107,21 @@ def test_ternary_gemm_is_no_worse_than_torch_on_the_dequantized_weight(dtype, gr
         assert error <= 1.5 * torch_error + 1e-6, f"grad_input={grad_input}: {error} vs torch's {torch_error}"
 
 
-@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+QUANTIZERS = {"nf4": (quant.quantize_4bit, quant.dequantize_4bit, quant.matmul_4bit),
+              "int8": (quant.quantize_int8, quant.dequantize_int8, quant.matmul_int8),
+              "ternary": (quant.quantize_ternary, quant.dequantize_ternary, quant.matmul_ternary)}
+
+
+@pytest.mark.parametrize("fmt", list(QUANTIZERS))
 @pytest.mark.parametrize("grad_input", [False, True])
 def test_gemm_dequantizes_for_cublas_from_the_switch_row_count_on(fmt, grad_input):
     """Below DEQUANTIZE_THEN_GEMM_ROWS rows the fused kernel never holds a 16-bit weight; from
     there on the op holds one for the call only and returns cuBLAS's product on it, bit for bit."""
     torch.manual_seed(0)
     weight = fresh_weight((4096, 4096), torch.bfloat16)
-    packed = quant.quantize_4bit(weight) if fmt == "nf4" else quant.quantize_int8(weight)
-    dense = quant.dequantize_4bit(packed) if fmt == "nf4" else quant.dequantize_int8(packed)
-    matmul = quant.matmul_4bit if fmt == "nf4" else quant.matmul_int8
+    quantize, dequantize, matmul = QUANTIZERS[fmt]
+    packed = quantize(weight)
+    dense = dequantize(packed)
     switch = quant.DEQUANTIZE_THEN_GEMM_ROWS
     for rows in (switch - 1, switch):
         a = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
@@ -141,14 +146,14 @@ def test_dequantized_for_follows_the_ops_rule():
     weight = fresh_weight((256, 128), torch.bfloat16)
     switch = quant.DEQUANTIZE_THEN_GEMM_ROWS
     few, many = (torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16) for rows in (switch - 1, switch))
-    for quantized in (quant.Weight4bit(quant.quantize_4bit(weight)), quant.Weight8bit(quant.quantize_int8(weight))):
+    for quantized in (quant.Weight4bit(quant.quantize_4bit(weight)), quant.Weight8bit(quant.quantize_int8(weight)),
+                      quant.WeightTernary(quant.quantize_ternary(weight))):  # fmt: skip
         assert torch.equal(quantized.dequantized_for(many), quantized.dequantize()), quantized
         assert quantized.dequantized_for(few) is None, quantized
         assert quantized.dequantized_for(many.cpu()) is None, quantized
         assert quantized.dequantized_for(many.clone().requires_grad_()) is None, quantized
         with torch.no_grad():
             assert quantized.dequantized_for(many.clone().requires_grad_()) is not None, quantized
-    assert quant.WeightTernary(quant.quantize_ternary(weight)).dequantized_for(many) is None
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "int8"])
@@ -217,6 +222,18 @@ def test_fused_gemms_run_in_a_new_host_thread():
     run = subprocess.run([sys.executable, "-c", FUSED_GEMMS_IN_A_NEW_THREAD], capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert run.returncode == 0 and "OK" in run.stdout, f"exit {run.returncode}: {run.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("group_size", [None, 64])
+def test_ternary_dequantization_is_bit_exact_with_the_cpu_reference(dtype, group_size):
+    weight = fresh_weight((300, 512), torch.bfloat16)
+    weight[1] *= 30  # rows of very different scales
+    packed = quant.quantize_ternary(weight, group_size)
+    on_cpu = quant.PackedTernary(packed.packed.cpu(), packed.scales.cpu(), packed.dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    restored, reference = quant.dequantize_ternary(packed, dtype), quant.dequantize_ternary(on_cpu, dtype)
+    assert torch.equal(restored.cpu().view(bits), reference.view(bits)), "the CUDA kernel's bits differ from the CPU's"
 
 
 def test_ternary_quantizer_agrees_with_the_cpu_reference():
