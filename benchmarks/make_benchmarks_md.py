@@ -196,20 +196,24 @@ def section_qlora(runs) -> str:
         for r in d.get("dequant", []):
             deq.append([gpu(run), r["shape"], pct(r["barqtrain_vs_copy"]), pct(r["barqtrain_vs_same_bytes_copy"]), pct(r["bitsandbytes_vs_copy"])])
         for r in d.get("gemm", []):
+            ternary = f"{r['ternary_vs_cublas']:.2f}×" if "ternary_vs_cublas" in r else "not run"
             gemm.append([gpu(run), r["case"], r["direction"], r["path"], f"{num(r['cublas_bf16_ms'])} ms",
-                         f"{r['nf4_vs_cublas']:.2f}×", f"{r['int8_vs_cublas']:.2f}×",
+                         f"{r['nf4_vs_cublas']:.2f}×", f"{r['int8_vs_cublas']:.2f}×", ternary,
                          f"{r['bnb_dequant_matmul_ms'] / r['cublas_bf16_ms']:.2f}×"])
         for r in d.get("lora_step", []):
+            ternary = (f"{num(r['ternary_qlora_ms'])} ms ({r['ternary_vs_bf16_lora']:.2f}×)" if "ternary_qlora_ms" in r
+                       else "not run")  # fmt: skip
             step.append([gpu(run), r["case"], f"{num(r['bf16_lora_ms'])} ms", f"{num(r['qlora_ms'])} ms ({r['qlora_vs_bf16_lora']:.2f}×)",
-                         f"{num(r['int8_qlora_ms'])} ms ({r['int8_vs_bf16_lora']:.2f}×)", f"{num(r['bnb_peft_ms'])} ms"])
+                         f"{num(r['int8_qlora_ms'])} ms ({r['int8_vs_bf16_lora']:.2f}×)", ternary, f"{num(r['bnb_peft_ms'])} ms"])
     return ("NF4 dequantization (share of the copy ceiling; of a copy of the same bytes):\n\n"
             + md_table(["GPU", "weight", "BarqTrain vs copy", "BarqTrain vs same-bytes copy", "bitsandbytes vs copy"], deq, "llrrr")
             + "\n\nQuantized GEMMs, as a multiple of bf16 cuBLAS on the dequantized weight (the fused kernel below "
             "DEQUANTIZE_THEN_GEMM_ROWS rows, dequantize + cuBLAS from there on):\n\n"
-            + md_table(["GPU", "case", "direction", "NF4 / int8 path", "cuBLAS bf16", "NF4", "int8",
-                        "bitsandbytes dequantize + cuBLAS"], gemm, "llllrrrr")
+            + md_table(["GPU", "case", "direction", "path", "cuBLAS bf16", "NF4", "int8", "ternary",
+                        "bitsandbytes dequantize + cuBLAS"], gemm, "llllrrrrr")
             + "\n\nQLoRA linear step, forward + backward (× the bf16 LoRA step):\n\n"
-            + md_table(["GPU", "case", "bf16 LoRA", "NF4 QLoRA", "int8 QLoRA", "bitsandbytes + PEFT"], step, "llrrrr"))
+            + md_table(["GPU", "case", "bf16 LoRA", "NF4 QLoRA", "int8 QLoRA", "ternary QLoRA", "bitsandbytes + PEFT"], step,
+                       "llrrrrr"))
 
 
 def section_data(runs) -> str:

@@ -7,8 +7,8 @@
   gemm    : the quantized GEMMs (x Wᵀ forward, dy W backward), NF4, int8 and ternary, against the
             bf16 cuBLAS GEMM of the same shape, and bitsandbytes' dequantize + matmul, for
             4096 -> 14336 and -> 4096 and the backward shapes (14336 -> 4096, 4096 -> 4096), at
-            8192 tokens and on both sides of the row count where NF4 and int8 switch from the
-            fused kernel to dequantize + cuBLAS (DEQUANTIZE_THEN_GEMM_ROWS).
+            8192 tokens and on both sides of the row count where the GEMMs switch from the fused
+            kernel to dequantize + cuBLAS (DEQUANTIZE_THEN_GEMM_ROWS).
   step    : one LoRA linear forward + backward (r 16, bf16 adapters) over the NF4, the int8 and
             the ternary base against the same over the bf16 base, and bitsandbytes + PEFT's
             Linear4bit LoRA layer; with the GPU memory each base weight takes.
@@ -184,8 +184,8 @@ def run_qlora_benchmark(out_dir: Path, command_line: str) -> None:
     ))  # fmt: skip
     print()
     print(format_table(
-        ("GEMM", "direction", "NF4 / int8 path", "cuBLAS bf16 ms", "NF4 ms", "x cuBLAS", "int8 ms", "x cuBLAS",
-         "ternary (fused) ms", "x cuBLAS", "bnb dequant+matmul ms"),
+        ("GEMM", "direction", "path", "cuBLAS bf16 ms", "NF4 ms", "x cuBLAS", "int8 ms", "x cuBLAS", "ternary ms",
+         "x cuBLAS", "bnb dequant+matmul ms"),
         [(r["case"], r["direction"], r["path"], format_value(r["cublas_bf16_ms"], ".3f"), format_value(r["nf4_ms"], ".3f"),
           format_value(r["nf4_vs_cublas"], ".2f"), format_value(r["int8_ms"], ".3f"),
           format_value(r["int8_vs_cublas"], ".2f"), format_value(r["ternary_ms"], ".3f"),
