@@ -4,10 +4,10 @@ it uses a 16-bit one.
 Tensor subclasses with the logical shape [out, in] and the compute dtype, and no 16-bit data:
 F.linear(x, W), dy @ W and dx.addmm_(dy, W) run the quantized GEMM (barqtrain.ops.quant.
 matmul_4bit or matmul_int8, barqtrain.ops.ternary.matmul_ternary: fused, or on CUDA at training's
-row counts cuBLAS on the dequantized weight, where addmm_ sums in cuBLAS's epilogue). That is all barqtrain.lora's
-functions do with a base weight, so the LoRA linear, the q/k/v projections and the gated MLP
-compute a quantized base unchanged (QLoRA). Any other operation on it is an error naming it;
-.dequantize() gives the 16-bit weight explicitly.
+row counts cuBLAS on the dequantized weight, where addmm_ sums in cuBLAS's epilogue). That is all
+barqtrain.lora's functions do with a base weight, so the LoRA linear, the q/k/v projections and
+the gated MLP compute a quantized base unchanged (QLoRA). Any other operation on it is an error
+naming it; .dequantize() gives the 16-bit weight explicitly.
 """
 
 from __future__ import annotations
