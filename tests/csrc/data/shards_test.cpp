@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <dirent.h>
 #include <fstream>
 #include <iterator>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,9 +31,11 @@ TokenizedData corpus(size_t count, int32_t base = 1000) {
   return d;
 }
 
+// A new empty directory each call (mkdtemp): a name made from the process id could be an earlier
+// run's directory, still holding its files.
 std::string fresh_dir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + name + "-" + std::to_string(::getpid());
-  ::mkdir(dir.c_str(), 0755);
+  std::string dir = ::testing::TempDir() + name + "-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + dir);
   return dir;
 }
 
