@@ -51,7 +51,7 @@ test-cpp: install
 
 # One pytest worker per core (pytest-xdist), a test file's tests on one worker, each worker's torch
 # on one thread: torch's own threads on every worker at once made small-op tests wait on each other
-# (one test 9.6 s alone, 240 s among them); on CI's two cores the suite takes 710 s against 1007 s
+# (one test 9.6 s alone, 240 s among them); on CI's two cores the suite takes 716 s against 1007 s
 # in one process.
 PYTEST_WORKERS ?= $(JOBS)
 test-python: install
