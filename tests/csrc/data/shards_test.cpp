@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <dirent.h>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
@@ -31,10 +32,29 @@ TokenizedData corpus(size_t count, int32_t base = 1000) {
   return d;
 }
 
-// A new empty directory each call (mkdtemp): a name made from the process id could be an earlier
-// run's directory, still holding its files.
+// The test binary's scratch directory, removed with everything under it when the binary exits.
+class ScratchRoot {
+ public:
+  ScratchRoot() : path_(::testing::TempDir() + "barqtrain-shards-XXXXXX") {
+    if (::mkdtemp(path_.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + path_);
+  }
+  ~ScratchRoot() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  ScratchRoot(const ScratchRoot&) = delete;
+  ScratchRoot& operator=(const ScratchRoot&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A new empty directory each call (mkdtemp), inside this run's scratch root: a name made from the
+// process id could be an earlier run's directory, still holding its files.
 std::string fresh_dir(const std::string& name) {
-  std::string dir = ::testing::TempDir() + name + "-XXXXXX";
+  static const ScratchRoot root;
+  std::string dir = root.path() + "/" + name + "-XXXXXX";
   if (::mkdtemp(dir.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + dir);
   return dir;
 }
