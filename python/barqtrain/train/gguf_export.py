@@ -82,7 +82,7 @@ FAMILIES: dict[str, _Family] = {
     "gemma": _Family("GEMMA", norm_offset=1.0),
     "gemma2": _Family("GEMMA2", norm_offset=1.0, softcaps=True, query_scale_checked=True, large_layer_count=46,
                       sliding_window_layers=True),
-    "gemma3_text": _Family("GEMMA3", norm_offset=1.0, query_scale_checked=True, large_layer_count=62,
+    "gemma3_text": _Family("GEMMA3", norm_offset=1.0, native_yarn=True, query_scale_checked=True, large_layer_count=62,
                            sliding_window_layers=True),
 }
 
@@ -235,9 +235,11 @@ def _check_query_scale(config, family: _Family) -> None:
 # (its rope init function): f_i = default frequency / the model's, m = its cos/sin scale. Llama's
 # rope_freqs carries every type whose frequencies do not depend on the sequence (YaRN with any
 # option, Llama 3's); LongRoPE (Llama, Phi-3) is the pair of tables llama.cpp picks between. Qwen
-# 2/3 read none: YaRN goes as llama.cpp's own, which rounds the ramp's ends (Transformers'
-# truncate), with m relative to its own scale. Dynamic NTK stretches theta only past
-# max_position_embeddings: up to there it is the default RoPE, and so is the file.
+# 2/3 and Gemma 3 read none: YaRN goes as llama.cpp's own, which rounds the ramp's ends
+# (Transformers' truncate), with m relative to its own scale. Gemma 3's sliding-window layers
+# keep the default RoPE (s = 1), yet m applies to them too: only YaRN's own scale (m = 1) exports.
+# Dynamic NTK stretches theta only past max_position_embeddings: up to there it is the default
+# RoPE, and so is the file.
 
 _TABLE_TYPES = ("yarn", "llama3", "longrope")
 
@@ -261,6 +263,11 @@ def rope_in_file(config, family: _Family) -> RopeInFile:
     the key where llama.cpp's graph for the family cannot rotate as Transformers does."""
     parameters = _rope_parameters(config)
     rope_type = _rope_type(parameters)
+    local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention")
+    if local is not None and _rope_type(local) != "default":
+        raise ExportError(f"config.json: rope_parameters.sliding_attention.rope_type {_rope_type(local)!r} has no GGUF "
+                          f"export for {config.model_type}: llama.cpp turns the sliding-window layers by the default "
+                          "RoPE on their own rope_theta")
     if rope_type == "default":
         return RopeInFile()
     if rope_type == "linear":
@@ -295,6 +302,11 @@ def rope_in_file(config, family: _Family) -> RopeInFile:
         factor = parameters.get("factor") or config.max_position_embeddings / original
         _, attention = _transformers_factors(config, parameters)
         own_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        if family.sliding_window_layers and not math.isclose(attention, own_scale, rel_tol=1e-6):
+            raise ExportError(f"config.json: rope_parameters.full_attention: a YaRN cos/sin scale of {attention:.6g} "
+                              f"(attention_factor, mscale) has no GGUF export for {config.model_type}: llama.cpp "
+                              "scales the sliding-window layers by it too; only 0.1 ln(factor) + 1 = "
+                              f"{own_scale:.6g} exports")
         beta_fast, beta_slow = (parameters.get(key) for key in ("beta_fast", "beta_slow"))
         return RopeInFile(
             "YARN", factor=float(factor), original_context=original, attention_factor=attention / own_scale,
@@ -313,7 +325,10 @@ def _transformers_factors(config, parameters: dict[str, Any], seq_len: int | Non
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention = ROPE_INIT_FUNCTIONS[_rope_type(parameters)](config, torch.device("cpu"), seq_len=seq_len)
+    per_layer_type = "full_attention" in (getattr(config, "rope_parameters", None) or {})
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[_rope_type(parameters)](
+        config, torch.device("cpu"), seq_len=seq_len, layer_type="full_attention" if per_layer_type else None
+    )
     dims = _rotary_dims(config, parameters)
     default = float(parameters["rope_theta"]) ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
     return (default / inv_freq.double().numpy()).astype(np.float32), float(attention)

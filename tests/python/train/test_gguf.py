@@ -260,6 +260,18 @@ def test_model_and_file_errors(tmp_path, family_dirs):
                                        "long_factor": [2.0] * 32, "original_max_position_embeddings": 64}},
          "config.json: rope_parameters.rope_type 'longrope' has no GGUF export for qwen3: llama.cpp's graph for it "
          "reads no frequency factors (default, linear, dynamic, yarn do)"),
+        ("gemma3_text", {"rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 64, "attention_factor": 1.3},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+         "config.json: rope_parameters.full_attention: a YaRN cos/sin scale of 1.3 (attention_factor, mscale) has no "
+         "GGUF export for gemma3_text: llama.cpp scales the sliding-window layers by it too; only 0.1 ln(factor) + 1 "
+         "= 1.13863 exports"),
+        ("gemma3_text", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}},
+         "config.json: rope_parameters.sliding_attention.rope_type 'linear' has no GGUF export for gemma3_text: "
+         "llama.cpp turns the sliding-window layers by the default RoPE on their own rope_theta"),
         ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0}},
          "config.json: rope_parameters.rope_type 'proportional' has no GGUF export (default, linear, dynamic, yarn, "
          "llama3, longrope do)"),

@@ -159,17 +159,20 @@ ROPE_SCALINGS = {
 @pytest.mark.parametrize(("family", "scaling"), [
     ("llama", "llama3"), ("llama", "yarn"), ("llama", "yarn-options"), ("llama", "yarn-mscale"), ("qwen2", "yarn"),
     ("qwen2", "yarn-scale"), ("qwen3", "yarn-mscale"), ("llama", "longrope-long"), ("phi3", "longrope-long"),
-    ("phi3", "longrope-short"),
+    ("phi3", "longrope-short"), ("gemma3_text", "yarn"),
 ])  # fmt: skip
 def test_rope_scaling_runs_as_in_transformers(tmp_path, stories_ids, family, scaling):
     """Llama 3.1's RoPE, YaRN with every option and LongRoPE on the Llama and Phi-3 graphs (as
-    Transformers' frequency tables in the factor tensors llama.cpp reads), YaRN on Qwen's
-    (llama.cpp's own, with Transformers' cos/sin scale) give Transformers' logits, far from
-    the same weights' with unscaled RoPE."""
+    Transformers' frequency tables in the factor tensors llama.cpp reads), YaRN on Qwen's and on
+    Gemma 3's full-attention layers (llama.cpp's own, with Transformers' cos/sin scale) give
+    Transformers' logits, far from the same weights' with unscaled RoPE."""
     changes = ROPE_SCALINGS[scaling]
     if family == "phi3":  # Phi-3 reads its pretraining context from beside the RoPE parameters
         original = changes["rope_parameters"]["original_max_position_embeddings"]
         changes = {**changes, "original_max_position_embeddings": original}
+    if family == "gemma3_text":  # RoPE per layer type: the sliding-window layers keep the default
+        changes = {"rope_parameters": {"full_attention": changes["rope_parameters"],
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
     model_dir = tiny_model(tmp_path / "scaled", family, **changes)
     ids = stories_ids[2]
     got = llama_cpp_logits(write_gguf(model_dir, tmp_path / "model.gguf", "f16", **QUIET), ids)
