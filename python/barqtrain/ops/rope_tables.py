@@ -8,7 +8,9 @@ context-extension methods rescale those frequencies:
 - dynamic: NTK-aware scaling, theta stretched to fit the current sequence length;
 - llama3: low frequencies interpolated, high ones kept, a linear blend between;
 - yarn: per-pair blend of interpolation and extrapolation (Peng et al., 2023), and an
-  attention factor that scales cos and sin.
+  attention factor that scales cos and sin;
+- longrope: a searched factor per pair dividing its frequency (Ding et al., 2024), one list
+  for sequences within the pretraining context and one past it, and a cos/sin scale.
 
 The tables equal, bit for bit, those of Hugging Face Transformers' rope utilities for the
 same config, computed from the formulas alone: the kernels and fused attention use them
@@ -22,7 +24,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 # Fields each scaling type cannot do without (the others have defaults).
 _REQUIRED_FIELDS = {
@@ -31,6 +33,7 @@ _REQUIRED_FIELDS = {
     "dynamic": ("factor", "max_position_embeddings"),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings", "short_factor", "long_factor"),
 }
 
 
@@ -48,8 +51,11 @@ class RopeScaling:
     original_max_position_embeddings / high_freq_factor kept.
     beta_fast, beta_slow (yarn): rotation counts over the pretraining context bounding
     the blend, kept above beta_fast, interpolated below beta_slow; truncate rounds the
-    blend's bounds outwards to whole pairs. attention_factor (yarn): cos/sin scale,
-    derived from factor, mscale and mscale_all_dim when None.
+    blend's bounds outwards to whole pairs. attention_factor (yarn, longrope): cos/sin
+    scale, derived from factor, mscale and mscale_all_dim (yarn) or factor and
+    original_max_position_embeddings (longrope) when None.
+    short_factor, long_factor (longrope): per pair, what its frequency is divided by for
+    sequences up to original_max_position_embeddings, and for longer ones.
     """
 
     rope_type: str = "default"
@@ -66,6 +72,8 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -110,9 +118,10 @@ class RopeScaling:
             or max_position_embeddings
         )
         factor = params.get("factor")
-        if factor is None and rope_type == "yarn":
-            # DeepSeek-V3 style: the factor is implied by the two context lengths.
+        if factor is None and rope_type in ("yarn", "longrope"):
+            # DeepSeek-V3 and Phi-3 style: the factor is implied by the two context lengths.
             factor = max_position_embeddings / original_max_position_embeddings
+        short_factor, long_factor = (params.get(key) for key in ("short_factor", "long_factor"))
         return cls(
             rope_type=rope_type,
             theta=float(theta),
@@ -129,6 +138,8 @@ class RopeScaling:
             mscale_all_dim=params.get("mscale_all_dim"),
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
+            short_factor=None if short_factor is None else tuple(float(f) for f in short_factor),
+            long_factor=None if long_factor is None else tuple(float(f) for f in long_factor),
         )
 
     def rotary_dim(self, head_dim: int) -> int:
@@ -141,11 +152,12 @@ def rope_inv_freq(
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [rotary_dim / 2], attention_scaling) for one layer type.
 
-    seq_len, the current sequence length, matters only for dynamic scaling; None means
-    the longest the model was configured for. Stateless, unlike Transformers' dynamic
-    rotary module, which keeps the longest table it has built until a sequence fits in
-    max_position_embeddings again, and which stretches theta in float32 (its table can
-    differ by that rounding, ~2e-7 relative).
+    seq_len, the current sequence length, matters only for dynamic scaling and longrope
+    (long factors past original_max_position_embeddings); None means the longest the model
+    was configured for. Stateless, unlike Transformers' dynamic rotary module, which keeps
+    the longest table it has built until a sequence fits in max_position_embeddings again,
+    and which stretches theta in float32 (its table can differ by that rounding, ~2e-7
+    relative).
 
     Computed on the CPU, where Transformers builds its tables, then moved to device, so
     every device sees the same table.
@@ -156,6 +168,8 @@ def rope_inv_freq(
         attention_scaling = 1.0
     elif scaling.rope_type == "yarn":
         inv_freq, attention_scaling = _yarn(scaling, rotary_dim)
+    elif scaling.rope_type == "longrope":
+        inv_freq, attention_scaling = _longrope(scaling, rotary_dim, seq_len)
     else:
         inv_freq = 1.0 / _wavelengths_over_2pi(scaling.theta, rotary_dim)
         if scaling.rope_type == "linear":
@@ -270,3 +284,20 @@ def _yarn_attention_factor(scaling: RopeScaling) -> float:
     if scaling.mscale and scaling.mscale_all_dim:
         return float(magnitude(scaling.mscale) / magnitude(scaling.mscale_all_dim))
     return magnitude(1.0)
+
+
+def _longrope(scaling: RopeScaling, rotary_dim: int, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE: inv_freq[i] = 1 / (f[i] * theta^(2i/d)), f the long factors for a sequence past
+    the pretraining context L, the short ones otherwise; cos/sin scaled by attention_factor,
+    else sqrt(1 + ln(factor) / ln(L)) (1 for factor <= 1)."""
+    context = scaling.original_max_position_embeddings
+    seq_len = scaling.max_position_embeddings if seq_len is None else seq_len
+    factors = scaling.long_factor if seq_len is not None and seq_len > context else scaling.short_factor
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"barqtrain: longrope needs {rotary_dim // 2} factors, one per rotated pair; got {len(factors)}")
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * _wavelengths_over_2pi(scaling.theta, rotary_dim))
+    if scaling.attention_factor is not None:
+        return inv_freq, float(scaling.attention_factor)
+    if scaling.factor <= 1:
+        return inv_freq, 1.0
+    return inv_freq, math.sqrt(1 + math.log(scaling.factor) / math.log(context))

@@ -130,6 +130,47 @@ def test_yarn_factor_defaults_to_context_ratio():
     assert_matches_hf(config)
 
 
+def phi3_longrope(factor=None, attention_factor=None):
+    """Phi-3.5-mini's shape: 48 rotated pairs, a 4K pretraining context stretched to 128K; factors
+    that are not powers of two, so that every division rounds."""
+    short = torch.linspace(1.0, 1.9, 48).tolist()
+    long = torch.linspace(1.1, 37.3, 48).tolist()
+    parameters = dict(rope_type="longrope", rope_theta=10000.0, short_factor=short, long_factor=long,
+                      original_max_position_embeddings=4096)
+    for key, value in (("factor", factor), ("attention_factor", attention_factor)):
+        if value is not None:
+            parameters[key] = value
+    return Phi3Config(hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+                      rope_parameters=parameters)
+
+
+@pytest.mark.parametrize("seq_len", [1, 4096, 4097, 131072])
+def test_longrope_picks_the_long_factors_past_the_pretraining_context(seq_len):
+    config = phi3_longrope()
+    assert_matches_hf(config, seq_len=seq_len)
+    scaling = RopeScaling.from_hf_config(config)
+    assert scaling.factor == 32.0  # Phi-3: implied by the two contexts
+    short, _ = rope_inv_freq(scaling, 96, 4096)
+    long, _ = rope_inv_freq(scaling, 96, 4097)
+    assert (long < short).all()
+
+
+def test_longrope_without_a_length_is_the_longest_configured():
+    scaling = RopeScaling.from_hf_config(phi3_longrope())
+    assert torch.equal(rope_inv_freq(scaling, 96)[0], rope_inv_freq(scaling, 96, 131072)[0])
+
+
+@pytest.mark.parametrize(("factor", "attention_factor"), [(8.0, None), (None, 1.25), (1.0, None)])
+def test_longrope_cos_sin_scale(factor, attention_factor):
+    assert_matches_hf(phi3_longrope(factor, attention_factor), seq_len=8000)
+
+
+def test_longrope_factor_count_is_checked():
+    scaling = RopeScaling.from_hf_config(phi3_longrope())
+    with pytest.raises(ValueError, match="longrope needs 32 factors, one per rotated pair; got 48"):
+        rope_inv_freq(scaling, 64)
+
+
 @pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.5])
 def test_default_matches_the_rotary_modules(partial_rotary_factor):
     """Default RoPE lives in each model's rotary module; Phi-3's honours partial rotary."""
@@ -174,16 +215,6 @@ def test_device_argument_moves_the_table():
 
 
 # ------------------------------------------------------------------ unsupported and incomplete
-
-
-def test_longrope_is_not_supported_yet():
-    config = Phi3Config(
-        hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
-        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 48,
-                             long_factor=[2.0] * 48, original_max_position_embeddings=4096),
-    )
-    with pytest.raises(ValueError, match="'longrope' is not supported yet"):
-        RopeScaling.from_hf_config(config)
 
 
 def test_missing_parameters_are_named():
