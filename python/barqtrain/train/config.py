@@ -48,30 +48,62 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class RopeScalingConfig:
-    type: Literal["linear", "dynamic", "yarn", "llama3"] | None = _doc(
-        "linear (position interpolation), dynamic (NTK-aware, theta stretched past the context), yarn, or llama3",
+    type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] | None = _doc(
+        "linear (position interpolation), dynamic (NTK-aware, theta stretched past the context), yarn, llama3, or "
+        "longrope (a factor per rotated pair: short_factor up to the pretraining context, long_factor past it)",
         None,
     )
     factor: float | None = _doc("how many times longer than the model's pretraining context the training context is", None)
     original_max_position_embeddings: int | None = _doc(
-        "yarn, llama3: the pretraining context; null: the checkpoint's (its rope_parameters' or max_position_embeddings)",
+        "yarn, llama3, longrope: the pretraining context; null: the checkpoint's (its rope_parameters' or "
+        "max_position_embeddings)",
         None,
     )
     low_freq_factor: float | None = _doc("llama3: wavelengths above context / low_freq_factor are interpolated (1.0)", None)
     high_freq_factor: float | None = _doc("llama3: wavelengths below context / high_freq_factor are kept (4.0)", None)
     beta_fast: float | None = _doc("yarn: rotations over the context above which a frequency is kept (32)", None)
     beta_slow: float | None = _doc("yarn: rotations over the context below which a frequency is interpolated (1)", None)
-    attention_factor: float | None = _doc("yarn: the cos/sin scale; null: 0.1 ln(factor) + 1", None)
+    truncate: bool | None = _doc(
+        "yarn: round the blend's ends outwards to whole pairs (null: true, as Transformers does); false keeps them "
+        "where they fall (gpt-oss)",
+        None,
+    )
+    mscale: float | None = _doc(
+        "yarn, with mscale_all_dim (DeepSeek's): the cos/sin scale (0.1 mscale ln(factor) + 1) / "
+        "(0.1 mscale_all_dim ln(factor) + 1)",
+        None,
+    )
+    mscale_all_dim: float | None = _doc("yarn: see mscale", None)
+    attention_factor: float | None = _doc(
+        "yarn, longrope: the cos/sin scale; null: yarn's 0.1 ln(factor) + 1 (or mscale's), longrope's "
+        "sqrt(1 + ln(factor) / ln(original_max_position_embeddings))",
+        None,
+    )
+    short_factor: list[float] | None = _doc(
+        "longrope: one number per rotated pair (head_dim x partial_rotary_factor / 2) dividing its frequency, for "
+        "sequences up to the pretraining context",
+        None,
+    )
+    long_factor: list[float] | None = _doc("longrope: the same, for sequences longer than the pretraining context", None)
 
+
+# RoPE types whose Transformers rotary embedding reads the batch's longest position back to the
+# host each forward to pick or rebuild its frequencies.
+HOST_SEQUENCE_ROPE_TYPES = ("dynamic", "longrope")
 
 # The fields of model.rope_scaling that only some types take, and those types.
 ROPE_SCALING_FIELDS = {
-    "original_max_position_embeddings": ("yarn", "llama3"),
+    "original_max_position_embeddings": ("yarn", "llama3", "longrope"),
     "low_freq_factor": ("llama3",),
     "high_freq_factor": ("llama3",),
     "beta_fast": ("yarn",),
     "beta_slow": ("yarn",),
-    "attention_factor": ("yarn",),
+    "truncate": ("yarn",),
+    "mscale": ("yarn",),
+    "mscale_all_dim": ("yarn",),
+    "attention_factor": ("yarn", "longrope"),
+    "short_factor": ("longrope",),
+    "long_factor": ("longrope",),
 }
 
 
@@ -472,6 +504,9 @@ def _check_cuda_graph(config: TrainConfig) -> None:
                   "through events a graph does not replay; use true or false")  # fmt: skip
     elif config.model.compile != "none":
         reason = "model.compile and CUDA graphs each take the whole step; use one (model.compile: none)"
+    elif config.model.rope_scaling is not None and config.model.rope_scaling.type in HOST_SEQUENCE_ROPE_TYPES:
+        reason = (f"model.rope_scaling {config.model.rope_scaling.type} picks its frequencies by the sequence's "
+                  "length on the host each step, which a replayed graph would not do; use linear, yarn or llama3")  # fmt: skip
     if reason is not None:
         raise ConfigError(f"cuda_graph: {reason}, or set cuda_graph: false")
 
@@ -523,6 +558,18 @@ def _check_rope_scaling(scaling: RopeScalingConfig) -> None:
         )
     if scaling.attention_factor is not None and not scaling.attention_factor > 0:
         raise ConfigError(f"model.rope_scaling.attention_factor: must be positive, got {scaling.attention_factor}")
+    if (scaling.mscale is None) != (scaling.mscale_all_dim is None):
+        raise ConfigError("model.rope_scaling: yarn takes mscale and mscale_all_dim together (DeepSeek-V3 sets 1.0 and 1.0)")
+    if scaling.type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = getattr(scaling, key)
+            if factors is None:
+                raise ConfigError(
+                    f"model.rope_scaling.{key}: required for longrope, one number per rotated pair of a head "
+                    "(head_dim / 2 numbers for a model that rotates whole heads)"
+                )
+            if not all(f > 0 for f in factors):
+                raise ConfigError(f"model.rope_scaling.{key}: every factor divides a frequency, so must be positive")
 
 
 def config_warnings(config: TrainConfig) -> list[str]:

@@ -587,6 +587,19 @@ def _check_cuda_graph(device: torch.device, precision: str, ranks: distributed.R
         )
 
 
+def _check_graphable_rope(model: torch.nn.Module) -> None:
+    """A checkpoint's own dynamic or LongRoPE scaling (config.json) cannot be replayed either."""
+    from barqtrain.train.rope_scaling import host_sequence_rope_type
+
+    rope_type = host_sequence_rope_type(model.config)
+    if rope_type is not None:
+        raise ConfigError(
+            f"cuda_graph: the model's {rope_type} RoPE (config.json rope_parameters) picks its frequencies by the "
+            "sequence's length on the host each step, which a replayed graph would not do; set cuda_graph: false, "
+            "or train with model.rope_scaling of type linear, yarn or llama3"
+        )
+
+
 def _autocast(config: TrainConfig, device: torch.device, log: Callable[..., None]):
     """The autocast context of the forward passes and whether fp16 loss scaling is on.
 
@@ -786,6 +799,7 @@ def _train(
         log(f"Resumed from {checkpoint} at step {step}.")
     graphed = None
     if config.cuda_graph:
+        _check_graphable_rope(model)
         graphed = GraphedTrainStep(
             step_model, optimizer, trainable, max_grad_norm=config.optim.max_grad_norm,
             autocast_dtype=getattr(autocast, "fast_dtype", None),

@@ -11,9 +11,11 @@ import torch
 import transformers
 from barqtrain.ops.rope_tables import RopeScaling, rope_cos_sin, rope_inv_freq
 from barqtrain.train.config import NAMED_MODELS, ConfigError, config_from_dict
-from barqtrain.train.rope_scaling import apply_rope_scaling, scaled_rope_parameters
+from barqtrain.train.rope_scaling import apply_rope_scaling, host_sequence_rope_type, scaled_rope_parameters
 from barqtrain.train.trainer import build_model
 
+SHORT = [1.0 + 0.03 * i for i in range(16)]
+LONG = [1.0 + 0.37 * i for i in range(16)]
 # model.rope_scaling as a user writes it, and the rope_parameters Transformers is given for the
 # same scaling of the tiny Llama (theta 10000, context 64).
 SCALINGS = {
@@ -27,6 +29,18 @@ SCALINGS = {
         {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32, "high_freq_factor": 2.0},
         {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
          "high_freq_factor": 2.0},
+    ),
+    # DeepSeek's cos/sin scale and gpt-oss's ramp ends kept where they fall
+    "yarn-options": (
+        {"type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False},
+        {"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False,
+         "original_max_position_embeddings": 64},
+    ),
+    # The tiny Llama rotates 16 pairs a head; 256 positions are past its 64: the long factors.
+    "longrope": (
+        {"type": "longrope", "factor": 4.0, "short_factor": SHORT, "long_factor": LONG},
+        {"rope_type": "longrope", "factor": 4.0, "short_factor": SHORT, "long_factor": LONG,
+         "original_max_position_embeddings": 64},
     ),
 }  # fmt: skip
 
@@ -57,7 +71,7 @@ POSITIONS = torch.arange(256)[None]  # four times the tiny Llama's context of 64
 def test_scaled_rope_is_transformers_own(kind):
     scaling, rope_parameters = SCALINGS[kind]
     model, line = _scaled_model(scaling)
-    assert line.startswith(f"RoPE: {kind} scaling by")
+    assert line.startswith(f"RoPE: {scaling['type']} scaling by")
     reference = _reference_model(rope_parameters, model.config.max_position_embeddings)
     x = torch.zeros(1, POSITIONS.shape[1], 8)
     cos, sin = model.model.rotary_emb(x, POSITIONS)
@@ -110,8 +124,39 @@ def test_the_trainer_applies_it_before_the_adapter():
         ({"type": "yarn", "factor": 2.0, "scale": 1.0}, r"^model.rope_scaling.scale: unknown key"),
         ({"factor": 2.0}, r"^model.rope_scaling.type: required, e.g. rope_scaling: \{type: yarn, factor: 4.0\}$"),
         ({"type": "yarn"}, r"^model.rope_scaling.factor: required"),
+        ({"type": "linear", "factor": 2.0, "truncate": False}, r"^model.rope_scaling.truncate: applies to type yarn, not linear$"),
+        ({"type": "yarn", "factor": 2.0, "mscale": 0.707}, r"^model.rope_scaling: yarn takes mscale and mscale_all_dim together"),
+        ({"type": "longrope", "factor": 4.0, "long_factor": LONG}, r"^model.rope_scaling.short_factor: required for longrope"),
+        ({"type": "longrope", "factor": 4.0, "short_factor": SHORT, "long_factor": [0.0] * 16},
+         r"^model.rope_scaling.long_factor: every factor divides a frequency, so must be positive$"),
+        ({"type": "yarn", "factor": 2.0, "short_factor": SHORT}, r"^model.rope_scaling.short_factor: applies to type longrope, not yarn$"),
     ],
 )  # fmt: skip
 def test_a_wrong_scaling_is_one_line_naming_the_key(scaling, message):
     with pytest.raises(ConfigError, match=message):
         _config(scaling)
+
+
+def test_a_factor_list_of_the_wrong_length_names_the_key_and_the_count():
+    with pytest.raises(ConfigError, match=r"^model.rope_scaling.short_factor: 15 numbers, and this model rotates 16 pairs "
+                                          r"of each head \(head_dim 32\); give one number per pair$"):
+        _scaled_model({"type": "longrope", "factor": 4.0, "short_factor": SHORT[:15], "long_factor": LONG})
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_cuda_graph_refuses_a_rope_that_reads_the_length_on_the_host(kind):
+    scaling = {"dynamic": SCALINGS["dynamic"][0], "longrope": SCALINGS["longrope"][0]}[kind]
+    with pytest.raises(ConfigError, match=rf"^cuda_graph: model.rope_scaling {kind} picks its frequencies by the "):
+        config_from_dict({"model": {"name": "tiny-llama", "rope_scaling": scaling}, "cuda_graph": True})
+
+
+def test_a_checkpoints_own_host_read_rope_is_found_in_any_layer_type():
+    """What the trainer checks before capturing a graph of a loaded checkpoint."""
+    assert host_sequence_rope_type(transformers.LlamaConfig(**NAMED_MODELS["llama-1b-shape"])) is None
+    phi3 = transformers.Phi3Config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
+                                                    "long_factor": [2.0] * 48, "original_max_position_embeddings": 4096})
+    assert host_sequence_rope_type(phi3) == "longrope"
+    gemma3 = transformers.Gemma3TextConfig(rope_parameters={
+        "full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert host_sequence_rope_type(gemma3) == "dynamic"
