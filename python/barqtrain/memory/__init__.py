@@ -1,11 +1,12 @@
 """Memory savers for training and the memory estimator: gradient checkpointing whose kept
 layer inputs are offloaded to pinned CPU memory, overlapped with compute (checkpoint.py), the
-MLP computed a tile of tokens at a time (tiling.py), and the peak GPU memory and step time of a
+MLP and attention computed a tile of tokens at a time (tiling.py), and the peak GPU memory and step time of a
 config before the model is loaded (estimator.py), and the planner that picks per layer what to
 keep, recompute or offload, and the MLP's tile size, to fit a memory budget (planner.py).
 
     barqtrain.memory.enable_gradient_checkpointing(model, offload=True)
     barqtrain.memory.set_mlp_tile_tokens(model, 8192)
+    barqtrain.memory.set_attention_tile_tokens(model, 8192)
     print(barqtrain.memory.estimate(config).table())
     barqtrain.memory.apply_layer_plan(model, barqtrain.memory.plan_memory(config, budget).layers)
 """
@@ -22,7 +23,7 @@ from barqtrain.memory.estimator import (
     layer_backward_workspace,
 )
 from barqtrain.memory.planner import MemoryPlan, apply_layer_plan, plan_memory
-from barqtrain.memory.tiling import set_mlp_tile_tokens, tiled_over_tokens
+from barqtrain.memory.tiling import set_attention_tile_tokens, set_mlp_tile_tokens, tiled_over_tokens
 
 __all__ = [
     "Estimate",
@@ -39,6 +40,7 @@ __all__ = [
     "layer_backward_workspace",
     "offloaded_checkpoint_of",
     "plan_memory",
+    "set_attention_tile_tokens",
     "set_mlp_tile_tokens",
     "tiled_over_tokens",
 ]

@@ -83,7 +83,7 @@ def _visible(n_q: int, n_k: int, window_left: int, window_right: int, device) ->
     return visible
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [S, H, D] rotated by per-row tables [S, half] (rotate_half over the first 2 * half dims),
     in fp32 (or x's wider dtype) and rounded to x's dtype, as the kernel stores it."""
     half = cos.shape[-1]
@@ -107,8 +107,8 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def _rope_rows(q_rows, k_rows, cos, sin, positions, bounds, rotation=_rotate):
-    """q, k rows [rows, H, D] through `rotation` (_rotate, or _unrotate for gradients) by each
+def _rope_rows(q_rows, k_rows, cos, sin, positions, bounds, rotation=rotate_rows):
+    """q, k rows [rows, H, D] through `rotation` (rotate_rows, or _unrotate for gradients) by each
     row's position (its index in its sequence when positions is None); as they are without tables."""
     if cos is None:
         return q_rows, k_rows
@@ -196,7 +196,7 @@ def _attention_forward_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def _unrotate(d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of _rotate's input from its output's gradient d [S, H, D] (the transposed rotation)."""
+    """The gradient of rotate_rows' input from its output's gradient d [S, H, D] (the transposed rotation)."""
     half = cos.shape[-1]
     c, s = cos.to(d.dtype)[:, None, :], sin.to(d.dtype)[:, None, :]
     d1, d2, tail = d[..., :half], d[..., half:2 * half], d[..., 2 * half:]

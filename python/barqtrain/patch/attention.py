@@ -31,7 +31,8 @@ from torch import nn
 
 from barqtrain import ops
 from barqtrain.lora import lora_projections
-from barqtrain.ops.attention import MAX_HEAD_DIM_BACKWARD, kernel_unsupported_reason, warn_fallback
+from barqtrain.memory.tiling import Tile, tiled
+from barqtrain.ops.attention import MAX_HEAD_DIM_BACKWARD, kernel_unsupported_reason, rotate_rows, warn_fallback
 from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, simple_name
 
@@ -94,6 +95,15 @@ def _hf_attention_dispatch(modeling_module: str) -> tuple[AttentionInterface, At
     return module.ALL_ATTENTION_FUNCTIONS, module.eager_attention_forward
 
 
+def _project(modules: list[nn.Module], hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each module's projection of hidden_states: one barqtrain.lora.lora_projections where they
+    are LoRA layers patched by BarqTrain and plain nn.Linear, else the modules' own calls."""
+    projections = block_projections(modules, hidden_states)
+    if projections is None:
+        return tuple(module(hidden_states) for module in modules)
+    return lora_projections(hidden_states, projections)
+
+
 def _project_qkv(
     attention: nn.Module, hidden_states: torch.Tensor, variant: AttentionVariant
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,12 +115,7 @@ def _project_qkv(
         key_size = attention.num_key_value_heads * attention.head_dim
         query, key, value = qkv.split([query_size, key_size, qkv.shape[-1] - query_size - key_size], dim=-1)
     else:
-        modules = [attention.q_proj, attention.k_proj, attention.v_proj]
-        projections = block_projections(modules, hidden_states)
-        if projections is None:
-            query, key, value = (module(hidden_states) for module in modules)
-        else:
-            query, key, value = lora_projections(hidden_states, projections)
+        query, key, value = _project([attention.q_proj, attention.k_proj, attention.v_proj], hidden_states)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
     if variant.qk_norm:
         # Over head_dim, so before the transpose (Qwen3) or after it (Gemma 3) computes the
@@ -574,6 +579,12 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tile_tokens = getattr(self, TILE_ATTRIBUTE, 0) if self.training and torch.is_grad_enabled() else 0
+        if tile_tokens and hidden_states.shape[0] * hidden_states.shape[1] > tile_tokens:
+            output = _query_tiled_attention(
+                self, hidden_states, position_embeddings, attention_mask, past_key_values, variant, tile_tokens, kwargs
+            )
+            return output, None
         query, key, value = _project_qkv(self, hidden_states, variant)
         cos, _ = position_embeddings
         s2_group = getattr(self, S2_ATTRIBUTE, 0) if self.training else 0
@@ -609,6 +620,144 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
     forward.__qualname__ = f"fused_attention({simple_name(module_class)}).forward"
     _FUSED_FORWARDS.add(forward)
     return ModuleReplacement(FUSED_OP, module_class, forward, _untrainable_head_dim)
+
+
+# ------------------------------------------------------------------ attention tiled by queries
+
+# The attribute of a FUSED_OP-patched attention module that holds its query tile size in tokens
+# (absent or 0: untiled), set by barqtrain.memory.set_attention_tile_tokens.
+TILE_ATTRIBUTE = "barqtrain_attention_tile_tokens"
+
+
+def is_fused_attention(module: nn.Module) -> bool:
+    """Whether `module`'s forward is the attention op's replacement (patch_model with 'attention')."""
+    return _is_fused_attention_forward(vars(module).get("forward"))
+
+
+@dataclass(frozen=True)
+class _QueryTile:
+    """barqtrain.ops.attention's varlen arguments for one tile's queries and their keys."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def query_tiles(starts: list[int], total: int, tile_tokens: int) -> list[tuple[Tile, list[int], list[int]]]:
+    """Tiles of `tile_tokens` query rows over `total` flat rows whose sequences start at `starts`
+    (ascending, the first 0), each with the key rows its queries see causally (from the start of
+    the tile's first sequence to the tile's end: one contiguous range) and the cu_seqlens of
+    its queries and keys, per sequence it meets. A sequence cut by a tile's start keeps all its
+    earlier keys: queries are the last rows of their keys, which is the attention op's causal
+    alignment for sequences with more keys than queries."""
+    bounds = [*starts, total]
+    tiles = []
+    first = 0
+    for start in range(0, total, tile_tokens):
+        end = min(start + tile_tokens, total)
+        while bounds[first + 1] <= start:
+            first += 1
+        keys_from = bounds[first]
+        cu_q, cu_k = [0], [0]
+        sequence = first
+        while sequence < len(starts) and bounds[sequence] < end:
+            cut = min(bounds[sequence + 1], end)
+            cu_q.append(cut - start)
+            cu_k.append(cut - keys_from)
+            sequence += 1
+        tiles.append((Tile(slice(start, end), slice(keys_from, end)), cu_q, cu_k))
+    return tiles
+
+
+def _tiling_refusal(
+    attention: nn.Module, key: torch.Tensor, attention_mask: Any, past_key_values: Any, kwargs: dict[str, Any]
+) -> str | None:
+    """Why this call cannot attend a tile of queries at a time on the attention op, or None."""
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True"
+    if kwargs.get("is_causal") is False:
+        return "is_causal=False (bidirectional attention)"
+    if attention.attention_dropout > 0:
+        return f"attention dropout {attention.attention_dropout}"
+    if past_key_values is not None:
+        return "a KV cache"
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"an attention mask of type {type(attention_mask).__name__}"
+    if getattr(attention, S2_ATTRIBUTE, 0):
+        return "shifted sparse attention (model.shifted_sparse_attention), whose groups already bound the attention"
+    return kernel_unsupported_reason(key, None, needs_grad=True)
+
+
+def _query_tiled_attention(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any,
+    variant: AttentionVariant,
+    tile_tokens: int,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """The attention block's output (o_proj's) for hidden_states [batch, seq, hidden], a tile of
+    `tile_tokens` queries at a time (see barqtrain.memory.tiling): keys and values are projected
+    and rotated for every token and kept; each tile projects, normalizes and rotates its queries,
+    attends on the attention op to the keys its sequences hold up to the tile's end, and projects
+    the result; the backward recomputes each tile. [tokens x q_heads x head_dim] tensors (q, its
+    rotation, the attention output, their gradients) exist for one tile at a time."""
+    if variant.fused_qkv:  # keys and values are projected on their own
+        raise ValueError(
+            f"barqtrain: attention tiled by queries (memory.attention_tile_tokens) cannot compute "
+            f"{type(attention).__name__}'s one projection of q, k and v (qkv_proj); set memory.attention_tile_tokens: 0"
+        )
+    batch, seq, _ = hidden_states.shape
+    head_dim = attention.head_dim
+    key, value = _project([attention.k_proj, attention.v_proj], hidden_states)
+    key, value = key.view(batch * seq, -1, head_dim), value.view(batch * seq, -1, head_dim)
+    if variant.qk_norm:
+        key = attention.k_norm(key)
+    reason = _tiling_refusal(attention, key, attention_mask, past_key_values, kwargs)
+    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
+    if reason is None:
+        layout = _layouts.layout(
+            attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, seq, window, key.device
+        )
+        reason = layout if isinstance(layout, str) else None
+        if reason is None and layout.kept is not None:
+            reason = "padding (attention tiling takes packed rows, data.packing)"
+    if reason is not None:
+        raise ValueError(
+            f"barqtrain: attention tiled by queries (memory.attention_tile_tokens) cannot compute {reason}; "
+            "set memory.attention_tile_tokens: 0"
+        )
+    starts = layout.cu_seqlens[:-1].tolist() if layout.cu_seqlens is not None else list(range(0, batch * seq, seq))
+    options = _attention_options(attention, batch, seq, position_embeddings, variant)
+    cos, sin = options.pop("rope_cos"), options.pop("rope_sin")
+    key = rotate_rows(key, cos, sin)
+    plan = query_tiles(starts, batch * seq, tile_tokens)
+    tiles = [tile for tile, _, _ in plan]
+    bounds = [
+        _QueryTile(torch.tensor(cu_q, dtype=torch.int32, device=key.device),
+                   torch.tensor(cu_k, dtype=torch.int32, device=key.device),
+                   max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:])))
+        for _, cu_q, cu_k in plan
+    ]  # fmt: skip
+    query_modules = [attention.q_proj, attention.o_proj] + ([attention.q_norm] if variant.qk_norm else [])
+
+    def tile_output(index: int, rows: torch.Tensor, context: list[torch.Tensor]) -> torch.Tensor:
+        tile, varlen = tiles[index], bounds[index]
+        (query,) = _project([attention.q_proj], rows)
+        query = query.view(rows.shape[0], -1, head_dim)
+        if variant.qk_norm:
+            query = attention.q_norm(query)
+        query = rotate_rows(query, cos[tile.rows], sin[tile.rows])
+        output = ops.attention(query, *context, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k,
+                               max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_k, **options)  # fmt: skip
+        return attention.o_proj(output.reshape(rows.shape[0], -1))
+
+    parameters = [p for module in query_modules for p in module.parameters() if p.requires_grad]
+    rows = hidden_states.reshape(batch * seq, -1)
+    return tiled(tile_output, rows, tiles, [key, value], parameters).view(batch, seq, -1)
 
 
 def _untrainable_head_dim(attention: nn.Module) -> str | None:

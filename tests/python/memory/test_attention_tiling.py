@@ -1,0 +1,142 @@
+"""Attention tiled by queries on a CPU: the tiles' key ranges and varlen bounds, and a model
+whose attention runs a few queries at a time against the same model untiled, in float64 (the
+loss and every gradient; plain rows and packed sequences that tiles cut; every family the
+attention op patches with separate q/k/v projections, with their windows, softcaps and q/k
+norms; LoRA, full fine-tuning and QLoRA, with and without checkpointing), and the calls it
+refuses by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import barqtrain
+import peft
+import pytest
+import torch
+from barqtrain.memory import enable_gradient_checkpointing, set_attention_tile_tokens, set_mlp_tile_tokens
+from barqtrain.memory.tiling import Tile, tiled
+from barqtrain.patch import OPS
+from barqtrain.patch import attention as attention_patch
+from barqtrain.patch.attention import TILE_ATTRIBUTE, query_tiles
+from barqtrain.quant import quantize_model
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
+from tiny_models import packed_batch, padded_batch, plain_batch, tiny_model  # noqa: E402
+
+TILE = 4  # the batches' 2 x 11 and 17 rows: tiles cut rows and packed sequences, the last one short
+ATTENTION_OPS = (*OPS, "attention")
+
+
+def test_tiles_see_the_keys_of_their_sequences_up_to_their_end():
+    # Sequences [0, 6), [6, 13), [13, 17); tiles of 5 queries.
+    plan = query_tiles([0, 6, 13], 17, 5)
+    assert [(tile, cu_q, cu_k) for tile, cu_q, cu_k in plan] == [
+        (Tile(slice(0, 5), slice(0, 5)), [0, 5], [0, 5]),
+        # Queries 5 (the first sequence's last) and 6-9 (the second's first four).
+        (Tile(slice(5, 10), slice(0, 10)), [0, 1, 5], [0, 6, 10]),
+        # Queries 10-12 see the second sequence from 6; 13-14 the third from its start.
+        (Tile(slice(10, 15), slice(6, 15)), [0, 3, 5], [0, 7, 9]),
+        (Tile(slice(15, 17), slice(13, 17)), [0, 2], [0, 4]),
+    ]
+    # One tile for everything: each sequence whole.
+    assert query_tiles([0, 6, 13], 17, 100) == [(Tile(slice(0, 17), slice(0, 17)), [0, 6, 13, 17], [0, 6, 13, 17])]
+
+
+def _model(family: str, method: str, tile: int, checkpointing: str = "none") -> nn.Module:
+    """A tiny float64 model of `family` (QLoRA's base quantized, computed in float32) patched
+    with the attention op, its attention tiled over `tile` queries (0: untiled)."""
+    dtype = torch.float32 if method == "qlora" else torch.float64
+    model = tiny_model(family, dtype=dtype)
+    model.config.use_cache = False
+    if method == "qlora":
+        quantize_model(model, quant_type="nf4")
+    if checkpointing != "none":
+        enable_gradient_checkpointing(model, offload=False)
+    if method == "full":
+        barqtrain.patch_model(model, ops=ATTENTION_OPS)
+    else:
+        lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                                      task_type="CAUSAL_LM")  # fmt: skip
+        torch.manual_seed(1)
+        model = barqtrain.get_peft_model(model, lora_config, ops=ATTENTION_OPS)
+    assert set_attention_tile_tokens(model, tile) == 2
+    return model.train()
+
+
+def _loss_and_grads(model: nn.Module, batches=(plain_batch, packed_batch)) -> tuple[float, dict[str, torch.Tensor]]:
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in batches:
+        loss = model(**batch()).loss
+        loss.backward()
+        total += loss.item()
+    return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(actual, expected, rtol: float) -> None:
+    assert actual[0] == pytest.approx(expected[0], rel=rtol, abs=0)
+    assert actual[1].keys() == expected[1].keys() and expected[1]
+    for name, grad in expected[1].items():
+        error = (actual[1][name].double() - grad.double()).norm() / grad.double().norm().clamp_min(1e-300)
+        assert error <= rtol, f"gradient of {name}: relative error {error.item():.3g}"
+
+
+# Llama; Mistral's window on every layer; Qwen3's q/k norms and a window on its second layer;
+# Gemma 2's softcap and window.
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2"])
+def test_a_model_with_tiled_attention_learns_what_the_untiled_one_does(family, monkeypatch):
+    expected = _loss_and_grads(_model(family, "lora", 0))
+    calls = []
+    monkeypatch.setattr(attention_patch, "tiled", lambda *args: calls.append(args[2]) or tiled(*args))
+    actual = _loss_and_grads(_model(family, "lora", TILE))
+    _assert_same(actual, expected, rtol=1e-12)
+    # Two layers, two batches: the plain one in tiles of 4 over its 22 rows, the packed one over 17.
+    assert [len(tiles) for tiles in calls] == [6, 6, 5, 5]
+
+
+@pytest.mark.parametrize(("method", "checkpointing"), [("full", "none"), ("lora", "hf"), ("qlora", "hf")])
+def test_tiled_attention_under_each_method_and_checkpointing(method, checkpointing):
+    expected = _loss_and_grads(_model("llama", method, 0, checkpointing))
+    actual = _loss_and_grads(_model("llama", method, TILE, checkpointing))
+    _assert_same(actual, expected, rtol=1e-5 if method == "qlora" else 1e-12)
+    if method == "full":  # q_proj and o_proj get their gradients through the tiles
+        assert any("q_proj" in name for name in expected[1]) and any("o_proj" in name for name in expected[1])
+
+
+def test_attention_and_mlp_tiled_together():
+    expected = _loss_and_grads(_model("llama", "lora", 0))
+    model = _model("llama", "lora", TILE)
+    set_mlp_tile_tokens(model, 3)
+    _assert_same(_loss_and_grads(model), expected, rtol=1e-12)
+
+
+def test_evaluation_and_short_calls_run_untiled():
+    model = _model("llama", "lora", TILE)
+    untiled = _model("llama", "lora", 0)
+    batch = plain_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(**batch).logits, untiled.eval()(**batch).logits, rtol=0, atol=0)
+    set_attention_tile_tokens(model, 100)  # longer than the batch: the untiled path
+    _assert_same(_loss_and_grads(model.train()), _loss_and_grads(untiled.train()), rtol=0)
+
+
+def test_tile_size_zero_removes_the_tiling():
+    model = _model("llama", "lora", TILE)
+    assert set_attention_tile_tokens(model, 0) == 2
+    assert not any(TILE_ATTRIBUTE in vars(module) for module in model.modules())
+
+
+def test_what_tiling_cannot_compute_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"cannot compute padding \(attention tiling takes packed rows"):
+        _loss_and_grads(_model("llama", "lora", TILE), batches=(padded_batch,))
+    with pytest.raises(ValueError, match=r"cannot compute Phi3Attention's one projection of q, k and v \(qkv_proj\)"):
+        _loss_and_grads(_model("phi3", "lora", TILE))
+    default_ops = tiny_model("llama")
+    barqtrain.patch_model(default_ops)  # attention on the rope op
+    with pytest.raises(ValueError, match=r"no attention module of this model is patched with it"):
+        set_attention_tile_tokens(default_ops, TILE)
+    with pytest.raises(ValueError, match="at least 0"):
+        set_attention_tile_tokens(_model("llama", "lora", 0), -1)
