@@ -680,8 +680,8 @@ def _tiling_refusal(
         return "is_causal=False (bidirectional attention)"
     if attention.attention_dropout > 0:
         return f"attention dropout {attention.attention_dropout}"
-    if past_key_values is not None:
-        return "a KV cache"
+    if past_key_values is not None and past_key_values.get_seq_length(attention.layer_idx) > 0:
+        return "a KV cache holding earlier tokens (generation)"
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"an attention mask of type {type(attention_mask).__name__}"
     if getattr(attention, S2_ATTRIBUTE, 0):
@@ -734,6 +734,9 @@ def _query_tiled_attention(
     options = _attention_options(attention, batch, seq, position_embeddings, variant)
     cos, sin = options.pop("rope_cos"), options.pop("rope_sin")
     key = rotate_rows(key, cos, sin)
+    if past_key_values is not None:  # an empty cache (use_cache=True), filled as Hugging Face fills it
+        past_key_values.update(*(t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in (key, value)),
+                               attention.layer_idx)  # fmt: skip
     plan = query_tiles(starts, batch * seq, tile_tokens)
     tiles = [tile for tile, _, _ in plan]
     bounds = [

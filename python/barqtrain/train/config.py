@@ -244,6 +244,13 @@ class MemoryConfig:
         "0: all tokens at once; gradient_checkpointing: auto picks it",
         0,
     )
+    attention_tile_tokens: int = _doc(
+        "attend this many queries at a time in training, forward and backward, on BarqTrain's attention op (which "
+        "it turns on): keys and values are kept for every token, and q, the attention output and o_proj's "
+        "intermediates exist for one tile; costs one more forward of q_proj, attention and o_proj; for rows "
+        "without padding (data.packing), models with separate q/k/v projections; 0: all queries at once",
+        0,
+    )
 
 
 @dataclass
@@ -527,6 +534,22 @@ def _check_memory(config: TrainConfig) -> None:
         raise ConfigError(f"{key}: tiles the MLP that BarqTrain patches in; needs model.patch: true")
     if tiles and config.model.compile != "none":
         raise ConfigError(f"{key}: torch.compile does not trace the tiled MLP yet; use model.compile: none")
+    if memory.attention_tile_tokens < 0:
+        raise ConfigError(
+            f"memory.attention_tile_tokens: queries per tile, at least 0 (0: untiled), got {memory.attention_tile_tokens}"
+        )
+    if memory.attention_tile_tokens:
+        reason = None
+        if not config.model.patch:
+            reason = "tiles BarqTrain's attention op, which model.patch: false leaves out; set model.patch: true"
+        elif config.model.compile != "none":
+            reason = "torch.compile does not trace the tiled attention; use model.compile: none"
+        elif config.model.shifted_sparse_attention:
+            reason = "model.shifted_sparse_attention's groups already bound each query's keys; use one of the two"
+        elif config.data.path is not None and not config.data.packing:
+            reason = "takes rows without padding; set data.packing: true"
+        if reason is not None:
+            raise ConfigError(f"memory.attention_tile_tokens: {reason}")
 
 
 def _check_rope_scaling(scaling: RopeScalingConfig) -> None:

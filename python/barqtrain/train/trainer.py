@@ -39,7 +39,7 @@ import yaml
 from barqtrain.files import directory_replaced_atomically, write_text_atomically
 from barqtrain.memory.estimator import log_estimate
 from barqtrain.memory.planner import MemoryPlan, apply_layer_plan, plan_for_run
-from barqtrain.memory.tiling import set_mlp_tile_tokens
+from barqtrain.memory.tiling import set_attention_tile_tokens, set_mlp_tile_tokens
 from barqtrain.train import distributed, task
 from barqtrain.train.batches import make_data, scored_tokens
 from barqtrain.train.config import (
@@ -65,7 +65,8 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "adapter", "model", 
 # not what it trains (a new value of any other key is refused, naming it).
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "output_dir", "eval_interval", "save_interval", "log_interval", "tensorboard", "plot",
-    "gradient_checkpointing", "memory.budget_gib", "memory.mlp_tile_tokens", "data.eval_batches",
+    "gradient_checkpointing", "memory.budget_gib", "memory.mlp_tile_tokens", "memory.attention_tile_tokens",
+    "data.eval_batches",
     "distributed.strategy",  # a checkpoint holds the full state under either strategy
 })  # fmt: skip
 
@@ -156,8 +157,9 @@ def build_model(
         log_quantized_base(model, config, log)
     if config.gradient_checkpointing in (True, "offload"):
         barqtrain.enable_gradient_checkpointing(model, offload=config.gradient_checkpointing == "offload")
-    # S²-Attn runs on the opt-in attention op.
-    ops = (*barqtrain.patch.OPS, "attention") if config.model.shifted_sparse_attention else barqtrain.patch.OPS
+    # S²-Attn and attention tiling run on the opt-in attention op.
+    attention_op = config.model.shifted_sparse_attention or config.memory.attention_tile_tokens
+    ops = (*barqtrain.patch.OPS, "attention") if attention_op else barqtrain.patch.OPS
     if config.method in ADAPTER_METHODS:
         import peft
 
@@ -185,6 +187,9 @@ def build_model(
             f"Shifted sparse attention: {layers} attention layers attend within groups of "
             f"{config.model.shifted_sparse_attention} tokens in training (half of the heads shifted by half a group)."
         )
+    if config.memory.attention_tile_tokens:
+        layers = set_attention_tile_tokens(model, config.memory.attention_tile_tokens)
+        log(f"Sequence tiling: {layers} attention layers attend {config.memory.attention_tile_tokens} queries at a time.")
     if memory_plan is not None:
         apply_layer_plan(model, memory_plan.layers)
     elif config.memory.mlp_tile_tokens:

@@ -7,6 +7,7 @@ refuses by name."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from barqtrain.patch import OPS
 from barqtrain.patch import attention as attention_patch
 from barqtrain.patch.attention import TILE_ATTRIBUTE, query_tiles
 from barqtrain.quant import quantize_model
+from barqtrain.train.config import ConfigError, config_from_dict
+from barqtrain.train.trainer import train
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
@@ -140,3 +143,67 @@ def test_what_tiling_cannot_compute_is_an_error_naming_it():
         set_attention_tile_tokens(default_ops, TILE)
     with pytest.raises(ValueError, match="at least 0"):
         set_attention_tile_tokens(_model("llama", "lora", 0), -1)
+
+
+def test_the_trainers_attention_tile_tokens_turns_on_the_attention_op_and_trains_the_same(tmp_path):
+    def run(tile: int, directory: str) -> tuple[dict[int, float], list[str]]:
+        lines: list[str] = []
+        config = config_from_dict(
+            {"memory": {"attention_tile_tokens": tile}, "steps": 3, "batch_size": 4, "data": {"seq_length": 28},
+             "output_dir": str(tmp_path / directory), "tensorboard": False, "plot": False}  # fmt: skip
+        )
+        return train(config, log=lambda line: lines.append(str(line)), device="cpu").losses, lines
+
+    untiled, _ = run(0, "untiled")
+    tiled_run, lines = run(24, "tiled")
+    assert "Sequence tiling: 2 attention layers attend 24 queries at a time." in lines
+    assert tiled_run == pytest.approx(untiled, rel=1e-5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model": {"patch": False}}, "memory.attention_tile_tokens: tiles BarqTrain's attention op, which model.patch: "
+                                   "false leaves out; set model.patch: true"),
+    ({"model": {"shifted_sparse_attention": 8}}, "memory.attention_tile_tokens: model.shifted_sparse_attention's "
+                                                 "groups already bound each query's keys; use one of the two"),
+    ({"model": {"compile": "regional"}}, "memory.attention_tile_tokens: torch.compile does not trace the tiled "
+                                         "attention; use model.compile: none"),
+])  # fmt: skip
+def test_config_errors_name_the_key(change, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        config_from_dict({"memory": {"attention_tile_tokens": 64}, **change})
+    with pytest.raises(ConfigError, match=r"^memory.attention_tile_tokens: queries per tile, at least 0"):
+        config_from_dict({"memory": {"attention_tile_tokens": -1}})
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_tiled_attention_learns_the_same_in_less_memory():
+    """bf16 on CUDA, BarqTrain's attention kernels, LoRA on every projection, 1 x 16384 tokens in
+    two packed sequences: tiles of 2048 queries give the untiled op's gradients up to bf16
+    rounding, and the step's peak drops by at least the q and attention output of a layer."""
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=16384)  # fmt: skip
+    ids = torch.randint(3, 256, (1, 16384), generator=torch.Generator().manual_seed(5)).cuda()
+    position_ids = torch.cat((torch.arange(10000), torch.arange(6384)))[None].cuda()
+
+    def run(tile: int) -> tuple[int, dict[str, torch.Tensor]]:
+        model = tiny_model("llama", dtype=torch.bfloat16, device="cuda", **shape)
+        model.config.use_cache = False
+        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False,
+                               task_type="CAUSAL_LM")  # fmt: skip
+        torch.manual_seed(1)
+        model = barqtrain.get_peft_model(model, lora, ops=ATTENTION_OPS).train()
+        set_attention_tile_tokens(model, tile)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        model(input_ids=ids, labels=ids, position_ids=position_ids).loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        return peak, {name: p.grad.float() for name, p in model.named_parameters() if p.requires_grad}
+
+    untiled_peak, untiled = run(0)
+    tiled_peak, tiled_grads = run(2048)
+    assert untiled_peak - tiled_peak > 2 * 16384 * 512 * 2
+    for name, grad in untiled.items():
+        error = (tiled_grads[name] - grad).norm() / grad.norm()
+        assert error < 2e-2, f"gradient of {name}: relative error {error.item():.3g}"
