@@ -12,7 +12,9 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   each layer's choice (LayerPlan): all of them (keep), only the layer's input (recompute: one
   layer's worth is recomputed at a time) or nothing on the GPU, the input in pinned host memory
   (offload); with the MLP tiled over the sequence (memory.mlp_tile_tokens), the MLP keeps its
-  input alone and its working memory is one tile's;
+  input alone and its working memory is one tile's; with attention tiled by queries
+  (memory.attention_tile_tokens), attention keeps its input, keys and values, and its q and
+  output exist for one tile (not measured on a GPU yet);
 - the transient working memory of the largest backward op of a layer, of the fused linear +
   cross-entropy's chunks, of a quantized GEMM's 16-bit weight (QLoRA at training's row
   counts), and cuBLAS's workspaces;
@@ -230,10 +232,16 @@ class RunShape:
     lora_ranks: dict[str, int]  # projection -> rank of its adapter (absent: none)
     lora_dropout: bool
     mlp_tile_tokens: int = 0  # the MLP computes this many tokens at a time (0: all at once)
+    attention_tile_tokens: int = 0  # attention computes this many queries at a time (0: all at once)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @property
+    def attention_tiled(self) -> bool:
+        """Whether attention runs in more than one tile of queries."""
+        return 0 < self.attention_tile_tokens < self.tokens
 
     @property
     def mlp_tiled(self) -> bool:
@@ -344,6 +352,7 @@ def run_shape(config: TrainConfig, seq: int | None = None, plan: LayerPlan | Non
         lora_ranks=ranks,
         lora_dropout=adapters and config.lora.dropout > 0,
         mlp_tile_tokens=tile,
+        attention_tile_tokens=config.memory.attention_tile_tokens,
     )
 
 
@@ -393,7 +402,9 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
             kept.append(Kept(module, f"LoRA dropout masks of {what}", inputs * t))
 
     qkv = ("q_proj", "k_proj", "v_proj")
-    if run.method == "full":
+    if run.attention_tiled:
+        kept.extend(_tiled_attention_activations(model, run, adapters))
+    elif run.method == "full":
         # nn.Linear keeps its input for the weight's gradient; under autocast each projection
         # casts the fp32 normed input to 16 bits on its own (autocast caches only weights).
         copies = 3 if run.autocast else 1
@@ -402,17 +413,18 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
         # lora_projections keeps x once for q, k and v (a frozen nn.Linear keeps only its weight).
         kept.append(Kept("self_attn", "normed input (the q/k/v LoRA function's x)", c * h * t))
         adapters("self_attn", qkv, "q, k, v")
-    if model.qk_norm:
+    if model.qk_norm and not run.attention_tiled:
         kept.append(Kept("self_attn", "q and k before their RMSNorms", c * (q + kv) * t))
         kept.append(Kept("self_attn", "q/k RMSNorm rstd (fp32)", 4 * (model.heads + model.kv_heads) * t))
-    # RoPE keeps only the shared cos/sin; SDPA's flash kernel keeps q and k after RoPE (cast to
-    # 16 bits by autocast where RoPE computed them in fp32), v, its output and the fp32
-    # log-sum-exp of every head and row.
-    kept.append(Kept("self_attn", "q and k after RoPE (SDPA's inputs)", c * (q + kv) * t))
-    kept.append(Kept("self_attn", "v (SDPA's input)", c * kv * t))
-    kept.append(Kept("self_attn", "attention output (SDPA's, o_proj's input)", c * q * t))
-    kept.append(Kept("self_attn", "attention log-sum-exp (fp32)", 4 * model.heads * t))
-    adapters("self_attn", ("o_proj",), "o_proj")
+    if not run.attention_tiled:
+        # RoPE keeps only the shared cos/sin; SDPA's flash kernel keeps q and k after RoPE (cast
+        # to 16 bits by autocast where RoPE computed them in fp32), v, its output and the fp32
+        # log-sum-exp of every head and row.
+        kept.append(Kept("self_attn", "q and k after RoPE (SDPA's inputs)", c * (q + kv) * t))
+        kept.append(Kept("self_attn", "v (SDPA's input)", c * kv * t))
+        kept.append(Kept("self_attn", "attention output (SDPA's, o_proj's input)", c * q * t))
+        kept.append(Kept("self_attn", "attention log-sum-exp (fp32)", 4 * model.heads * t))
+        adapters("self_attn", ("o_proj",), "o_proj")
     if run.autocast:
         weights = c * _weights(model, ATTENTION_PROJECTIONS)
         kept.append(Kept("self_attn", "q/k/v/o weights cast to 16 bits (autocast's cache)", weights))
@@ -441,6 +453,36 @@ def layer_activations(model: ModelShape, run: RunShape, first: bool = False) -> 
     else:
         kept.append(Kept("mlp", "gate and up (the SwiGLU's inputs)", 2 * c * i * t))
     return kept
+
+
+def _tiled_attention_activations(
+    model: ModelShape, run: RunShape, adapters: Callable[[str, tuple[str, ...], str], None]
+) -> list[Kept]:
+    """What attention tiled by queries keeps (barqtrain.patch.attention): its normed input (the
+    tiles' rows, and the k/v projections' x), k before its RMSNorm where the model has one, k
+    after RoPE and v (the tiles' context), and RoPE's cos/sin for k's rotation (fp32 copies of
+    16-bit tables; fp32 tables are the shared ones, views of which it keeps); q, the
+    attention output and o_proj's LoRA products are made again per tile in the backward pass."""
+    t, h, kv, c = run.tokens, model.hidden, model.kv_size, run.compute_bytes
+    copies = 2 if run.method == "full" and run.autocast else 1  # autocast casts x for k_proj and v_proj
+    kept = [Kept("self_attn", "normed input (the tiles' rows, k/v projections' x)", copies * c * h * t)]
+    adapters("self_attn", ("k_proj", "v_proj"), "k, v")
+    if model.qk_norm:
+        kept.append(Kept("self_attn", "k before its RMSNorm, and its rstd (fp32)", c * kv * t + 4 * model.kv_heads * t))
+    kept.append(Kept("self_attn", "k after RoPE and v (every tile's keys)", 2 * c * kv * t))
+    if run.residual_bytes < 4:  # 16-bit tables rotate k in fp32 copies of their first halves
+        kept.append(Kept("self_attn", "RoPE cos/sin of k's rotation (fp32)", 2 * 4 * (model.head_dim // 2) * t))
+    return kept
+
+
+def tiled_attention_backward_workspace(model: ModelShape, run: RunShape) -> int:
+    """Attention tiled by queries, in the backward pass: the input's gradient and the fp32 sums
+    of the keys' and values' gradients for every token, the attention backward's dk and dv of a
+    tile's keys (all of them, for the last tile), and one tile's q, rotated q, output, their
+    gradients and the fp32 dq accumulator."""
+    t, h, q, kv, c = run.tokens, model.hidden, model.q_size, model.kv_size, run.compute_bytes
+    tile = run.attention_tile_tokens
+    return c * h * t + 4 * 2 * kv * t + c * 2 * kv * t + (4 * q + 6 * c * q) * tile
 
 
 @dataclass(frozen=True)
@@ -491,9 +533,12 @@ def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
     attention's transients."""
     t, h, c = run.tokens, model.hidden, run.compute_bytes
     flowing = 2 * run.residual_bytes * h * t
-    # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
-    # query head before GQA sums them.
-    attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
+    if run.attention_tiled:
+        attention = tiled_attention_backward_workspace(model, run)
+    else:
+        # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
+        # query head before GQA sums them.
+        attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
     return flowing + max(mlp_backward_workspace(model, run), attention)
 
 
@@ -502,7 +547,7 @@ def mlp_backward_workspace(model: ModelShape, run: RunShape) -> int:
     token, and one tile's recomputed tensors and backward workspace (as an untiled MLP's over
     the tile's tokens); in full fine-tuning also the sums of the MLP weights' gradients."""
     if run.mlp_tiled:
-        tile = dataclasses.replace(run, batch=1, seq=run.mlp_tile_tokens, mlp_tile_tokens=0)
+        tile = dataclasses.replace(run, batch=1, seq=run.mlp_tile_tokens, mlp_tile_tokens=0, attention_tile_tokens=0)
         tile_kept = sum(k.bytes for k in layer_activations(model, tile) if k.module == "mlp")
         sums = 4 * _weights(model, MLP_PROJECTIONS) if run.method == "full" else 0
         return run.residual_bytes * model.hidden * run.tokens + tile_kept + mlp_backward_workspace(model, tile) + sums
@@ -528,9 +573,11 @@ def loss_activations(model: ModelShape, run: RunShape) -> list[Kept]:
     """What the final RMSNorm and the fused linear + cross-entropy keep, the RoPE tables the
     layers share, and the batch (alive through the step, though not kept by autograd)."""
     t, h, c = run.tokens, model.hidden, run.compute_bytes
+    # Tiled attention keeps fp32 copies of 16-bit tables in each layer instead.
+    shared_rope = 0 if run.attention_tiled and run.residual_bytes < 4 else 2 * run.residual_bytes * model.head_dim * t
     kept = [
         Kept("batch", "input_ids, labels, position_ids (int64)", 3 * 8 * t),
-        Kept("rope", "RoPE cos and sin (shared by the layers)", 2 * run.residual_bytes * model.head_dim * t),
+        Kept("rope", "RoPE cos and sin (shared by the layers)", shared_rope),
         Kept("norm", "last layer's output (the final RMSNorm's x)", run.residual_bytes * h * t),
         Kept("norm", "RMSNorm rstd (fp32)", 4 * t),
         Kept("loss", "normed hidden states (the loss's h)", c * h * t),
@@ -632,9 +679,10 @@ class Estimate:
         width = max(map(len, labels))
         run, parameters = self.run, self.model.parameter_count()
         size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+        attention_tiles = f"; attention in tiles of {run.attention_tile_tokens} queries" if run.attention_tiled else ""
         lines = [
             f"Estimate: {self.model.model_type} ({size} parameters), {run.method}, {run.batch} x {run.seq} tokens "
-            f"a micro-batch{self.per_process()}; {self.plan.describe()}",
+            f"a micro-batch{self.per_process()}; {self.plan.describe()}{attention_tiles}",
             f"  {'component':<{width}}  {'GiB':>8}",
         ]
         for c in self.components:
@@ -693,7 +741,11 @@ def dequantized_weight_bytes(model: ModelShape, config: TrainConfig, run: RunSha
         return 0
     largest = 0
     for name, (out, inp, _) in model.projections().items():
-        rows = run.mlp_tile_tokens if run.mlp_tiled and name in MLP_PROJECTIONS else run.tokens
+        rows = run.tokens
+        if run.mlp_tiled and name in MLP_PROJECTIONS:
+            rows = run.mlp_tile_tokens
+        elif run.attention_tiled and name in ("q_proj", "o_proj"):
+            rows = run.attention_tile_tokens
         quantized = not (inp % IN_FEATURES_MULTIPLE[quant_type] or out % OUT_FEATURES_MULTIPLE)
         if quantized and rows >= DEQUANTIZE_THEN_GEMM_ROWS:
             largest = max(largest, _allocated(run.compute_bytes * out * inp))
@@ -802,6 +854,11 @@ def step_flops(model: ModelShape, run: RunShape, recomputed_layers: int) -> Step
         mlp_base, mlp_lora = gemms(MLP_PROJECTIONS)
         base_total += layers * mlp_base
         lora_total += layers * mlp_lora
+    if run.attention_tiled:  # so does tiled attention's q_proj, attention and o_proj
+        query_base, query_lora = gemms(("q_proj", "o_proj"))
+        base_total += layers * query_base
+        lora_total += layers * query_lora
+        attention_total += layers * attention
     # The head: logits and dh in the forward pass, dW too when it trains.
     head = 2 * t * model.vocab * model.hidden * (3 if run.method == "full" else 2)
     if run.method == "qlora":
@@ -826,12 +883,13 @@ def step_seconds(model: ModelShape, run: RunShape, flops: StepFlops, memory_boun
 
 def memory_bound_bytes(model: ModelShape, run: RunShape, recomputed_layers: int) -> float:
     """What the memory-bound ops (norms, RoPE, the activation, adds) move: each tensor an untiled
-    layer keeps written and read once a layer forward; a tiled MLP's intermediates once more."""
-    untiled = dataclasses.replace(run, mlp_tile_tokens=0)
+    layer keeps written and read once a layer forward; a tiled MLP's or attention's once more."""
+    untiled = dataclasses.replace(run, mlp_tile_tokens=0, attention_tile_tokens=0)
     kept = layer_activations(model, untiled)
     moved = 2 * _sum(kept) * (model.layers + recomputed_layers)
-    if run.mlp_tiled:
-        moved += 2 * model.layers * sum(k.bytes for k in kept if k.module == "mlp")
+    for module, tiled in (("mlp", run.mlp_tiled), ("self_attn", run.attention_tiled)):
+        if tiled:
+            moved += 2 * model.layers * sum(k.bytes for k in kept if k.module == module)
     return moved
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from barqtrain.cli import main
-from barqtrain.memory import set_mlp_tile_tokens
+from barqtrain.memory import set_attention_tile_tokens, set_mlp_tile_tokens
 from barqtrain.memory.estimator import (
     GIB,
     ModelShape,
@@ -246,6 +246,39 @@ def test_tiled_mlps_keep_what_the_estimate_counts(method):
         mlp_tile_tokens=5,
     )
     assert _saved_bytes(model.train()) == _estimated_bytes(model, run)
+
+
+@pytest.mark.parametrize(("family", "method"), [("llama", "lora"), ("qwen3", "lora"), ("llama", "full")])
+def test_tiled_attention_keeps_what_the_estimate_counts(family, method):
+    """Attention tiled by queries keeps its input, k and v (k before its norm too) and k's RoPE
+    tables; q and everything after it are made again per tile."""
+    dtype = torch.float32 if method == "full" else torch.bfloat16
+    model = tiny_model(family, dtype=dtype, use_sliding_window=False)
+    ops = (*barqtrain.patch.OPS, "attention")
+    if method == "full":
+        barqtrain.patch_model(model, ops=ops)
+        ranks = {}
+    else:
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = barqtrain.get_peft_model(model, lora, ops=ops)
+        ranks = {name: 4 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    set_attention_tile_tokens(model, 5)  # 32 rows: 7 tiles
+    bytes_ = 4 if method == "full" else 2
+    run = RunShape(
+        batch=BATCH, seq=SEQ, method=method, policy="off", residual_bytes=bytes_, compute_bytes=bytes_,
+        lora_product_bytes=bytes_, lora_ranks=ranks, lora_dropout=False, attention_tile_tokens=5,
+    )
+    assert _saved_bytes(model.train()) == _estimated_bytes(model, run)
+
+
+def test_tiled_attention_lowers_the_peak_and_adds_its_forward_to_the_step():
+    config = {"model": {"name": "llama-8b-shape"}, "method": "qlora", "batch_size": 1, "data": {"seq_length": 131072},
+              "gradient_checkpointing": True, "memory": {"mlp_tile_tokens": 8192}}  # fmt: skip
+    untiled = estimate(config_from_dict(config))
+    tiled = estimate(config_from_dict({**config, "memory": {"mlp_tile_tokens": 8192, "attention_tile_tokens": 8192}}))
+    assert tiled.peak_bytes < untiled.peak_bytes - 4 * 131072 * 4096 * 2  # more than four [tokens x hidden] tensors
+    assert untiled.step_seconds < tiled.step_seconds < 1.5 * untiled.step_seconds
+    assert "attention in tiles of 8192 queries" in tiled.table().splitlines()[0]
 
 
 # ------------------------------------------------------------------------ the estimate
