@@ -272,10 +272,12 @@ POLICY_CHOICE: dict[str, LayerChoice] = {"off": "keep", "on": "recompute", "offl
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Each decoder layer's choice, first to last, and the MLP's tile size in tokens (0: untiled)."""
+    """Each decoder layer's choice, first to last, the MLP's tile size in tokens and attention's
+    in queries (0: untiled)."""
 
     choices: tuple[LayerChoice, ...]
     mlp_tile_tokens: int = 0
+    attention_tile_tokens: int = 0
 
     @property
     def policy(self) -> Policy:
@@ -300,12 +302,15 @@ class LayerPlan:
             f"{first}-{last} {choice}" if last > first else f"{first} {choice}" for first, last, choice in runs
         )
         tiles = f"MLP in tiles of {self.mlp_tile_tokens} tokens" if self.mlp_tile_tokens else "MLP untiled"
+        if self.attention_tile_tokens:
+            tiles += f"; attention in tiles of {self.attention_tile_tokens} queries"
         return f"layers {spans}; {tiles}"
 
 
 def config_plan(config: TrainConfig, layers: int) -> LayerPlan:
-    """The plan gradient_checkpointing (true, false, offload) and memory.mlp_tile_tokens make."""
-    return LayerPlan((POLICY_CHOICE[checkpointing_policy(config)],) * layers, config.memory.mlp_tile_tokens)
+    """The plan gradient_checkpointing (true, false, offload) and memory's tile sizes make."""
+    choices = (POLICY_CHOICE[checkpointing_policy(config)],) * layers
+    return LayerPlan(choices, config.memory.mlp_tile_tokens, config.memory.attention_tile_tokens)
 
 
 def _compute_precision(config: TrainConfig) -> str:
@@ -334,6 +339,7 @@ def run_shape(config: TrainConfig, seq: int | None = None, plan: LayerPlan | Non
     (None: the one the config's checkpointing and tile size make)."""
     policy = checkpointing_policy(config) if plan is None else plan.policy
     tile = config.memory.mlp_tile_tokens if plan is None else plan.mlp_tile_tokens
+    attention_tile = config.memory.attention_tile_tokens if plan is None else plan.attention_tile_tokens
     precision = _compute_precision(config)
     compute = _DTYPE_BYTES[precision]
     adapters = config.method in ADAPTER_METHODS
@@ -352,7 +358,7 @@ def run_shape(config: TrainConfig, seq: int | None = None, plan: LayerPlan | Non
         lora_ranks=ranks,
         lora_dropout=adapters and config.lora.dropout > 0,
         mlp_tile_tokens=tile,
-        attention_tile_tokens=config.memory.attention_tile_tokens,
+        attention_tile_tokens=attention_tile,
     )
 
 
@@ -663,7 +669,8 @@ class Estimate:
             "layer_activations": [{"module": k.module, "what": k.what, "mib": k.bytes / MIB} for k in self.layer],
             "model": dataclasses.asdict(self.model),
             "run": dataclasses.asdict(self.run),
-            "plan": {"layers": list(self.plan.choices), "mlp_tile_tokens": self.plan.mlp_tile_tokens},
+            "plan": {"layers": list(self.plan.choices), "mlp_tile_tokens": self.plan.mlp_tile_tokens,
+                     "attention_tile_tokens": self.plan.attention_tile_tokens},
         }
 
     def per_process(self) -> str:
@@ -679,10 +686,9 @@ class Estimate:
         width = max(map(len, labels))
         run, parameters = self.run, self.model.parameter_count()
         size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
-        attention_tiles = f"; attention in tiles of {run.attention_tile_tokens} queries" if run.attention_tiled else ""
         lines = [
             f"Estimate: {self.model.model_type} ({size} parameters), {run.method}, {run.batch} x {run.seq} tokens "
-            f"a micro-batch{self.per_process()}; {self.plan.describe()}{attention_tiles}",
+            f"a micro-batch{self.per_process()}; {self.plan.describe()}",
             f"  {'component':<{width}}  {'GiB':>8}",
         ]
         for c in self.components:

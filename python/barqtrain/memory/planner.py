@@ -1,6 +1,7 @@
 """The memory planner of `gradient_checkpointing: auto`: per decoder layer keep, recompute or
-offload, and the MLP's tile size, the plan with the least estimated step time whose estimated
-peak fits the budget (`memory.budget_gib`; by default what the GPU has free when the run starts).
+offload, the MLP's tile size and whether attention runs in tiles of queries, the plan with the
+least estimated step time whose estimated peak fits the budget (`memory.budget_gib`; by default
+what the GPU has free when the run starts).
 
 Plans are priced by the estimator (estimator.py), before any model is loaded. They have one
 shape: the first layers offload their inputs to pinned host memory, the next ones recompute,
@@ -36,12 +37,31 @@ from barqtrain.memory.estimator import (
     host_memory_bytes,
     model_shape,
 )
-from barqtrain.memory.tiling import set_mlp_tile_tokens
+from barqtrain.memory.tiling import set_attention_tile_tokens, set_mlp_tile_tokens
 from barqtrain.train.config import ConfigError, TrainConfig
 
 # The MLP tile sizes tried (0: untiled). Below 1024 tokens the GEMMs of a tile lose efficiency,
 # and the tiles' memory is already small next to the layer's other tensors.
 CANDIDATE_TILE_TOKENS = (0, 65536, 32768, 16384, 8192, 4096, 2048, 1024)
+# The query tile of attention where the planner tiles it (memory.attention_tile_tokens unset): one
+# tile's q, output and gradients (about 0.5 GiB at Llama-3.1-8B's width) are small next to the
+# keys and values every tile keeps, and 8192 queries keep the attention kernels' tiles full.
+PLANNED_ATTENTION_TILE_TOKENS = 8192
+
+
+def attention_tile_candidates(config: TrainConfig, tokens: int) -> tuple[int, ...]:
+    """The attention tile sizes the planner tries: memory.attention_tile_tokens where set; else
+    untiled and PLANNED_ATTENTION_TILE_TOKENS where the run allows tiling (rows without padding, no
+    shifted sparse attention; every family the estimator models projects q, k and v apart) and a
+    tile is shorter than the batch."""
+    if config.memory.attention_tile_tokens:
+        return (config.memory.attention_tile_tokens,)
+    allowed = (
+        not config.model.shifted_sparse_attention
+        and (config.data.path is None or config.data.packing)
+        and PLANNED_ATTENTION_TILE_TOKENS < tokens
+    )
+    return (0, PLANNED_ATTENTION_TILE_TOKENS) if allowed else (0,)
 
 
 @dataclass(frozen=True)
@@ -97,11 +117,14 @@ def plan_memory(
     layers = model.layers
     best: Estimate | None = None
     smallest: Estimate | None = None  # the plan with the least memory the host can pin, for the error
-    for tile in (t for t in CANDIDATE_TILE_TOKENS if t < tokens):
+    tiles = [(tile, attention) for attention in attention_tile_candidates(config, tokens)
+             for tile in CANDIDATE_TILE_TOKENS if tile < tokens]  # fmt: skip
+    for tile, attention in tiles:
         for kept in range(layers, -1, -1):
 
-            def plan_with(offloaded: int, kept: int = kept, tile: int = tile) -> Estimate:
-                return estimate(config, model, seq, LayerPlan(layer_choices(layers, kept, offloaded), tile), processes)
+            def plan_with(offloaded: int, kept: int = kept, tile: int = tile, attention: int = attention) -> Estimate:
+                plan = LayerPlan(layer_choices(layers, kept, offloaded), tile, attention)
+                return estimate(config, model, seq, plan, processes)
 
             fastest = plan_with(0)
             if best is not None and fastest.step_seconds >= best.step_seconds:
@@ -178,7 +201,8 @@ def apply_layer_plan(model: nn.Module, plan: LayerPlan) -> None:
     """Makes `model` (a patched Hugging Face model, or a PEFT model around one) train as `plan`
     says: Hugging Face's gradient checkpointing on the layers that recompute, BarqTrain's
     offloaded checkpoint on those that offload (one shared by them), none on those that keep,
-    and the patched MLPs in tiles of plan.mlp_tile_tokens tokens."""
+    the patched MLPs in tiles of plan.mlp_tile_tokens tokens, and the attention modules patched
+    with the attention op in tiles of plan.attention_tile_tokens queries."""
     from barqtrain.patch.compile import decoder_layers
 
     layers = decoder_layers(model)
@@ -193,3 +217,4 @@ def apply_layer_plan(model: nn.Module, plan: LayerPlan) -> None:
             elif choice == "offload":
                 layer._gradient_checkpointing_func = offloaded
     set_mlp_tile_tokens(model, plan.mlp_tile_tokens)
+    set_attention_tile_tokens(model, plan.attention_tile_tokens)

@@ -158,7 +158,8 @@ def build_model(
     if config.gradient_checkpointing in (True, "offload"):
         barqtrain.enable_gradient_checkpointing(model, offload=config.gradient_checkpointing == "offload")
     # S²-Attn and attention tiling run on the opt-in attention op.
-    attention_op = config.model.shifted_sparse_attention or config.memory.attention_tile_tokens
+    attention_tiles = memory_plan.layers.attention_tile_tokens if memory_plan else config.memory.attention_tile_tokens
+    attention_op = config.model.shifted_sparse_attention or attention_tiles
     ops = (*barqtrain.patch.OPS, "attention") if attention_op else barqtrain.patch.OPS
     if config.method in ADAPTER_METHODS:
         import peft
@@ -187,14 +188,15 @@ def build_model(
             f"Shifted sparse attention: {layers} attention layers attend within groups of "
             f"{config.model.shifted_sparse_attention} tokens in training (half of the heads shifted by half a group)."
         )
-    if config.memory.attention_tile_tokens:
-        layers = set_attention_tile_tokens(model, config.memory.attention_tile_tokens)
-        log(f"Sequence tiling: {layers} attention layers attend {config.memory.attention_tile_tokens} queries at a time.")
     if memory_plan is not None:
         apply_layer_plan(model, memory_plan.layers)
-    elif config.memory.mlp_tile_tokens:
-        mlps = set_mlp_tile_tokens(model, config.memory.mlp_tile_tokens)
-        log(f"Sequence tiling: {mlps} MLPs computed {config.memory.mlp_tile_tokens} tokens at a time.")
+    else:
+        if config.memory.mlp_tile_tokens:
+            mlps = set_mlp_tile_tokens(model, config.memory.mlp_tile_tokens)
+            log(f"Sequence tiling: {mlps} MLPs computed {config.memory.mlp_tile_tokens} tokens at a time.")
+        if attention_tiles:
+            layers = set_attention_tile_tokens(model, attention_tiles)
+            log(f"Sequence tiling: {layers} attention layers attend {attention_tiles} queries at a time.")
     if config.model.compile == "regional":
         layers = barqtrain.compile_decoder_layers(model)
         log(f"Compiled: {layers} decoder layers with torch.compile, one graph for all (built in the first step).")

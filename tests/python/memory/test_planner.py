@@ -17,8 +17,14 @@ from barqtrain.cli import main
 from barqtrain.memory import LayerPlan, apply_layer_plan, estimate, offloaded_checkpoint_of, plan_memory
 from barqtrain.memory.checkpoint import OffloadedCheckpoint
 from barqtrain.memory.estimator import GIB, model_shape
-from barqtrain.memory.planner import CANDIDATE_TILE_TOKENS, layer_choices
+from barqtrain.memory.planner import (
+    CANDIDATE_TILE_TOKENS,
+    PLANNED_ATTENTION_TILE_TOKENS,
+    attention_tile_candidates,
+    layer_choices,
+)
 from barqtrain.memory.tiling import TILE_ATTRIBUTE
+from barqtrain.patch.attention import TILE_ATTRIBUTE as ATTENTION_TILE_ATTRIBUTE
 from barqtrain.patch.compile import decoder_layers
 from barqtrain.train.config import ConfigError, config_from_dict
 from barqtrain.train.trainer import train
@@ -40,12 +46,14 @@ def _every_plan(config, pinnable: float):
     """The estimates of every plan of the planner's shape that the host can pin."""
     model = model_shape(config)
     tokens = config.batch_size * config.data.seq_length
-    for tile in (t for t in CANDIDATE_TILE_TOKENS if t < tokens):
-        for kept, offloaded in itertools.product(range(model.layers + 1), repeat=2):
-            if kept + offloaded <= model.layers:
-                result = estimate(config, model, plan=LayerPlan(layer_choices(model.layers, kept, offloaded), tile))
-                if result.pinned_host_bytes <= pinnable:
-                    yield result
+    for attention in attention_tile_candidates(config, tokens):
+        for tile in (t for t in CANDIDATE_TILE_TOKENS if t < tokens):
+            for kept, offloaded in itertools.product(range(model.layers + 1), repeat=2):
+                if kept + offloaded <= model.layers:
+                    choices = layer_choices(model.layers, kept, offloaded)
+                    result = estimate(config, model, plan=LayerPlan(choices, tile, attention))
+                    if result.pinned_host_bytes <= pinnable:
+                        yield result
 
 
 def test_a_budget_that_holds_everything_recomputes_and_tiles_nothing():
@@ -76,6 +84,24 @@ def test_smaller_budgets_keep_fewer_layers_and_longer_rows_tile_the_mlp():
     assert seconds == sorted(seconds)
     long = plan_memory(_config("llama-8b-shape", seq=262144), 80 * GIB, pinnable_bytes=100 * GIB)
     assert long.layers.mlp_tile_tokens and long.layers.count("offload")
+
+
+def test_attention_is_tiled_where_nothing_untiled_fits():
+    """8B QLoRA at 500K tokens in 76 GiB with the 128 GiB host of an H200 machine: no untiled
+    plan fits (the least needs 91 GiB); tiled attention does. Shorter rows keep it untiled."""
+    config = _config("llama-8b-shape", seq=500_000, method="qlora")
+    plan = plan_memory(config, 76 * GIB, pinnable_bytes=0.8 * 128 * GIB)
+    assert plan.layers.attention_tile_tokens == PLANNED_ATTENTION_TILE_TOKENS
+    assert plan.estimate.reserved_bytes <= 76 * GIB and "attention in tiles of 8192 queries" in plan.describe()
+    assert plan_memory(_config("llama-8b-shape", seq=32768), 60 * GIB).layers.attention_tile_tokens == 0
+    # Padded rows and S²-Attn leave it untiled; a set tile size is the one tried.
+    assert attention_tile_candidates(_config(seq=65536), 65536) == (0, PLANNED_ATTENTION_TILE_TOKENS)
+    padded = _config(seq=65536, data={"seq_length": 65536, "path": "data.jsonl", "tokenizer": "gpt2", "packing": False})
+    assert attention_tile_candidates(padded, 65536) == (0,)
+    assert attention_tile_candidates(_config(seq=65536, model={"name": "llama-1b-shape",
+                                                               "shifted_sparse_attention": 8192}), 65536) == (0,)
+    assert attention_tile_candidates(_config(seq=65536, memory={"budget_gib": 80.0, "attention_tile_tokens": 4096}),
+                                     65536) == (4096,)  # fmt: skip
 
 
 def test_a_budget_nothing_fits_names_the_key_and_the_least_plan():
@@ -173,6 +199,7 @@ def test_a_planned_model_checkpoints_each_layer_as_planned_and_learns_the_same()
     assert not isinstance(layers[1]._gradient_checkpointing_func, OffloadedCheckpoint)
     assert offloaded_checkpoint_of(model) is layers[0]._gradient_checkpointing_func
     assert all(getattr(layer.mlp, TILE_ATTRIBUTE) == 5 for layer in layers)
+    assert not any(ATTENTION_TILE_ATTRIBUTE in vars(layer.self_attn) for layer in layers)
     losses, grads = _losses_and_grads(model)
     torch.testing.assert_close(losses, expected[0], rtol=1e-5, atol=0)
     assert grads.keys() == expected[1].keys()
