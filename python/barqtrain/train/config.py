@@ -274,8 +274,9 @@ class TrainConfig:
     gradient_checkpointing: bool | Literal["offload", "auto"] = _doc(
         "recompute each decoder layer in the backward pass, keeping only its input; offload: keep those inputs "
         "in pinned CPU memory, copied off and back on a separate CUDA stream while the layers compute; auto: the "
-        "planner picks keep, recompute or offload per layer and memory.mlp_tile_tokens, the fastest that fits "
-        "memory.budget_gib by the estimate (nothing recomputed when everything fits)",
+        "planner picks keep, recompute or offload per layer, memory.mlp_tile_tokens and whether attention runs in "
+        "tiles of queries, the fastest that fits memory.budget_gib by the estimate (nothing recomputed when everything "
+        "fits)",
         False,
     )
     memory: MemoryConfig = _doc("gradient_checkpointing: auto's budget, and sequence tiling", factory=MemoryConfig)
