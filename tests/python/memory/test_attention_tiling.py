@@ -207,3 +207,21 @@ def test_on_a_gpu_tiled_attention_learns_the_same_in_less_memory():
     for name, grad in untiled.items():
         error = (tiled_grads[name] - grad).norm() / grad.norm()
         assert error < 2e-2, f"gradient of {name}: relative error {error.item():.3g}"
+
+
+def test_a_planned_run_tiles_attention_as_its_plan_says(tmp_path, monkeypatch):
+    """gradient_checkpointing: auto plans with memory.attention_tile_tokens and the run turns the attention op on."""
+    calls = []
+    monkeypatch.setattr(attention_patch, "tiled", lambda *args: calls.append(len(args[2])) or tiled(*args))
+    settings = {"gradient_checkpointing": "auto", "steps": 2, "batch_size": 4, "data": {"seq_length": 28},
+                "tensorboard": False, "plot": False}  # fmt: skip
+    lines: list[str] = []
+    config = config_from_dict({**settings, "output_dir": str(tmp_path / "tiled"),
+                               "memory": {"budget_gib": 1.0, "attention_tile_tokens": 24}})  # fmt: skip
+    tiled_run = train(config, log=lambda line: lines.append(str(line)), device="cpu")
+    [plan_line] = [line for line in lines if line.startswith("Memory plan for a budget of")]
+    assert "attention in tiles of 24 queries" in plan_line
+    assert calls and set(calls) == {5}  # 4 x 28 = 112 rows: four tiles of 24 and one of 16
+    untiled = train(config_from_dict({**settings, "output_dir": str(tmp_path / "untiled"), "memory": {"budget_gib": 1.0}}),
+                    log=lambda line: None, device="cpu")  # fmt: skip
+    assert tiled_run.losses == pytest.approx(untiled.losses, rel=1e-5)
