@@ -726,7 +726,7 @@ def template(name: str) -> TrainConfig:
     elif name == "fsdp":  # LoRA on several GPUs: batch_size rows per GPU, so the global batch is N times larger
         config.batch_size, config.grad_accum = 4, 2
         config.gradient_checkpointing = True
-    elif name == "long-context":  # the planner fits the run to the GPU: per-layer recompute or offload, a tiled MLP
+    elif name == "long-context":  # the planner fits the run to the GPU: per-layer recompute or offload, tiles
         config.data.seq_length = 32768
         config.batch_size, config.grad_accum = 1, 16
         config.gradient_checkpointing = "auto"
