@@ -26,7 +26,8 @@ from barqtrain.train.trainer import train
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import packed_batch, padded_batch, plain_batch, tiny_model  # noqa: E402
+from tiny_models import padded_batch, plain_batch, tiny_model  # noqa: E402
+from tiling_checks import assert_same, loss_and_grads  # noqa: E402
 
 TILE = 4  # the batches' 2 x 11 and 17 rows: tiles cut rows and packed sequences, the last one short
 ATTENTION_OPS = (*OPS, "attention")
@@ -68,52 +69,33 @@ def _model(family: str, method: str, tile: int, checkpointing: str = "none") -> 
     return model.train()
 
 
-def _loss_and_grads(model: nn.Module, batches=(plain_batch, packed_batch)) -> tuple[float, dict[str, torch.Tensor]]:
-    torch.manual_seed(7)
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for batch in batches:
-        loss = model(**batch()).loss
-        loss.backward()
-        total += loss.item()
-    return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _assert_same(actual, expected, rtol: float) -> None:
-    assert actual[0] == pytest.approx(expected[0], rel=rtol, abs=0)
-    assert actual[1].keys() == expected[1].keys() and expected[1]
-    for name, grad in expected[1].items():
-        error = (actual[1][name].double() - grad.double()).norm() / grad.double().norm().clamp_min(1e-300)
-        assert error <= rtol, f"gradient of {name}: relative error {error.item():.3g}"
-
-
 # Llama; Mistral's window on every layer; Qwen3's q/k norms and a window on its second layer;
 # Gemma 2's softcap and window.
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2"])
 def test_a_model_with_tiled_attention_learns_what_the_untiled_one_does(family, monkeypatch):
-    expected = _loss_and_grads(_model(family, "lora", 0))
+    expected = loss_and_grads(_model(family, "lora", 0))
     calls = []
     monkeypatch.setattr(attention_patch, "tiled", lambda *args: calls.append(args[2]) or tiled(*args))
-    actual = _loss_and_grads(_model(family, "lora", TILE))
-    _assert_same(actual, expected, rtol=1e-12)
+    actual = loss_and_grads(_model(family, "lora", TILE))
+    assert_same(actual, expected, rtol=1e-12)
     # Two layers, two batches: the plain one in tiles of 4 over its 22 rows, the packed one over 17.
     assert [len(tiles) for tiles in calls] == [6, 6, 5, 5]
 
 
 @pytest.mark.parametrize(("method", "checkpointing"), [("full", "none"), ("lora", "hf"), ("qlora", "hf")])
 def test_tiled_attention_under_each_method_and_checkpointing(method, checkpointing):
-    expected = _loss_and_grads(_model("llama", method, 0, checkpointing))
-    actual = _loss_and_grads(_model("llama", method, TILE, checkpointing))
-    _assert_same(actual, expected, rtol=1e-5 if method == "qlora" else 1e-12)
+    expected = loss_and_grads(_model("llama", method, 0, checkpointing))
+    actual = loss_and_grads(_model("llama", method, TILE, checkpointing))
+    assert_same(actual, expected, rtol=1e-5 if method == "qlora" else 1e-12)
     if method == "full":  # q_proj and o_proj get their gradients through the tiles
         assert any("q_proj" in name for name in expected[1]) and any("o_proj" in name for name in expected[1])
 
 
 def test_attention_and_mlp_tiled_together():
-    expected = _loss_and_grads(_model("llama", "lora", 0))
+    expected = loss_and_grads(_model("llama", "lora", 0))
     model = _model("llama", "lora", TILE)
     set_mlp_tile_tokens(model, 3)
-    _assert_same(_loss_and_grads(model), expected, rtol=1e-12)
+    assert_same(loss_and_grads(model), expected, rtol=1e-12)
 
 
 def test_evaluation_and_short_calls_run_untiled():
@@ -123,7 +105,7 @@ def test_evaluation_and_short_calls_run_untiled():
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(**batch).logits, untiled.eval()(**batch).logits, rtol=0, atol=0)
     set_attention_tile_tokens(model, 100)  # longer than the batch: the untiled path
-    _assert_same(_loss_and_grads(model.train()), _loss_and_grads(untiled.train()), rtol=0)
+    assert_same(loss_and_grads(model.train()), loss_and_grads(untiled.train()), rtol=0)
 
 
 def test_tile_size_zero_removes_the_tiling():
@@ -134,9 +116,9 @@ def test_tile_size_zero_removes_the_tiling():
 
 def test_what_tiling_cannot_compute_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"cannot compute padding \(attention tiling takes packed rows"):
-        _loss_and_grads(_model("llama", "lora", TILE), batches=(padded_batch,))
+        loss_and_grads(_model("llama", "lora", TILE), batches=(padded_batch,))
     with pytest.raises(ValueError, match=r"cannot compute Phi3Attention's one projection of q, k and v \(qkv_proj\)"):
-        _loss_and_grads(_model("phi3", "lora", TILE))
+        loss_and_grads(_model("phi3", "lora", TILE))
     default_ops = tiny_model("llama")
     barqtrain.patch_model(default_ops)  # attention on the rope op
     with pytest.raises(ValueError, match=r"no attention module of this model is patched with it"):

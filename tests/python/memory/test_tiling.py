@@ -20,7 +20,8 @@ from barqtrain.train.trainer import train
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
-from tiny_models import packed_batch, plain_batch, tiny_model  # noqa: E402
+from tiny_models import plain_batch, tiny_model  # noqa: E402
+from tiling_checks import assert_same, loss_and_grads  # noqa: E402
 
 TILE = 5  # the batches' 22 and 17 rows: uneven tiles, the last one short
 
@@ -90,31 +91,12 @@ def _model(method: str, tile: int, checkpointing: str = "none", dropout: float =
     return model.train()
 
 
-def _loss_and_grads(model: nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
-    torch.manual_seed(7)
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for batch in (plain_batch(), packed_batch()):
-        loss = model(**batch).loss
-        loss.backward()
-        total += loss.item()
-    return total, {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _assert_same(actual, expected, rtol: float) -> None:
-    assert actual[0] == pytest.approx(expected[0], rel=rtol, abs=0)
-    assert actual[1].keys() == expected[1].keys() and expected[1]
-    for name, grad in expected[1].items():
-        error = (actual[1][name].double() - grad.double()).norm() / grad.double().norm().clamp_min(1e-300)
-        assert error <= rtol, f"gradient of {name}: relative error {error.item():.3g}"
-
-
 @pytest.mark.parametrize("method", ["lora", "lora-attention", "full", "qlora"])
 @pytest.mark.parametrize("checkpointing", ["none", "hf", "offload"])
 def test_a_tiled_model_learns_what_the_untiled_one_does(method, checkpointing):
-    expected = _loss_and_grads(_model(method, 0, checkpointing))
-    actual = _loss_and_grads(_model(method, TILE, checkpointing))
-    _assert_same(actual, expected, rtol=1e-5 if method == "qlora" else 1e-12)
+    expected = loss_and_grads(_model(method, 0, checkpointing))
+    actual = loss_and_grads(_model(method, TILE, checkpointing))
+    assert_same(actual, expected, rtol=1e-5 if method == "qlora" else 1e-12)
     if method in ("lora", "full"):  # the MLPs' own parameters get their gradients through the tiles
         assert any("mlp" in name for name in expected[1])
 
@@ -122,9 +104,9 @@ def test_a_tiled_model_learns_what_the_untiled_one_does(method, checkpointing):
 def test_lora_dropout_per_tile_trains_the_masks_it_drew():
     """With dropout the tiles draw other masks than the whole sequence would; a second tiled
     run from the same seed draws the same ones, and its gradients are those of its forward."""
-    first = _loss_and_grads(_model("lora", TILE, dropout=0.3))
-    second = _loss_and_grads(_model("lora", TILE, dropout=0.3))
-    _assert_same(second, first, rtol=0)
+    first = loss_and_grads(_model("lora", TILE, dropout=0.3))
+    second = loss_and_grads(_model("lora", TILE, dropout=0.3))
+    assert_same(second, first, rtol=0)
 
 
 def test_evaluation_without_gradients_is_tiled_too():
