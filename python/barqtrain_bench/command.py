@@ -159,6 +159,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"the GPU memory each attempt may use (default: {context.DEFAULT_CAP_GIB:g}, an 80 GB GPU)",
     )
     context_options.add_argument(
+        "--layers",
+        type=int_at_least(1),
+        metavar="N",
+        help="train the 8B shape's first N decoder layers only (default: all 32): its memory and seconds a layer "
+        "at lengths whose whole-model step outlasts the time there is, beside the estimate of that cut shape",
+    )
+    context_options.add_argument(
         "--attempt-steps",
         type=int_at_least(1),
         default=context.DEFAULT_STEPS,
@@ -260,5 +267,6 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             args.command_line,
             tokenizer=args.tokenizer,
+            layers=args.layers,
         )
     return 0

@@ -58,9 +58,13 @@ def run_context_benchmark(
     out_dir: Path,
     command_line: str,
     tokenizer: Path | None = None,
+    layers: int | None = None,
 ) -> list[dict[str, Any]]:
     """Climbs the length ladder of each method and framework; prints the tables, writes
-    context.json and context.png, and returns the rows."""
+    context.json and context.png, and returns the rows. layers: the model shape's first this
+    many decoder layers only (None: all), for lengths whose step on the whole shape takes longer
+    than the time there is: the layers' memory and seconds are the whole shape's per layer, and
+    the estimate of the cut shape stands beside its measured peak."""
     if not tiny and not torch.cuda.is_available():
         print(
             "barqtrain bench context needs a CUDA GPU for the 8B shape; no CUDA device is visible here, so nothing "
@@ -74,9 +78,12 @@ def run_context_benchmark(
         model_dir = str(Path(scratch) / "model")  # the random model, saved once for the loaders that need a directory
         for method in methods:
             for framework in ("barqtrain", *(name for name in FRAMEWORKS if name in frameworks)):
-                print(f"{framework} {method}, {model}, capped at {_cap(cap_gib)}:")
+                cut = f" cut to {layers} layers" if layers else ""
+                print(f"{framework} {method}, {model}{cut}, capped at {_cap(cap_gib)}:")
                 for seq in sorted(lengths):
-                    attempt = Attempt(framework, method, model, seq, cap_gib, steps, SEED, model_dir, tokenizer_dir)
+                    attempt = Attempt(
+                        framework, method, model, seq, cap_gib, steps, SEED, model_dir, tokenizer_dir, layers
+                    )
                     unavailable = _unavailable(attempt)
                     if unavailable is None:
                         result = run_attempt_process(attempt)
@@ -98,6 +105,7 @@ def run_context_benchmark(
         "environment": collect_environment(command_line),
         "settings": {
             "model": model,
+            "layers": layers or "all",
             "batch_size": 1,
             "lengths": sorted(lengths),
             "memory_cap_gib": cap_gib,

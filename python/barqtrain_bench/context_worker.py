@@ -59,6 +59,7 @@ class Attempt:
     # attempt that needs it writes it, the later ones read it.
     model_dir: str | None = None
     tokenizer: str | None = None  # a tokenizer directory, saved beside the model for Unsloth
+    layers: int | None = None  # the shape's first this many decoder layers (None: all of them)
 
 
 def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
@@ -109,8 +110,10 @@ def _barqtrain_model(attempt: Attempt, device: torch.device, result: dict[str, A
     from barqtrain.train.config import config_from_dict
     from barqtrain.train.trainer import build_model
 
+    # A shape cut to fewer layers is the saved random model, which the estimate reads too.
+    model = {"path": _saved_model(attempt, device)} if attempt.layers else {"name": attempt.model}
     settings = {
-        "model": {"name": attempt.model},
+        "model": model,
         "method": attempt.method,
         "lora": {"r": LORA_SETTINGS["r"], "alpha": float(LORA_SETTINGS["lora_alpha"])},
         "data": {"seq_length": attempt.seq},
@@ -175,10 +178,9 @@ def _random_model(attempt: Attempt, device: torch.device) -> torch.nn.Module:
     from barqtrain.train.config import NAMED_MODELS
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    shape = dict(NAMED_MODELS[attempt.model], **({"num_hidden_layers": attempt.layers} if attempt.layers else {}))
     with torch.device(device):  # created where it trains: a CPU init of 8B parameters takes minutes
-        return AutoModelForCausalLM.from_config(
-            LlamaConfig(**NAMED_MODELS[attempt.model]), dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
+        return AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16, attn_implementation="sdpa")
 
 
 def _saved_model(attempt: Attempt, device: torch.device) -> str:

@@ -53,6 +53,19 @@ def test_qlora_attempts_on_cpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="an attempt in this process would cap its GPU memory")
+def test_a_shape_cut_to_fewer_layers_is_planned_and_trained_as_cut(tmp_path):
+    """--layers: every framework trains the saved random model of the shape's first layers, and
+    BarqTrain's plan and estimate are of that model."""
+    model_dir = tmp_path / "model"
+    result = attempt_result(Attempt("barqtrain", "lora", "tiny-llama", 32, 80.0, 1, model_dir=str(model_dir), layers=1))
+    assert result["status"] == "ok", result.get("traceback") or result.get("error")
+    assert result["plan"] == "layers 0 keep; MLP untiled"
+    assert json.loads((model_dir / "config.json").read_text())["num_hidden_layers"] == 1
+    hf = attempt_result(Attempt("hf", "lora", "tiny-llama", 32, 80.0, 1, model_dir=str(model_dir), layers=1))
+    assert hf["status"] == "ok" and hf["losses"][0] == pytest.approx(result["losses"][0], rel=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="an attempt in this process would cap its GPU memory")
 def test_a_cap_no_plan_fits_is_the_planners_row():
     result = attempt_result(Attempt("barqtrain", "lora", "llama-8b-shape", 65536, 4.0, 1))
     assert result["status"] == NO_PLAN and result["error"].startswith("memory.budget_gib: 4.0 GiB")
