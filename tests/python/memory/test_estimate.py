@@ -345,7 +345,7 @@ def test_train_logs_one_line_or_says_why_there_is_no_estimate(tmp_path):
     transformers.GemmaConfig(num_hidden_layers=1, vocab_size=128).save_pretrained(model_dir)
     logged.clear()
     log_estimate(config_from_dict({"model": {"path": str(model_dir)}, "data": {"tokenizer": str(model_dir)}}), logged.append)
-    assert logged == [f"No memory estimate: model.path: model_type 'gemma' is not one `barqtrain estimate` models (it "
+    assert logged == ["No memory estimate: model.path: model_type 'gemma' is not one `barqtrain estimate` models (it "
                       "models the decoder layers of llama, mistral, qwen2, qwen3)."]  # fmt: skip
 
 

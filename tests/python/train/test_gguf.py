@@ -216,7 +216,7 @@ def test_q4_k_m_of_rows_it_cannot_hold_is_a_one_line_error(tmp_path, capsys):
     assert main(["export", str(STORIES), "--gguf", "q4_k_m", "--out", str(tmp_path / "m.gguf")]) == 2
     error = capsys.readouterr().err
     assert error == (
-        f"barqtrain export: --gguf q4_k_m: weight token_embd.weight [512, 64] has rows of 64 values, not a multiple "
+        "barqtrain export: --gguf q4_k_m: weight token_embd.weight [512, 64] has rows of 64 values, not a multiple "
         "of the 256 a K-quant block holds; export this model as q8_0 (or f16/bf16)\n"
     )
     assert not list(tmp_path.iterdir())
