@@ -512,6 +512,10 @@ def _check_cuda_graph(config: TrainConfig) -> None:
                   "through events a graph does not replay; use true or false")  # fmt: skip
     elif config.model.compile != "none":
         reason = "model.compile and CUDA graphs each take the whole step; use one (model.compile: none)"
+    elif config.memory.attention_tile_tokens or config.model.shifted_sparse_attention:
+        key = "memory.attention_tile_tokens" if config.memory.attention_tile_tokens else "model.shifted_sparse_attention"
+        reason = (f"{key} runs the attention op, which reads each batch's sequence starts back to the host to lay "
+                  f"out its segments; set {key}: 0")  # fmt: skip
     elif config.model.rope_scaling is not None and config.model.rope_scaling.type in HOST_SEQUENCE_ROPE_TYPES:
         reason = (f"model.rope_scaling {config.model.rope_scaling.type} picks its frequencies by the sequence's "
                   "length on the host each step, which a replayed graph would not do; use linear, yarn or llama3")  # fmt: skip

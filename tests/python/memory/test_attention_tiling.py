@@ -149,6 +149,9 @@ def test_the_trainers_attention_tile_tokens_turns_on_the_attention_op_and_trains
                                                  "groups already bound each query's keys; use one of the two"),
     ({"model": {"compile": "regional"}}, "memory.attention_tile_tokens: torch.compile does not trace the tiled "
                                          "attention; use model.compile: none"),
+    ({"cuda_graph": True}, "cuda_graph: memory.attention_tile_tokens runs the attention op, which reads each batch's "
+                           "sequence starts back to the host to lay out its segments; set memory.attention_tile_tokens: "
+                           "0, or set cuda_graph: false"),
 ])  # fmt: skip
 def test_config_errors_name_the_key(change, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
