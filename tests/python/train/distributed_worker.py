@@ -24,6 +24,9 @@ VARIANTS = {
     # The embeddings' moments in 8-bit blocks (LoRA's small tensors keep fp32 ones): under FSDP,
     # blocks of each rank's shard.
     "full-8bit": {"method": "full", "optim": {"name": "adamw_8bit", "warmup_steps": 1}},
+    # The MLP and attention in tiles of 8 tokens (a rank's 2 rows of 14: 4 tiles), their
+    # recomputed tiles' gradients reduced by DDP's hooks and FSDP's reduce-scatter.
+    "lora-tiled": {"method": "lora", "memory": {"mlp_tile_tokens": 8, "attention_tile_tokens": 8}},
 }
 RESUMED = ("lora", "full", "qlora", "full-8bit")
 

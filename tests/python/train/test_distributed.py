@@ -2,7 +2,8 @@
 one process with batch_size N*B learns, both accumulating A micro-batches per step
 (test_accumulation.py shows that A micro-batches learn what one batch of A times the rows
 learns): losses and weights, for LoRA, QLoRA (its quantized base sharded under FSDP), full
-fine-tuning, fp16 with loss scaling and 8-bit AdamW (DDP). A stopped N-process run resumes
+fine-tuning, fp16 with loss scaling, 8-bit AdamW, and LoRA with the MLP and attention tiled
+over the sequence. A stopped N-process run resumes
 to the same losses and weights under its own strategy or the other one, and with another
 number of processes that keeps the global batch (one process and N, both ways).
 
