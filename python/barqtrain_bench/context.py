@@ -6,7 +6,8 @@ Unsloth when importable) the lengths are tried from the shortest up, one process
 (context_worker.py), until one does not train: it runs out of memory, or, for BarqTrain, the
 planner finds no plan whose estimate fits the cap. BarqTrain's rows carry the plan and its
 estimate beside the measured peak. The table, context.json and context.png go to the output
-folder.
+folder. With layers (--layers N) every framework trains the shape's first N decoder layers: a
+layer's memory and seconds at lengths whose whole-model step would outlast the run.
 """
 
 from __future__ import annotations
