@@ -96,8 +96,9 @@ FSDP_GATHERED_LAYERS = 3
 # leave too little for the process, its data loader and the system.
 PINNABLE_HOST_FRACTION = 0.8
 PINNED_WARNING = (
-    "the offloaded layer inputs need more pinned host memory than this machine can spare (80% of its RAM); "
-    "use gradient_checkpointing: true or auto, or a shorter data.seq_length or batch_size"
+    "the offloaded layer inputs need more pinned host memory than the host can spare (80% of its RAM, "
+    "memory.host_gib or this machine's); use gradient_checkpointing: true or auto, or a shorter data.seq_length or "
+    "batch_size"
 )
 # Copies between pinned host memory and the GPU: PCIe 5.0 x16 moves some 50 GB/s a direction;
 # the offloaded checkpoint's copies are assumed to reach 80% of it. A layer's copies overlap its
@@ -635,6 +636,7 @@ class Estimate:
     layer: list[Kept] = field(default_factory=list)  # one decoder layer's kept tensors, op by op
     processes: int = 1  # the estimate is one process's of this many under torchrun
     strategy: str | None = None  # distributed.strategy with several processes
+    host_bytes: int = 0  # the host's RAM (host_bytes_of the config)
 
     @property
     def tokens_per_second(self) -> float:
@@ -645,8 +647,8 @@ class Estimate:
         return sum(c.bytes for c in self.components)
 
     def pinned_exceeds_host(self) -> bool:
-        """Whether the offloaded inputs would take more than this machine's RAM can pin."""
-        return self.pinned_host_bytes > PINNABLE_HOST_FRACTION * host_memory_bytes()
+        """Whether the offloaded inputs would take more than the host's RAM can pin."""
+        return self.pinned_host_bytes > PINNABLE_HOST_FRACTION * self.host_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -661,7 +663,7 @@ class Estimate:
             "reserved_gib": self.reserved_bytes / GIB,
             "peak_moment": self.peak_moment,
             "pinned_host_gib": self.pinned_host_bytes / GIB,
-            "host_memory_gib": host_memory_bytes() / GIB,
+            "host_memory_gib": self.host_bytes / GIB,
             "step_seconds": self.step_seconds,
             "tokens_per_s": self.tokens_per_second,
             "step_tflop": self.step_flops / 1e12,
@@ -697,7 +699,7 @@ class Estimate:
         lines.append(f"  {labels[-2]:<{width}}  {self.peak_bytes / GIB:8.3f}  at {self.peak_moment}")
         lines.append(f"  {labels[-1]:<{width}}  {self.reserved_bytes / GIB:8.3f}")
         if self.pinned_host_bytes:
-            host = f"offloaded layer inputs, of this machine's {host_memory_bytes() / GIB:,.0f} GiB of RAM"
+            host = f"offloaded layer inputs, of the host's {self.host_bytes / GIB:,.0f} GiB of RAM"
             lines.append(f"  {'pinned host memory':<{width}}  {self.pinned_host_bytes / GIB:8.3f}  {host}")
         if self.pinned_exceeds_host():
             lines.append(f"  Warning: {PINNED_WARNING}")
@@ -781,6 +783,13 @@ def quantized_bytes(out: int, inp: int, quant_type: str, double_quant: bool, gro
 def host_memory_bytes() -> int:
     """This machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_bytes_of(config: TrainConfig) -> int:
+    """The host RAM the run's offloaded inputs are pinned in: memory.host_gib, else this machine's."""
+    if config.memory.host_gib is not None:
+        return round(config.memory.host_gib * GIB)
+    return host_memory_bytes()
 
 
 def _allocated(size: int) -> int:
@@ -1080,7 +1089,7 @@ def estimate(
         model=model, run=run, plan=plan, components=components, peak_moment=peak_moment,
         pinned_host_bytes=plan.count("offload") * costs.input, step_seconds=config.grad_accum * micro_batch_seconds,
         step_flops=config.grad_accum * flops.total, micro_batches=config.grad_accum, layer=layer_kept,
-        processes=processes, strategy=strategy,
+        processes=processes, strategy=strategy, host_bytes=host_bytes_of(config),
     )
 
 

@@ -34,7 +34,7 @@ from barqtrain.memory.estimator import (
     LayerPlan,
     ModelShape,
     estimate,
-    host_memory_bytes,
+    host_bytes_of,
     model_shape,
 )
 from barqtrain.memory.tiling import set_attention_tile_tokens, set_mlp_tile_tokens
@@ -107,12 +107,12 @@ def plan_memory(
 ) -> MemoryPlan:
     """The fastest plan for `config` whose estimated reserved peak is at most `budget` bytes (None:
     budget_bytes(config)) and whose offloaded inputs fit `pinnable_bytes` of pinned host memory
-    (None: 80% of this machine's RAM); seq: rows of this many tokens instead of data.seq_length;
+    (None: 80% of the host's RAM, memory.host_gib or this machine's); seq: rows of this many tokens instead of data.seq_length;
     processes: plan one process of this many under torchrun (None: WORLD_SIZE).
     A budget nothing fits is a ConfigError naming memory.budget_gib and the least that would do."""
     model = model_shape(config) if model is None else model
     budget = budget_bytes(config) if budget is None else budget
-    pinnable = PINNABLE_HOST_FRACTION * host_memory_bytes() if pinnable_bytes is None else pinnable_bytes
+    pinnable = PINNABLE_HOST_FRACTION * host_bytes_of(config) if pinnable_bytes is None else pinnable_bytes
     tokens = config.batch_size * (config.data.seq_length if seq is None else seq)
     layers = model.layers
     best: Estimate | None = None

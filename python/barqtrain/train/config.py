@@ -244,6 +244,11 @@ class MemoryConfig:
         "0: all tokens at once; gradient_checkpointing: auto picks it",
         0,
     )
+    host_gib: float | None = _doc(
+        "the host RAM (GiB) offloaded layer inputs are pinned in, of which the planner and the estimate's warning "
+        "take 80%: the GPU machine's when planning from another one, or a container's limit; null: this machine's",
+        None,
+    )
     attention_tile_tokens: int = _doc(
         "attend this many queries at a time in training, forward and backward, on BarqTrain's attention op (which "
         "it turns on): keys and values are kept for every token, and q, the attention output and o_proj's "
@@ -529,6 +534,8 @@ def _check_memory(config: TrainConfig) -> None:
         raise ConfigError(f"memory.budget_gib: GiB of GPU memory, must be positive, got {memory.budget_gib}")
     if memory.budget_gib is not None and config.gradient_checkpointing != "auto":
         raise ConfigError("memory.budget_gib: the planner's budget; set gradient_checkpointing: auto to plan for it")
+    if memory.host_gib is not None and not memory.host_gib > 0:
+        raise ConfigError(f"memory.host_gib: GiB of host RAM, must be positive (null: this machine's), got {memory.host_gib}")
     if memory.mlp_tile_tokens < 0:
         raise ConfigError(f"memory.mlp_tile_tokens: tokens per tile, at least 0 (0: untiled), got {memory.mlp_tile_tokens}")
     if memory.mlp_tile_tokens and config.gradient_checkpointing == "auto":

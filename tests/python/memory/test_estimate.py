@@ -34,7 +34,7 @@ from barqtrain.memory.estimator import (
 )
 from barqtrain.quant import quantize_model
 from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
-from barqtrain.train.config import NAMED_MODELS, ConfigError, config_from_dict
+from barqtrain.train.config import NAMED_MODELS, ConfigError, config_from_dict, to_dict
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
@@ -359,3 +359,10 @@ def test_offloading_more_than_the_host_can_pin_is_a_warning(monkeypatch):
     assert result.pinned_exceeds_host() and "Warning: the offloaded layer inputs need more pinned" in result.table()
     monkeypatch.setattr("barqtrain.memory.estimator.host_memory_bytes", lambda: 128 * GIB)
     assert not estimate(config).pinned_exceeds_host()
+    # memory.host_gib: the host planned for, not this machine.
+    monkeypatch.setattr("barqtrain.memory.estimator.host_memory_bytes", lambda: 16 * GIB)
+    other_host = config_from_dict({**to_dict(config), "memory": {"host_gib": 128.0}})
+    assert not estimate(other_host).pinned_exceeds_host()
+    assert estimate(other_host).to_dict()["host_memory_gib"] == 128.0
+    with pytest.raises(ConfigError, match=r"^memory.host_gib: GiB of host RAM, must be positive"):
+        config_from_dict({"memory": {"host_gib": 0}})

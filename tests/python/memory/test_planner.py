@@ -89,8 +89,8 @@ def test_smaller_budgets_keep_fewer_layers_and_longer_rows_tile_the_mlp():
 def test_attention_is_tiled_where_nothing_untiled_fits():
     """8B QLoRA at 500K tokens in 76 GiB with the 128 GiB host of an H200 machine: no untiled
     plan fits (the least needs 91 GiB); tiled attention does. Shorter rows keep it untiled."""
-    config = _config("llama-8b-shape", seq=500_000, method="qlora")
-    plan = plan_memory(config, 76 * GIB, pinnable_bytes=0.8 * 128 * GIB)
+    config = _config("llama-8b-shape", seq=500_000, method="qlora", memory={"budget_gib": 76.0, "host_gib": 128.0})
+    plan = plan_memory(config, 76 * GIB)  # memory.host_gib: the H200 machine's RAM, not this one's
     assert plan.layers.attention_tile_tokens == PLANNED_ATTENTION_TILE_TOKENS
     assert plan.estimate.reserved_bytes <= 76 * GIB and "attention in tiles of 8192 queries" in plan.describe()
     assert plan_memory(_config("llama-8b-shape", seq=32768), 60 * GIB).layers.attention_tile_tokens == 0
