@@ -65,7 +65,8 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "adapter", "model", 
 # not what it trains (a new value of any other key is refused, naming it).
 RESUMABLE_CHANGES = frozenset({
     "steps", "epochs", "output_dir", "eval_interval", "save_interval", "log_interval", "tensorboard", "plot",
-    "gradient_checkpointing", "memory.budget_gib", "memory.mlp_tile_tokens", "memory.attention_tile_tokens",
+    "gradient_checkpointing", "memory.budget_gib", "memory.host_gib", "memory.mlp_tile_tokens",
+    "memory.attention_tile_tokens",
     "data.eval_batches",
     "distributed.strategy",  # a checkpoint holds the full state under either strategy
 })  # fmt: skip
