@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
 from tiny_models import padded_batch, plain_batch, tiny_model  # noqa: E402
-from tiling_checks import assert_same, loss_and_grads  # noqa: E402
+from tiling_checks import assert_same, loss_and_grads, trained_with_memory  # noqa: E402
 
 TILE = 4  # the batches' 2 x 11 and 17 rows: tiles cut rows and packed sequences, the last one short
 ATTENTION_OPS = (*OPS, "attention")
@@ -128,16 +128,8 @@ def test_what_tiling_cannot_compute_is_an_error_naming_it():
 
 
 def test_the_trainers_attention_tile_tokens_turns_on_the_attention_op_and_trains_the_same(tmp_path):
-    def run(tile: int, directory: str) -> tuple[dict[int, float], list[str]]:
-        lines: list[str] = []
-        config = config_from_dict(
-            {"memory": {"attention_tile_tokens": tile}, "steps": 3, "batch_size": 4, "data": {"seq_length": 28},
-             "output_dir": str(tmp_path / directory), "tensorboard": False, "plot": False}  # fmt: skip
-        )
-        return train(config, log=lambda line: lines.append(str(line)), device="cpu").losses, lines
-
-    untiled, _ = run(0, "untiled")
-    tiled_run, lines = run(24, "tiled")
+    untiled, _ = trained_with_memory(tmp_path / "untiled", {"attention_tile_tokens": 0})
+    tiled_run, lines = trained_with_memory(tmp_path / "tiled", {"attention_tile_tokens": 24})
     assert "Sequence tiling: 2 attention layers attend 24 queries at a time." in lines
     assert tiled_run == pytest.approx(untiled, rel=1e-5)
 

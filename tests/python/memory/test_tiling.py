@@ -15,13 +15,11 @@ import torch
 from barqtrain.memory import enable_gradient_checkpointing, set_mlp_tile_tokens, tiled_over_tokens
 from barqtrain.memory.tiling import TILE_ATTRIBUTE
 from barqtrain.quant import quantize_model
-from barqtrain.train.config import config_from_dict
-from barqtrain.train.trainer import train
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patch"))
 from tiny_models import plain_batch, tiny_model  # noqa: E402
-from tiling_checks import assert_same, loss_and_grads  # noqa: E402
+from tiling_checks import assert_same, loss_and_grads, trained_with_memory  # noqa: E402
 
 TILE = 5  # the batches' 22 and 17 rows: uneven tiles, the last one short
 
@@ -123,16 +121,9 @@ def test_tile_size_zero_removes_the_tiling():
 
 
 def test_the_trainers_mlp_tile_tokens_tiles_the_mlps_and_trains_the_same(tmp_path):
-    def run(tile: int, directory: str) -> tuple[dict[int, float], list[str]]:
-        lines: list[str] = []
-        config = config_from_dict(
-            {"memory": {"mlp_tile_tokens": tile}, "steps": 3, "batch_size": 4, "data": {"seq_length": 28},
-             "output_dir": str(tmp_path / directory), "tensorboard": False, "plot": False}  # fmt: skip
-        )
-        return train(config, log=lambda line: lines.append(str(line)), device="cpu").losses, lines
-
-    untiled, _ = run(0, "untiled")
-    tiled, lines = run(24, "tiled")  # 4 x 28 = 112 rows: four tiles of 24 and one of 16
+    untiled, _ = trained_with_memory(tmp_path / "untiled", {"mlp_tile_tokens": 0})
+    # 4 x 28 = 112 rows: four tiles of 24 and one of 16
+    tiled, lines = trained_with_memory(tmp_path / "tiled", {"mlp_tile_tokens": 24})
     assert "Sequence tiling: 2 MLPs computed 24 tokens at a time." in lines
     assert tiled == pytest.approx(untiled, rel=1e-5)
 
