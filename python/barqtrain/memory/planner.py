@@ -45,7 +45,7 @@ from barqtrain.train.config import ConfigError, TrainConfig
 CANDIDATE_TILE_TOKENS = (0, 65536, 32768, 16384, 8192, 4096, 2048, 1024)
 # The query tile of attention where the planner tiles it (memory.attention_tile_tokens unset): one
 # tile's q, output and gradients (about 0.5 GiB at Llama-3.1-8B's width) are small next to the
-# keys and values every tile keeps, and 8192 queries keep the attention kernels' tiles full.
+# keys and values every tile keeps. Not tuned on a GPU yet.
 PLANNED_ATTENTION_TILE_TOKENS = 8192
 
 
