@@ -31,9 +31,14 @@ VARIANTS = {
 RESUMED = ("lora", "full", "qlora", "full-8bit")
 
 
+# On a GPU these compute in bf16: the fused dequant-GEMM and the attention kernels that the tiles
+# run take 16-bit inputs (on the CPU the reference ops compute in float32).
+SIXTEEN_BIT_ON_GPU = ("qlora", "lora-tiled")
+
+
 def variant(name: str, device_type: str) -> dict:
-    """VARIANTS[name]; QLoRA computes in bf16 on a GPU (the fused GEMM takes 16-bit inputs)."""
-    if name == "qlora" and device_type == "cuda":
+    """VARIANTS[name], in bf16 on a GPU where it needs 16-bit inputs (SIXTEEN_BIT_ON_GPU)."""
+    if name in SIXTEEN_BIT_ON_GPU and device_type == "cuda":
         return {**VARIANTS[name], "precision": "bf16"}
     return VARIANTS[name]
 
