@@ -33,6 +33,7 @@ from barqtrain import ops
 from barqtrain.lora import lora_projections
 from barqtrain.memory.tiling import Tile, tiled
 from barqtrain.ops.attention import MAX_HEAD_DIM_BACKWARD, kernel_unsupported_reason, rotate_rows, warn_fallback
+from barqtrain.patch import causal_mask
 from barqtrain.patch.lora import block_projections
 from barqtrain.patch.replacement import ModuleReplacement, simple_name
 
@@ -259,6 +260,51 @@ def _mask_matches(
     return True
 
 
+def _sequence_starts(
+    position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None, batch: int, seq: int, device: torch.device
+) -> torch.Tensor | str:
+    """[batch, seq] booleans, true at each token that starts a sequence (see sequence_layout), or
+    why cu_seq_lens do not describe the batch."""
+    starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+    starts[:, 0] = True
+    if cu_seq_lens is not None:
+        if cu_seq_lens.dim() != 1 or cu_seq_lens[-1].item() != batch * seq:
+            return f"cu_seq_lens {list(cu_seq_lens.shape)} not ending at the {batch * seq} tokens of the batch"
+        starts.view(-1)[cu_seq_lens[:-1].to(device, torch.long)] = True
+    elif position_ids is not None:
+        positions = position_ids.to(device).expand(batch, seq)
+        starts[:, 1:] |= positions[:, 1:] - positions[:, :-1] != 1
+    return starts
+
+
+def packed_causal_mask(
+    position_ids: torch.Tensor | None,
+    cu_seq_lens: torch.Tensor | None,
+    batch: int,
+    seq: int,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The [batch, 1, seq, seq] boolean mask (true: attended) of causal attention within each
+    packed sequence and sliding window, as Hugging Face builds it for packed rows; None where
+    plain causal attention is all there is (one sequence a row, no window shorter than it).
+    What the attention op's fallback passes Hugging Face's attention where no mask was built
+    (barqtrain.patch.causal_mask.set_layers_read_positions)."""
+    starts = _sequence_starts(position_ids, cu_seq_lens, batch, seq, device)
+    if isinstance(starts, str):
+        raise ValueError(f"barqtrain: {starts}")
+    packed = bool(starts[:, 1:].any())
+    if not packed and (window is None or window >= seq):
+        return None
+    sequence_ids = starts.cumsum(1)
+    token = torch.arange(seq, device=device)
+    query, key = token[:, None], token[None, :]
+    visible = (key <= query) & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
+    if window is not None:
+        visible &= query - key < window
+    return visible[:, None]
+
+
 def sequence_layout(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
@@ -299,15 +345,9 @@ def sequence_layout(
         else:
             return f"an attention mask of {attention_mask.dim()} dimensions"
 
-    starts = torch.zeros(batch, seq, dtype=torch.bool, device=device)
-    starts[:, 0] = True
-    if cu_seq_lens is not None:
-        if cu_seq_lens.dim() != 1 or cu_seq_lens[-1].item() != batch * seq:
-            return f"cu_seq_lens {list(cu_seq_lens.shape)} not ending at the {batch * seq} tokens of the batch"
-        starts.view(-1)[cu_seq_lens[:-1].to(device, torch.long)] = True
-    elif position_ids is not None:
-        positions = position_ids.to(device).expand(batch, seq)
-        starts[:, 1:] |= positions[:, 1:] - positions[:, :-1] != 1
+    starts = _sequence_starts(position_ids, cu_seq_lens, batch, seq, device)
+    if isinstance(starts, str):
+        return starts
     sequence_ids = starts.view(-1).cumsum(0).view(batch, seq)
 
     if visible is not None and not _mask_matches(visible, valid, sequence_ids, window):
@@ -600,6 +640,12 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
             raise ValueError(f"barqtrain: shifted sparse attention needs the attention op, which cannot compute {reason}")
         if reason is not None:
             warn_fallback(reason, _HUGGING_FACE_ATTENTION)
+            without_cached_tokens = past_key_values is None or past_key_values.get_seq_length(self.layer_idx) == 0
+            if attention_mask is None and without_cached_tokens and causal_mask.layers_read_positions(self.config):
+                window = variant.sliding_window(self) if variant.sliding_window is not None else None
+                attention_mask = packed_causal_mask(
+                    kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window, query.device
+                )
             return _hugging_face_attention(
                 self, query, key, value, position_embeddings, attention_mask, past_key_values, variant,
                 modeling_module, kwargs,

@@ -16,10 +16,18 @@ every attention call, and IMPLEMENTATION (Hugging Face's "sdpa", with its masks)
 no mask on those calls, except on layers whose sliding window is shorter than the keys.
 patch_model selects IMPLEMENTATION for models on "sdpa"; config._attn_implementation is not
 saved with a model, so a saved config still says "sdpa".
+
+Packed rows (position_ids restarting at each sequence, no attention mask) make Hugging Face
+build a [batch, 1, seq, seq] boolean mask for every forward: 250 GB for one row of 500K tokens.
+When every attention module of a model runs the attention op, which reads the sequences from
+position_ids itself, IMPLEMENTATION's mask function builds none for a call without padding or
+cached tokens (set_layers_read_positions); the op's fallback to Hugging Face's attention builds
+the mask it needs then (barqtrain.patch.attention).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -61,6 +69,45 @@ def sdpa_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+# id(config) -> a weak reference to the config of a model whose every attention module runs the
+# attention op. By identity: a PretrainedConfig is unhashable, and an attribute on it would be
+# saved with the model.
+_layers_read_positions: dict[int, weakref.ref] = {}
+
+
+def set_layers_read_positions(hf_model: nn.Module, every_layer: bool) -> None:
+    """Say whether every attention module of `hf_model` finds its sequences in position_ids (the
+    attention op), so that a call without padding or cached tokens needs no mask."""
+    config = hf_model.config
+    if every_layer:
+        _layers_read_positions[id(config)] = weakref.ref(config, lambda _: _layers_read_positions.pop(id(config), None))
+    else:
+        _layers_read_positions.pop(id(config), None)
+
+
+def layers_read_positions(config: Any) -> bool:
+    held = _layers_read_positions.get(id(config))
+    return held is not None and held() is config
+
+
+def sdpa_mask_unless_read_from_positions(**kwargs: Any) -> torch.Tensor | None:
+    """Hugging Face's sdpa_mask, or no mask where every layer reads the sequences from
+    position_ids and the call has no padding (no 2D mask), no cached tokens and no mask function
+    of the model's own (Transformers passes those with use_vmap, e.g. Gemma 3's image tokens)."""
+    from transformers.masking_utils import sdpa_mask
+
+    unpadded_without_cache = (
+        kwargs.get("attention_mask") is None
+        and not kwargs.get("use_vmap")
+        and kwargs.get("q_length") == kwargs.get("kv_length")
+        and not kwargs.get("q_offset")
+        and not kwargs.get("kv_offset")
+    )
+    if unpadded_without_cache and layers_read_positions(kwargs.get("config")):
+        return None
+    return sdpa_mask(**kwargs)
+
+
 _registered = False
 
 
@@ -68,11 +115,11 @@ def _register() -> None:
     global _registered
     if _registered:
         return
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(IMPLEMENTATION, sdpa_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask_unless_read_from_positions)
     _registered = True
 
 
@@ -88,5 +135,6 @@ def select(hf_model: nn.Module) -> bool:
 def restore(hf_model: nn.Module) -> None:
     """What unpatch_model does: the model back on "sdpa"."""
     config = hf_model.config
+    set_layers_read_positions(hf_model, False)
     if config._attn_implementation == IMPLEMENTATION:
         config._attn_implementation = REPLACED

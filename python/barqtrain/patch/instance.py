@@ -15,7 +15,7 @@ from types import MethodType
 from torch import nn
 
 from barqtrain.patch import causal_mask, lora
-from barqtrain.patch.attention import FUSED_OP
+from barqtrain.patch.attention import FUSED_OP, is_fused_attention, looks_like_attention
 from barqtrain.patch.attention import OP as ROPE_OP
 from barqtrain.patch.families import (
     ALL_OPS,
@@ -138,6 +138,8 @@ def patch_model(
     attention_implementation = None
     if ROPE_OP in patched or FUSED_OP in patched:
         causal_mask.select(hf_model)
+        attention_modules = [module for module in hf_model.modules() if looks_like_attention(module)]
+        causal_mask.set_layers_read_positions(hf_model, all(map(is_fused_attention, attention_modules)))
         attention_implementation = _describe_attention(hf_model.config._attn_implementation)
     return PatchReport(
         family=family.name,

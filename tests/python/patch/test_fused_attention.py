@@ -32,6 +32,7 @@ from tiny_models import (
     logits_and_grads,
     modules_of,
     packed_batch,
+    padded_batch,
     patch_everything,
     plain_batch,
     tiny_model,
@@ -244,19 +245,56 @@ def test_output_attentions_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(output.attentions) == 2 and output.attentions[0].shape == (2, 4, 11, 11)
 
 
-def test_a_case_the_kernels_do_not_cover_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    # On a GPU, e.g. head_dim 256 in training or a rotary_dim that is not a multiple of 16.
+@pytest.mark.parametrize("family", ["gemma", "mistral", "qwen2", "gemma3"])
+def test_a_case_the_kernels_do_not_cover_falls_back(monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    # On a GPU, e.g. head_dim 256 in training or a rotary_dim that is not a multiple of 16. The
+    # packed rows came without a mask (every layer runs the op): the fallback builds Hugging
+    # Face's, with the sliding windows shorter than the sequences.
     monkeypatch.setattr(patch_attention, "kernel_unsupported_reason", lambda *args: "a reason for the test")
-    model = tiny_model("gemma")
+    model = tiny_model(family)
     batch = without_cache(packed_batch())
     expected_logits, expected_grads = logits_and_grads(model, batch)
     patch_everything(model, FUSED_OPS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logits, grads = logits_and_grads(model, batch)
-    assert messages(caught) == [FALLBACK + "a reason for the test"]
+    assert set(messages(caught)) == {FALLBACK + "a reason for the test"}
     assert_close(logits, expected_logits, "logits", torch.float32)
     assert_grads_close(grads, expected_grads, torch.float32)
+
+
+def attention_masks_received(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[object]:
+    """The attention_mask each attention module is called with in one forward of `batch`."""
+    received = []
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args, kwargs: received.append(kwargs.get("attention_mask")),
+                                         with_kwargs=True)  # fmt: skip
+        for module in model.modules()
+        if patch_attention.looks_like_attention(module)
+    ]
+    with torch.no_grad():
+        model(**batch)
+    for hook in hooks:
+        hook.remove()
+    return received
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_packed_rows_build_no_mask_when_every_layer_runs_the_op(family: str) -> None:
+    """Hugging Face builds a [batch, 1, seq, seq] mask for packed rows (250 GB for a row of 500K
+    tokens); the op reads the sequences from position_ids, so with it in every layer none is
+    built, and with Hugging Face's attention in the layers (the rope op) the mask is there."""
+    batch = without_cache(packed_batch())
+    rope_only = tiny_model(family)
+    patch_everything(rope_only)
+    assert all(isinstance(mask, torch.Tensor) for mask in attention_masks_received(rope_only, batch))
+    model = tiny_model(family)
+    patch_everything(model, FUSED_OPS)
+    assert attention_masks_received(model, batch) == [None, None]
+    padded = without_cache(padded_batch())
+    assert all(isinstance(mask, torch.Tensor) for mask in attention_masks_received(model, padded))
+    unpatch_model(model)
+    assert all(isinstance(mask, torch.Tensor) for mask in attention_masks_received(model, batch))
 
 
 def test_is_opt_in_and_the_report_says_why() -> None:
