@@ -81,8 +81,13 @@ HOPPER_IN_PACKAGE
   )
 }
 
+# One CMake build directory for the package and the C++ tests, as in the Makefile: the cpp phase
+# configures the package's build again with the tests on, so each kernel compiles once (a second
+# directory compiled every kernel again, half of this script's build time).
+GPU_BUILD=build/gpu
+
 build_package() {
-  $PYTHON -m pip install -v --no-build-isolation --no-deps --no-index \
+  $PYTHON -m pip install -v --no-build-isolation --no-deps --no-index -Cbuild-dir="$GPU_BUILD" \
     -Ccmake.define.BARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_PIP_ARGS[@]}" . &&
     (cd /tmp && $PYTHON -c "import barqtrain, barqtrain._op_library as n; assert n.has_cuda_kernels(), 'no CUDA kernels in the build'") &&
     check_package_hopper_kernel
@@ -91,10 +96,13 @@ build_package() {
 build_and_run_cpp_tests() {
   local gtest_args=()
   [[ -d .deps/googletest ]] && gtest_args=(-DBARQTRAIN_GTEST_SOURCE_DIR="$REPO/.deps/googletest")
-  cmake -S . -B build/gpu-cpp -G Ninja -DBARQTRAIN_BUILD_TESTS=ON -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
+  # Without the build phase's directory, a configuration of its own (the same options).
+  local first_configure=()
+  [[ -f $GPU_BUILD/CMakeCache.txt ]] || first_configure=(-G Ninja -DPython_EXECUTABLE="$(command -v "$PYTHON")")
+  cmake -S . -B "$GPU_BUILD" "${first_configure[@]}" -DBARQTRAIN_BUILD_TESTS=ON \
     -DBARQTRAIN_CUDA_ARCHITECTURES="$CUDA_ARCHS" "${HOPPER_CMAKE_ARGS[@]}" "${gtest_args[@]}" &&
-    cmake --build build/gpu-cpp -j "$(nproc)" &&
-    build/gpu-cpp/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
+    cmake --build "$GPU_BUILD" -j "$(nproc)" &&
+    "$GPU_BUILD"/barqtrain_kernel_tests --gtest_output="json:$OUTDIR/gtest.json"
 }
 
 run_python_tests() {
@@ -153,8 +161,8 @@ SUMMARY
 # rotated ahead).
 run_sanitizers() {
   local filter='*bfloat16_rows37_hidden4096_pad0_rmsnorm_llama*:*bfloat16_rows3001*:*float32_rows19_hidden1001*:*float16_rows5_hidden3999*:*bfloat16_rows2001_hidden1000*:*layernorm_gemma_bias*:*Glu*fused*:*Rope*inplace*:*CrossEntropy*rows33*:*CrossEntropy*rows4_*:*AttentionKernel*rope_partial_packed*:*AttentionKernel*cross_lengths*:*AttentionKernel*d256_forward_rope*:*AllShapes/AttentionKernel*bf16_packed_many_short*:*AllShapes/AttentionKernel*fp16_d64_full_s17*:*Nf4Gemm*m301*:*Int8Gemm*m77*:*Dequantize4bit*DoubleQuantized*:*AttentionKernel*hopper_bwd_bf16_packed_many_short*:*AttentionKernel*hopper_bwd_*d32_packed*'
-  compute-sanitizer --tool memcheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter" &&
-    compute-sanitizer --tool racecheck --error-exitcode 1 build/gpu-cpp/barqtrain_kernel_tests --gtest_filter="$filter"
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$GPU_BUILD"/barqtrain_kernel_tests --gtest_filter="$filter" &&
+    compute-sanitizer --tool racecheck --error-exitcode 1 "$GPU_BUILD"/barqtrain_kernel_tests --gtest_filter="$filter"
 }
 
 phase build build_package
