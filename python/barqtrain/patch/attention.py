@@ -419,17 +419,19 @@ class _LayoutCache:
 _layouts = _LayoutCache(size=8)
 
 
-def _fallback_reason(
+def _unsupported_call(
     attention: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cos: torch.Tensor,
+    rotary_dim: int | None,
+    needs_grad: bool,
     attention_mask: Any,
     past_key_values: Any,
     kwargs: dict[str, Any],
 ) -> str | None:
-    """Why barqtrain.ops.attention does not compute this call, or None."""
+    """Why barqtrain.ops.attention cannot compute this call, or None. rotary_dim: of the RoPE the
+    op applies (None: q and k come rotated); needs_grad: whether a backward follows."""
     if kwargs.get("output_attentions"):
         return "output_attentions=True (the kernels never form the attention weights)"
     if kwargs.get("is_causal") is False:
@@ -445,8 +447,7 @@ def _fallback_reason(
         return f"device {query.device.type}"
     if not (query.dtype == key.dtype == value.dtype):
         return f"q, k and v of different dtypes ({query.dtype}, {key.dtype}, {value.dtype})"
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return kernel_unsupported_reason(query, cos.shape[-1], needs_grad)
+    return kernel_unsupported_reason(query, rotary_dim, needs_grad)
 
 
 def _attention_options(
@@ -628,7 +629,10 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
         query, key, value = _project_qkv(self, hidden_states, variant)
         cos, _ = position_embeddings
         s2_group = getattr(self, S2_ATTRIBUTE, 0) if self.training else 0
-        reason = _fallback_reason(self, query, key, value, cos, attention_mask, past_key_values, kwargs)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        reason = _unsupported_call(
+            self, query, key, value, cos.shape[-1], needs_grad, attention_mask, past_key_values, kwargs
+        )
         if reason is None:
             window = variant.sliding_window(self) if variant.sliding_window is not None else None
             layout = _layouts.layout(
@@ -716,25 +720,6 @@ def query_tiles(starts: list[int], total: int, tile_tokens: int) -> list[tuple[T
     return tiles
 
 
-def _tiling_refusal(
-    attention: nn.Module, key: torch.Tensor, attention_mask: Any, past_key_values: Any, kwargs: dict[str, Any]
-) -> str | None:
-    """Why this call cannot attend a tile of queries at a time on the attention op, or None."""
-    if kwargs.get("output_attentions"):
-        return "output_attentions=True"
-    if kwargs.get("is_causal") is False:
-        return "is_causal=False (bidirectional attention)"
-    if attention.attention_dropout > 0:
-        return f"attention dropout {attention.attention_dropout}"
-    if past_key_values is not None and past_key_values.get_seq_length(attention.layer_idx) > 0:
-        return "a KV cache holding earlier tokens (generation)"
-    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-        return f"an attention mask of type {type(attention_mask).__name__}"
-    if getattr(attention, S2_ATTRIBUTE, 0):
-        return "shifted sparse attention (model.shifted_sparse_attention), whose groups already bound the attention"
-    return kernel_unsupported_reason(key, None, needs_grad=True)
-
-
 def _query_tiled_attention(
     attention: nn.Module,
     hidden_states: torch.Tensor,
@@ -762,7 +747,10 @@ def _query_tiled_attention(
     key, value = key.view(batch * seq, -1, head_dim), value.view(batch * seq, -1, head_dim)
     if variant.qk_norm:
         key = attention.k_norm(key)
-    reason = _tiling_refusal(attention, key, attention_mask, past_key_values, kwargs)
+    # Each tile rotates its own queries (no RoPE in the op), and a backward follows.
+    reason = _unsupported_call(attention, key, key, value, None, True, attention_mask, past_key_values, kwargs)
+    if reason is None and getattr(attention, S2_ATTRIBUTE, 0):
+        reason = "shifted sparse attention (model.shifted_sparse_attention), whose groups already bound the attention"
     window = variant.sliding_window(attention) if variant.sliding_window is not None else None
     if reason is None:
         layout = _layouts.layout(
