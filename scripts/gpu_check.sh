@@ -9,7 +9,7 @@
 #   PHASES="build bench-e2e" E2E_ARGS="--profile --models llama-1b" scripts/gpu_check.sh OUTDIR
 #
 # Wheels the machine lacks (e.g. liger-kernel, nvidia-cutlass for the CUTLASS headers) are
-# installed from .whl/ when present; GoogleTest is built from .deps/googletest when no
+# installed from .whl/ when present (scripts/fetch_gpu_wheels.sh fills it); GoogleTest is built from .deps/googletest when no
 # installed copy is found; PCRE2 (the tokenizer's regex engine) is linked from .deps/pcre2,
 # which scripts/fetch_pcre2.sh fills on a machine with apt, when the machine lacks libpcre2-dev. On an sm_90 GPU both builds must include the Hopper kernels
 # (sm_90 runs them by default): a build without them fails here instead of passing the
