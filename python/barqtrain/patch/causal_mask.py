@@ -78,11 +78,11 @@ _layers_read_positions: dict[int, weakref.ref] = {}
 def set_layers_read_positions(hf_model: nn.Module, every_layer: bool) -> None:
     """Say whether every attention module of `hf_model` finds its sequences in position_ids (the
     attention op), so that a call without padding or cached tokens needs no mask."""
-    config = hf_model.config
-    if every_layer:
-        _layers_read_positions[id(config)] = weakref.ref(config, lambda _: _layers_read_positions.pop(id(config), None))
+    key = id(hf_model.config)
+    if every_layer:  # the callback holds the key, not the config, which it would keep alive
+        _layers_read_positions[key] = weakref.ref(hf_model.config, lambda _: _layers_read_positions.pop(key, None))
     else:
-        _layers_read_positions.pop(id(config), None)
+        _layers_read_positions.pop(key, None)
 
 
 def layers_read_positions(config: Any) -> bool:
