@@ -86,6 +86,10 @@ class AttentionVariant:
     # Gemma 2: attn_logit_softcapping passed as softcap (Gemma 3's config has one, unused).
     softcap: bool = False
 
+    def window(self, attention: nn.Module) -> int | None:
+        """The sliding window of this module's attention, or None for full attention."""
+        return self.sliding_window(attention) if self.sliding_window is not None else None
+
 
 def _hf_attention_dispatch(modeling_module: str) -> tuple[AttentionInterface, AttentionFunction]:
     """The ALL_ATTENTION_FUNCTIONS and eager_attention_forward that `modeling_module`'s forwards
@@ -234,6 +238,15 @@ class SequenceLayout:
 _MASK_CHECK_ELEMENTS = 1 << 24
 
 
+def _causal_visible(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] booleans: True where the query at each position in `queries` sees the key
+    at each position in `keys` under causal attention and the sliding window."""
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None:
+        visible &= keys[None, :] > queries[:, None] - window
+    return visible
+
+
 def _mask_matches(
     visible: torch.Tensor, valid: torch.Tensor, sequence_ids: torch.Tensor, window: int | None
 ) -> bool:
@@ -246,10 +259,7 @@ def _mask_matches(
     keys = torch.arange(seq, device=visible.device)
     rows_per_block = max(1, _MASK_CHECK_ELEMENTS // (visible.shape[0] * seq))
     for start in range(0, seq, rows_per_block):
-        queries = keys[start : start + rows_per_block, None]
-        implied = (keys[None, :] <= queries) & valid[:, None, :]
-        if window is not None:
-            implied &= keys[None, :] > queries - window
+        implied = _causal_visible(keys[start : start + rows_per_block], keys, window) & valid[:, None, :]
         same_sequence = sequence_ids[:, start : start + rows_per_block, None] == sequence_ids[:, None, :]
         given = visible[:, start : start + rows_per_block]
         compared = valid[:, start : start + rows_per_block, None]
@@ -297,11 +307,8 @@ def packed_causal_mask(
     if not packed and (window is None or window >= seq):
         return None
     sequence_ids = starts.cumsum(1)
-    token = torch.arange(seq, device=device)
-    query, key = token[:, None], token[None, :]
-    visible = (key <= query) & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
-    if window is not None:
-        visible &= query - key < window
+    positions = torch.arange(seq, device=device)
+    visible = _causal_visible(positions, positions, window) & (sequence_ids[:, :, None] == sequence_ids[:, None, :])
     return visible[:, None]
 
 
@@ -462,7 +469,7 @@ def _attention_options(
     # Hugging Face's tables repeat their first half (rotate_half); the op takes one half per
     # token, indexed by the token's flat position in the batch.
     half = cos.shape[-1] // 2
-    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
+    window = variant.window(attention)
     return {
         "causal": True,
         "softmax_scale": attention.scaling,
@@ -633,8 +640,8 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
         reason = _unsupported_call(
             self, query, key, value, cos.shape[-1], needs_grad, attention_mask, past_key_values, kwargs
         )
+        window = variant.window(self)
         if reason is None:
-            window = variant.sliding_window(self) if variant.sliding_window is not None else None
             layout = _layouts.layout(
                 attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window,
                 query.device,
@@ -646,7 +653,6 @@ def fused_attention(module_class: str, variant: AttentionVariant) -> ModuleRepla
             warn_fallback(reason, _HUGGING_FACE_ATTENTION)
             without_cached_tokens = past_key_values is None or past_key_values.get_seq_length(self.layer_idx) == 0
             if attention_mask is None and without_cached_tokens and causal_mask.layers_read_positions(self.config):
-                window = variant.sliding_window(self) if variant.sliding_window is not None else None
                 attention_mask = packed_causal_mask(
                     kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), *query.shape[:2], window, query.device
                 )
@@ -751,7 +757,7 @@ def _query_tiled_attention(
     reason = _unsupported_call(attention, key, key, value, None, True, attention_mask, past_key_values, kwargs)
     if reason is None and getattr(attention, S2_ATTRIBUTE, 0):
         reason = "shifted sparse attention (model.shifted_sparse_attention), whose groups already bound the attention"
-    window = variant.sliding_window(attention) if variant.sliding_window is not None else None
+    window = variant.window(attention)
     if reason is None:
         layout = _layouts.layout(
             attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, seq, window, key.device

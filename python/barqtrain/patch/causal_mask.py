@@ -69,25 +69,23 @@ def sdpa_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-# id(config) -> a weak reference to the config of a model whose every attention module runs the
-# attention op. By identity: a PretrainedConfig is unhashable, and an attribute on it would be
-# saved with the model.
-_layers_read_positions: dict[int, weakref.ref] = {}
+# id(config) -> the config of a model whose every attention module runs the attention op, held
+# weakly. By identity: a PretrainedConfig is unhashable, and an attribute on it would be saved
+# with the model.
+_layers_read_positions: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def set_layers_read_positions(hf_model: nn.Module, every_layer: bool) -> None:
     """Say whether every attention module of `hf_model` finds its sequences in position_ids (the
     attention op), so that a call without padding or cached tokens needs no mask."""
-    key = id(hf_model.config)
-    if every_layer:  # the callback holds the key, not the config, which it would keep alive
-        _layers_read_positions[key] = weakref.ref(hf_model.config, lambda _: _layers_read_positions.pop(key, None))
+    if every_layer:
+        _layers_read_positions[id(hf_model.config)] = hf_model.config
     else:
-        _layers_read_positions.pop(key, None)
+        _layers_read_positions.pop(id(hf_model.config), None)
 
 
 def layers_read_positions(config: Any) -> bool:
-    held = _layers_read_positions.get(id(config))
-    return held is not None and held() is config
+    return _layers_read_positions.get(id(config)) is config
 
 
 def sdpa_mask_unless_read_from_positions(**kwargs: Any) -> torch.Tensor | None:
