@@ -83,7 +83,7 @@ HOPPER_IN_PACKAGE
 
 # One CMake build directory for the package and the C++ tests, as in the Makefile: the cpp phase
 # configures the package's build again with the tests on, so each kernel compiles once (a second
-# directory compiled every kernel again, half of this script's build time).
+# directory compiled every kernel again).
 GPU_BUILD=build/gpu
 
 build_package() {

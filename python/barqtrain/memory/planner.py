@@ -107,8 +107,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """The fastest plan for `config` whose estimated reserved peak is at most `budget` bytes (None:
     budget_bytes(config)) and whose offloaded inputs fit `pinnable_bytes` of pinned host memory
-    (None: 80% of the host's RAM, memory.host_gib or this machine's); seq: rows of this many tokens instead of data.seq_length;
-    processes: plan one process of this many under torchrun (None: WORLD_SIZE).
+    (None: 80% of the host's RAM, memory.host_gib or this machine's); seq: rows of this many tokens
+    instead of data.seq_length; processes: plan one process of this many under torchrun (None:
+    WORLD_SIZE).
     A budget nothing fits is a ConfigError naming memory.budget_gib and the least that would do."""
     model = model_shape(config) if model is None else model
     budget = budget_bytes(config) if budget is None else budget
