@@ -65,7 +65,8 @@ class Attempt:
 def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
     """Trains the attempt's steps; its measurements (and BarqTrain's plan and estimate, which come
     first and stay when a step runs out of memory) go into result."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # An indexed device: set_per_process_memory_fraction refuses a bare "cuda".
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and attempt.cap_gib is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, attempt.cap_gib * GIB / total), device)
