@@ -19,6 +19,7 @@ trl_sft.patch_sft_trainer routes its loss through the same op.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,14 +45,24 @@ def unsupported_lm_head(model: nn.Module) -> str | None:
 
 
 def unsupported_head(head: nn.Module) -> str | None:
-    """Why the op cannot compute the logits of the LM head `head` itself, or None when it can."""
+    """Why the op cannot compute the logits of the LM head `head` itself, or None when it can: a
+    plain nn.Linear, or one that FSDP shards as a unit of its own with head_loss among its forward
+    methods (its hooks are FSDP's, which head_loss runs)."""
     plain = type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head))
-    if plain:
+    if plain or _fsdp_linear_with_head_loss(head):
         return None
     return (
         f"its lm_head ({type(head).__name__}) is not a plain torch.nn.Linear "
         "(a PEFT or quantized layer, hooks, or a forward replaced by another library)"
     )
+
+
+def _fsdp_linear_with_head_loss(head: nn.Module) -> bool:
+    """An nn.Linear that FSDP2 made an FSDPModule (a class of both) with HEAD_LOSS_METHOD."""
+    from torch.distributed.fsdp import FSDPModule
+
+    bases = type(head).__bases__
+    return isinstance(head, FSDPModule) and bases[-1] is nn.Linear and HEAD_LOSS_METHOD in vars(head)
 
 
 def _reason_not_to_fuse(model: nn.Module) -> str | None:
@@ -82,6 +93,23 @@ def _shifted_labels(labels: torch.Tensor, ignore_index: int, shift_labels: torch
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return shift_labels
+
+
+# The name under which barqtrain.train.distributed gives a head sharded as an FSDP unit of its own
+# head_loss as a method, registered as one of its forward methods: FSDP then gathers the head's
+# weight for the loss and frees it after, as around a forward.
+HEAD_LOSS_METHOD = "barqtrain_head_loss"
+
+
+def head_loss(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int, softcap: float, reduction: str
+) -> torch.Tensor:
+    """The fused linear cross-entropy of hidden [batch, seq, hidden] through head's weight and
+    bias against labels already shifted (the logits never made)."""
+    hidden, weight, bias = _as_autocast_would(hidden, head.weight, head.bias)
+    return ops.linear_cross_entropy(
+        hidden, weight, labels, bias, ignore_index=ignore_index, softcap=softcap, reduction=reduction
+    )
 
 
 def _forward(
@@ -137,14 +165,12 @@ def _forward(
 
     ignore_index = kwargs.get("ignore_index", -100)
     num_items_in_batch = kwargs.get("num_items_in_batch")
-    loss = ops.linear_cross_entropy(
-        hidden,
-        weight,
+    loss = getattr(self.lm_head, HEAD_LOSS_METHOD, functools.partial(head_loss, self.lm_head))(
+        outputs.last_hidden_state[:, slice_indices, :],
         _shifted_labels(labels, ignore_index, kwargs.get("shift_labels")).to(hidden.device),
-        bias,
-        ignore_index=ignore_index,
-        softcap=(self.config.final_logit_softcapping or 0.0) if softcapped else 0.0,
-        reduction="mean" if num_items_in_batch is None else "sum",
+        ignore_index,
+        (self.config.final_logit_softcapping or 0.0) if softcapped else 0.0,
+        "mean" if num_items_in_batch is None else "sum",
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):

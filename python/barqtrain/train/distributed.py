@@ -10,8 +10,9 @@ the model is spread (parallelize):
   parameters only (with LoRA, the adapters; the frozen base takes no part), once per
   optimizer step. Every rank then steps its optimizer (AdamW or bitsandbytes' 8-bit AdamW)
   on the same gradients, and fp16 loss scaling sees the same overflows on every rank.
-- fsdp: every decoder layer and the root are sharded with `fully_shard` (frozen base weights
-  and trainable LoRA weights may share a unit: FSDP2 keeps per-parameter requires_grad).
+- fsdp: every decoder layer, untied input embeddings and head, and the root are sharded with
+  `fully_shard` (frozen base weights and trainable LoRA weights may share a unit: FSDP2 keeps
+  per-parameter requires_grad); each unit is gathered only while it computes (shard_model).
   A QLoRA base is sharded too: its 4-bit or int8 data and their scales are frozen parameters
   (barqtrain.quant.linear), split on dim 0 and gathered whole, per layer, for the fused
   dequant-GEMM, so each rank stores 1/N of the base and no 16-bit copy of it ever exists.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,9 +144,10 @@ def parallelize(
             if quantized.layers
             else ""
         )
+        units = "the input embeddings, the head and " if untied_embedding_units(model) else ""
         log(
-            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers and the root sharded"
-            f"{base}; {config.batch_size} rows per process and micro-batch."
+            f"FSDP: {ranks.world_size} processes, {len(decoder_layers(model))} decoder layers, {units}the root "
+            f"sharded{base}; {config.batch_size} rows per process and micro-batch."
         )
         return model
     # DDP buckets only parameters that require a gradient: with LoRA, the adapters. Its first
@@ -174,12 +177,28 @@ class ShardedQuantizedBase:
     local_bytes: int
 
 
-def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
-    """fully_shard each decoder layer (its weights gathered only while it computes), then the
-    root (embeddings, final norm, head). A QLoRA base's quantized data are sharded with their
-    layer (carried as float8 bytes: see barqtrain.quant.linear)."""
-    from torch.distributed.fsdp import fully_shard
+def untied_embedding_units(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """The input embeddings and the head of `model` when they share no weight (each then an FSDP
+    unit of its own), else none: tied, they stay in the root unit together."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if embeddings is None or head is None or head.weight is embeddings.weight:
+        return ()
+    return embeddings, head
 
+
+def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
+    """fully_shard each decoder layer (its weights gathered only while it computes); untied
+    input embeddings and head each as a unit of their own, gathered only for the embedding
+    lookup and for the loss (the fused loss reads the head's weight through head_loss, made one
+    of its FSDP forward methods); then the root (final norm, and tied embeddings). The root unit
+    stays gathered from its forward to the end of the backward: at the Llama-3-70B shape, its
+    embeddings and head would hold 3.9 GiB of every GPU through the step. A QLoRA base's
+    quantized data are sharded with their layer (carried as float8 bytes: see
+    barqtrain.quant.linear)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from barqtrain.patch.causal_lm import HEAD_LOSS_METHOD, head_loss
     from barqtrain.quant.linear import QUANTIZED_LINEAR_TYPES
 
     layers = decoder_layers(model)
@@ -191,14 +210,26 @@ def shard_model(model: torch.nn.Module) -> ShardedQuantizedBase:
     for module in quantized:
         module.carry_for_sharding()
     total_bytes = sum(p.nbytes for module in quantized for p in module.parameters(recurse=False))
+    embedding_units = untied_embedding_units(model)
+    if embedding_units:
+        head = embedding_units[1]
+        setattr(head, HEAD_LOSS_METHOD, types.MethodType(head_loss, head))  # registered once sharded
     # A quantized layer's cached weight is the last holder of its unsharded data once FSDP has
     # swapped in the shards: dropped unit by unit, so that sharding never holds the whole base
     # twice (whole and sharded), nor keeps it until each layer's first forward.
-    for unit in (*layers, model):
+    for unit in (*layers, *embedding_units, model):
         fully_shard(unit)
         for module in unit.modules():
             if isinstance(module, QUANTIZED_LINEAR_TYPES):
                 module.drop_weight_cache()
+    if embedding_units:
+        embeddings, head = embedding_units
+        register_fsdp_forward_method(head, HEAD_LOSS_METHOD)
+        if not any(p.requires_grad for p in embeddings.parameters()):
+            # Frozen embeddings compute no gradient: not gathered in the backward, neither by the
+            # first layer's prefetch nor by their own pre-backward (their output requires grad
+            # where Hugging Face's enable_input_require_grads hook is kept).
+            embeddings.set_unshard_in_backward(False)
     local_bytes = sum(p.to_local().nbytes for module in quantized for p in module.parameters(recurse=False))
     return ShardedQuantizedBase(len(quantized), total_bytes, local_bytes)
 

@@ -354,7 +354,63 @@ def test_sharding_frees_every_rank_of_the_whole_quantized_base(tmp_path):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(fsdp, "fully_shard", fully_shard)
             distributed.shard_model(model)
-        assert len(sharded) == len(layers) + 1
+        assert len(sharded) == len(layers) + 3  # and the untied input embeddings, the head, the root
         assert len(whole_base) > len(first_layer) and held_elsewhere(whole_base) == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_gathers_the_embeddings_for_their_lookup_and_the_head_for_the_loss(tmp_path, monkeypatch):
+    """Untied input embeddings and head are FSDP units of their own, not in the root unit (which
+    stays gathered from its forward to the end of the backward): the frozen embeddings are
+    gathered for the lookup only (not in the backward, which computes no gradient of theirs), the
+    head for the fused loss (head_loss, one of its FSDP forward methods) and that loss's backward.
+    The loss and the LoRA gradients are the unsharded model's."""
+    from barqtrain import ops
+    from torch import nn
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    settings = {**CONFIG, "method": "lora", "gradient_checkpointing": "offload", "output_dir": str(tmp_path / "run")}
+    config = config_from_dict({**settings, "distributed": {"strategy": "fsdp"}})
+    reference, model = (build_model(config, torch.device("cpu"), quiet) for _ in range(2))
+    ids = torch.randint(3, 64, (2, 14), generator=torch.Generator().manual_seed(4))
+
+    def loss_and_grads(module):
+        loss = module(input_ids=ids, labels=ids).loss
+        phase[0] = "backward"
+        loss.backward()
+        grads = {name: p.grad for name, p in module.named_parameters() if p.requires_grad}
+        return loss.detach(), {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
+
+    phase = ["forward"]
+    expected_loss, expected_grads = loss_and_grads(reference)
+    gathered, fused_losses = [], []
+    original_to_unsharded, original_loss = FSDPParamGroup._to_unsharded, ops.linear_cross_entropy
+
+    def to_unsharded(group):  # where a unit's parameters become the gathered ones
+        if not group.is_unsharded:
+            gathered.append((phase[0], group.modules[0]))
+        original_to_unsharded(group)
+
+    monkeypatch.setattr(FSDPParamGroup, "_to_unsharded", to_unsharded)
+    monkeypatch.setattr(ops, "linear_cross_entropy", lambda *a, **k: fused_losses.append(1) or original_loss(*a, **k))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        distributed.parallelize(model, config, distributed.Ranks(), torch.device("cpu"), quiet)
+        base = model.get_base_model()
+        embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
+        phase[0] = "forward"
+        loss, grads = loss_and_grads(model)
+        assert fused_losses == [1]
+        for unit in (embeddings, head):
+            assert unit._get_fsdp_state()._fsdp_param_group.is_sharded
+    finally:
+        dist.destroy_process_group()
+    embedding_gathers = [when for when, module in gathered if isinstance(module, nn.Embedding)]
+    head_gathers = [when for when, module in gathered if module is head]
+    assert embedding_gathers == ["forward"]
+    assert head_gathers == ["forward", "backward"]
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
