@@ -20,7 +20,7 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   counts), and cuBLAS's workspaces;
 - per process under torchrun (`processes`, default WORLD_SIZE): with distributed.strategy fsdp
   every weight, adapter, gradient and optimizer state is 1/N, plus what FSDP gathers (the root
-  unit, FSDP_GATHERED_LAYERS decoder layers); with ddp everything is whole, plus DDP's buckets,
+  unit, FSDP_GATHERED_LAYERS decoder layers, an untied head for the loss); with ddp everything is whole, plus DDP's buckets,
   an fp32 copy of the trainable gradients. Checked against the 2- and 4-GPU peaks of `barqtrain
   bench scaling` (benchmarks/results/h200x4/) by tests/python/memory/test_estimate_distributed.py.
 
@@ -87,7 +87,7 @@ ATTENTION_FRACTION = 0.82
 QUANTIZED_GEMM_SLOWDOWN = 1.1
 COPY_FRACTION = 0.8
 
-# FSDP2 keeps the root unit (embeddings, final norm, head) gathered through the step, and up to
+# FSDP2 keeps the root unit (final norm; tied embeddings and head) gathered through the step, and up to
 # three decoder layers' weights whole: the one computing, the next one it prefetches, and that
 # one's all-gather output until it is copied out into the layer's parameters.
 FSDP_GATHERED_LAYERS = 3
@@ -943,6 +943,13 @@ def torchrun_processes(processes: int | None = None) -> int:
         raise ConfigError(f"WORLD_SIZE: an integer, got {os.environ['WORLD_SIZE']!r}") from None
 
 
+def fsdp_head_bytes(model: ModelShape, config: TrainConfig) -> int:
+    """The untied head's weight, which FSDP gathers for the loss (and its backward) alone."""
+    if model.tied_embeddings:
+        return 0
+    return (4 if config.method == "full" else _DTYPE_BYTES[_compute_precision(config)]) * model.vocab * model.hidden
+
+
 def root_weight_bytes(model: ModelShape, config: TrainConfig) -> int:
     """The weights outside the decoder layers (embeddings, final norm, head): FSDP's root unit."""
     per_parameter = 4 if config.method == "full" else _DTYPE_BYTES[_compute_precision(config)]
@@ -992,7 +999,10 @@ def estimate(
         components.append(Component("weights, this process's shards", weights // shards, f"{how}; 1/{shards} each"))
         root = root_weight_bytes(model, config)
         layer = (weights - root + adapters) // model.layers
-        gathered = root + FSDP_GATHERED_LAYERS * layer
+        # Untied embeddings and head are units of their own (barqtrain.train.distributed.shard_model):
+        # the root unit keeps only the final norm, the head is gathered for the loss.
+        kept_root = root if model.tied_embeddings else root - 2 * fsdp_head_bytes(model, config)
+        gathered = kept_root + FSDP_GATHERED_LAYERS * layer
         note = f"the root unit and {FSDP_GATHERED_LAYERS} layers"
         components.append(Component("weights FSDP gathers", gathered, note))
     else:
@@ -1045,8 +1055,9 @@ def estimate(
     # Tied embeddings in full fine-tuning: the embedding's dense gradient, made last, before it
     # is added to the head's.
     embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
+    gathered_head = fsdp_head_bytes(model, config) if shards > 1 else 0
     moments = {
-        FORWARD_END: kept_forward + loss_kept + max(loss_work, forward_layer + dequantized),
+        FORWARD_END: kept_forward + loss_kept + max(loss_work + gathered_head, forward_layer + dequantized),
         LAYER_BACKWARD: kept_backward + batch_kept + backward_work + dequantized + accumulated + head_gradient,
         BACKWARD_END: batch_kept + gradients + embedding_gradient,
     }
@@ -1058,13 +1069,15 @@ def estimate(
     if moment == FORWARD_END:
         components.append(Component("saved activations, decoder layers", kept_forward, forward_note))
         components.append(Component("batch, final norm and loss's kept tensors", loss_kept))
-        if forward_layer + dequantized > loss_work:
+        if forward_layer + dequantized > loss_work + gathered_head:
             if forward_layer:
                 components.append(Component("a checkpointed layer's forward", forward_layer))
             if dequantized:
                 components.append(Component("a dequantized weight", dequantized, "written for cuBLAS, one GEMM's"))
         else:
             components.append(Component("loss workspace (logit chunks)", loss_work))
+            if gathered_head:
+                components.append(Component("the head FSDP gathers for the loss", gathered_head))
     elif moment == LAYER_BACKWARD:
         components.append(Component("saved activations, decoder layers", kept_backward, backward_note))
         components.append(Component("batch", batch_kept))

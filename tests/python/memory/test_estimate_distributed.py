@@ -1,8 +1,8 @@
 """The estimate per process under torchrun: FSDP divides every weight, adapter, gradient and
 optimizer state among the processes and gathers the root unit and a few layers; DDP keeps
 everything whole and adds its gradient buckets. Checked against the peaks `barqtrain bench
-scaling` measured per GPU on 1, 2 and 4 H200s (benchmarks/results/h200x4/, one JSON per case,
-each with its command), within the 5% the single-GPU estimate keeps."""
+scaling` measured per GPU on 1, 2 and 4 H200s (benchmarks/results/h200x2/ and h200x4/, one JSON
+per case and machine, each with its command), within the 5% the single-GPU estimate keeps."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from barqtrain.cli import main
 from barqtrain.memory.estimator import GIB, ModelShape, estimate
 from barqtrain.train.config import config_from_dict
 
-RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "h200x4"
-MEASURED = sorted(RESULTS.glob("scaling-*.json"))
+RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+MEASURED = sorted(RESULTS.glob("h200x*/scaling-*.json"))
 
 
 def measured_points() -> list[tuple[str, dict, dict]]:
