@@ -543,9 +543,10 @@ def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
     if run.attention_tiled:
         attention = tiled_attention_backward_workspace(model, run)
     else:
-        # Flash attention's backward: an fp32 dq accumulator, dq, dk and dv, and dk, dv of every
-        # query head before GQA sums them.
-        attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t + 2 * c * model.q_size * t
+        # SDPA's backward without a mask (cuDNN's on an H100/H200): an fp32 dq accumulator, dq,
+        # dk and dv; the heads that share K and V sum their gradients inside the kernel. Checked
+        # at 400K and 500K tokens (`barqtrain bench context --layers 4`: docs/memory.md).
+        attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t
     return flowing + max(mlp_backward_workspace(model, run), attention)
 
 
@@ -1024,6 +1025,7 @@ def estimate(
     backward_work = layer_backward_workspace(model, run)
     loss_work = loss_workspace(model, run)
     dequantized = dequantized_weight_bytes(model, config, run)
+    gathered_head = fsdp_head_bytes(model, config) if shards > 1 else 0
     choices = plan.choices
 
     # What the decoder layers hold at the end of the forward pass, and during the backward pass
@@ -1041,7 +1043,14 @@ def estimate(
     # Of equal totals the last layer's: its backward pass comes first.
     peak_layer = max(reversed(range(len(choices))), key=backward_totals.__getitem__)
     kept_backward = backward_totals[peak_layer]
-    forward_layer = max(costs.forward(choice) for choice in choices)
+    # While a checkpointed layer's forward runs, the layers up to it hold what they hold and its
+    # transient tensors exist; they are gone before the final norm and the loss keep theirs.
+    in_flight = kept_forward - sum(held)  # an offloaded input on its way, autocast's weight copies
+    forward_totals = [through + costs.forward(c) for through, c in zip(itertools.accumulate(held), choices)]
+    forward_peak_layer = max(reversed(range(len(choices))), key=forward_totals.__getitem__)
+    forward_layer = costs.forward(choices[forward_peak_layer])
+    during_layers = in_flight + forward_totals[forward_peak_layer] + batch_kept + dequantized
+    at_loss = kept_forward + loss_kept + loss_work + gathered_head
     forward_note = _held_note(plan, costs)
     backward_note = (
         f"layer {peak_layer}'s own tensors ({costs.backward(choices[peak_layer]) / MIB:,.1f} MiB) and what the "
@@ -1055,9 +1064,8 @@ def estimate(
     # Tied embeddings in full fine-tuning: the embedding's dense gradient, made last, before it
     # is added to the head's.
     embedding_gradient = 4 * head if run.method == "full" and model.tied_embeddings else 0
-    gathered_head = fsdp_head_bytes(model, config) if shards > 1 else 0
     moments = {
-        FORWARD_END: kept_forward + loss_kept + max(loss_work + gathered_head, forward_layer + dequantized),
+        FORWARD_END: max(during_layers, at_loss),
         LAYER_BACKWARD: kept_backward + batch_kept + backward_work + dequantized + accumulated + head_gradient,
         BACKWARD_END: batch_kept + gradients + embedding_gradient,
     }
@@ -1066,18 +1074,22 @@ def estimate(
     if moment == LAYER_BACKWARD:
         last = peak_layer == len(choices) - 1
         peak_moment = "the last layer's backward pass" if last else f"layer {peak_layer}'s backward pass"
-    if moment == FORWARD_END:
+    if moment == FORWARD_END and during_layers > at_loss:
+        peak_moment = f"layer {forward_peak_layer}'s forward pass"
+        held_through = forward_totals[forward_peak_layer] - forward_layer
+        components.append(Component("saved activations, decoder layers", in_flight + held_through,
+                                    f"layers 0-{forward_peak_layer}'s"))
+        components.append(Component("batch", batch_kept))
+        if forward_layer:
+            components.append(Component("a checkpointed layer's forward", forward_layer))
+        if dequantized:
+            components.append(Component("a dequantized weight", dequantized, "written for cuBLAS, one GEMM's"))
+    elif moment == FORWARD_END:
         components.append(Component("saved activations, decoder layers", kept_forward, forward_note))
         components.append(Component("batch, final norm and loss's kept tensors", loss_kept))
-        if forward_layer + dequantized > loss_work + gathered_head:
-            if forward_layer:
-                components.append(Component("a checkpointed layer's forward", forward_layer))
-            if dequantized:
-                components.append(Component("a dequantized weight", dequantized, "written for cuBLAS, one GEMM's"))
-        else:
-            components.append(Component("loss workspace (logit chunks)", loss_work))
-            if gathered_head:
-                components.append(Component("the head FSDP gathers for the loss", gathered_head))
+        components.append(Component("loss workspace (logit chunks)", loss_work))
+        if gathered_head:
+            components.append(Component("the head FSDP gathers for the loss", gathered_head))
     elif moment == LAYER_BACKWARD:
         components.append(Component("saved activations, decoder layers", kept_backward, backward_note))
         components.append(Component("batch", batch_kept))

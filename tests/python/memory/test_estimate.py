@@ -276,7 +276,8 @@ def test_tiled_attention_lowers_the_peak_and_adds_its_forward_to_the_step():
               "gradient_checkpointing": True, "memory": {"mlp_tile_tokens": 8192}}  # fmt: skip
     untiled = estimate(config_from_dict(config))
     tiled = estimate(config_from_dict({**config, "memory": {"mlp_tile_tokens": 8192, "attention_tile_tokens": 8192}}))
-    assert tiled.peak_bytes < untiled.peak_bytes - 4 * 131072 * 4096 * 2  # more than four [tokens x hidden] tensors
+    # More than the untiled backward's fp32 dq accumulator: two [tokens x hidden] 16-bit tensors' worth.
+    assert tiled.peak_bytes < untiled.peak_bytes - 2 * 131072 * 4096 * 2
     assert untiled.step_seconds < tiled.step_seconds < 1.5 * untiled.step_seconds
     assert "attention in tiles of 8192 queries" in tiled.table().splitlines()[0]
 
