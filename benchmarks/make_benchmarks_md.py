@@ -35,6 +35,7 @@ SUITES = {
     "qlora": "QLoRA: dequantization, fused dequant-GEMM, QLoRA linear (`barqtrain bench qlora`)",
     "data": "Data wait (`barqtrain bench data`)",
     "scaling": "Several GPUs: LoRA and QLoRA under DDP and FSDP2 (`barqtrain bench scaling`)",
+    "context": "Long context: the longest row under a memory cap (`barqtrain bench context`)",
 }
 E2E_COLUMNS = (
     ("hf", "HF + PEFT"),
@@ -255,6 +256,26 @@ def section_scaling(runs) -> str:
     return text
 
 
+def section_context(runs) -> str:
+    rows = []
+    for run in runs:
+        settings = run["data"]["settings"]
+        shape = settings["model"].replace("-shape", "") + (f", first {settings['layers']} layers" if settings.get("layers") else "")
+        for r in run["data"]["results"]:
+            measured = r.get("status") == "ok"
+            rows.append([gpu(run), f"[{Path(run['rel']).name}]({run['rel']})", shape, r["framework"], r["method"],
+                         f"{r['tokens']:,}", f"{settings['memory_cap_gib']:g} GiB",
+                         f"{num(r['peak_gib'])} GiB" if measured else r.get("status", "?"),
+                         f"{num(r['estimate_gib'])} GiB" if r.get("estimate_gib") is not None else "",
+                         f"{r['step_s']:.1f}" if measured else "", r.get("plan", "")])
+    text = md_table(["GPU", "result", "shape", "framework", "method", "tokens", "cap", "peak", "estimate then",
+                     "s / step", "plan"], rows, "lllllrrrrrl")
+    return text + (
+        "\n\nBatch 1, r16 on every projection; the cap is `torch.cuda.set_per_process_memory_fraction`. A run of the"
+        " first layers only (`--layers`) measures the memory and seconds of each layer at lengths whose whole-model step"
+        " outlasts a GPU call; the estimate column is the estimator's at the run's commit (docs/memory.md has today's).")
+
+
 def cpu_section() -> str:
     lines = []
     for path in sorted((RESULTS / "cpu").glob("*.md")):
@@ -277,7 +298,8 @@ def benchmarks_md(runs) -> str:
            "and every row; rerun its command to reproduce it. Compare numbers within one run: runs differ by a few",
            "percent. The history of earlier runs is in git (branch `lab-notebook`).", ""]
     sections = {"e2e": section_e2e, "ops": section_ops, "xent": section_xent, "attn": section_attn,
-                "lora": section_lora, "qlora": section_qlora, "data": section_data, "scaling": section_scaling}
+                "lora": section_lora, "qlora": section_qlora, "data": section_data, "scaling": section_scaling,
+                "context": section_context}
     for suite, title in SUITES.items():
         suite_runs = [r for r in runs if r["suite"] == suite]
         if not suite_runs:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "benchmarks" / "results"
-SUITES = {"ops", "xent", "attn", "lora", "qlora", "data", "e2e", "scaling"}
-SEVERAL_PER_GPU = {"e2e", "scaling"}  # <suite>-<workload or case>.json
+SUITES = {"ops", "xent", "attn", "lora", "qlora", "data", "e2e", "scaling", "context"}
+SEVERAL_PER_GPU = {"e2e", "scaling", "context"}  # <suite>-<workload or case>.json
 
 
 def test_curated_results_name_gpu_date_commit_and_command():
