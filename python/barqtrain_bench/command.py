@@ -172,6 +172,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"steps each attempt trains, the last one timed (default: {context.DEFAULT_STEPS})",
     )
+    context_options.add_argument(
+        "--peak-breakdown",
+        action="store_true",
+        help="record the CUDA allocator's trace in BarqTrain's attempts and report what is allocated at each one's "
+        "peak, by the code that allocated it (the steps run slower)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -268,5 +274,6 @@ def run(args: argparse.Namespace) -> int:
             args.command_line,
             tokenizer=args.tokenizer,
             layers=args.layers,
+            peak_breakdown=args.peak_breakdown,
         )
     return 0

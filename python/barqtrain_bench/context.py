@@ -25,6 +25,7 @@ from barqtrain_bench.context_worker import FRAMEWORKS, NO_PLAN, OUT_OF_MEMORY, A
 from barqtrain_bench.e2e import run_worker_process
 from barqtrain_bench.e2e_worker import LORA_SETTINGS
 from barqtrain_bench.environment import collect_environment, device_name
+from barqtrain_bench.peak import format_breakdown
 from barqtrain_bench.report import (
     BarPanel,
     format_table,
@@ -60,12 +61,15 @@ def run_context_benchmark(
     command_line: str,
     tokenizer: Path | None = None,
     layers: int | None = None,
+    peak_breakdown: bool = False,
 ) -> list[dict[str, Any]]:
     """Climbs the length ladder of each method and framework; prints the tables, writes
     context.json and context.png, and returns the rows. layers: the model shape's first this
     many decoder layers only (None: all), for lengths whose step on the whole shape takes longer
     than the time there is: the layers' memory and seconds are the whole shape's per layer, and
-    the estimate of the cut shape stands beside its measured peak."""
+    the estimate of the cut shape stands beside its measured peak. peak_breakdown: BarqTrain's
+    rows also say what is allocated at their peak, by the code that allocated it
+    (barqtrain_bench.peak)."""
     if not tiny and not torch.cuda.is_available():
         print(
             "barqtrain bench context needs a CUDA GPU for the 8B shape; no CUDA device is visible here, so nothing "
@@ -83,7 +87,8 @@ def run_context_benchmark(
                 print(f"{framework} {method}, {model}{cut}, capped at {_cap(cap_gib)}:")
                 for seq in sorted(lengths):
                     attempt = Attempt(
-                        framework, method, model, seq, cap_gib, steps, SEED, model_dir, tokenizer_dir, layers
+                        framework, method, model, seq, cap_gib, steps, SEED, model_dir, tokenizer_dir, layers,
+                        peak_breakdown and framework == "barqtrain",
                     )
                     unavailable = _unavailable(attempt)
                     if unavailable is None:
@@ -92,6 +97,8 @@ def run_context_benchmark(
                         result = {"status": "unavailable", "reason": unavailable}
                     rows.append({"framework": framework, "method": method, "tokens": seq, **result})
                     print(f"  {seq:>7} tokens: {_summary(rows[-1])}", flush=True)
+                    if "peak_breakdown" in result:
+                        print(format_breakdown(result["peak_breakdown"]), flush=True)
                     if result["status"] != "ok":
                         break  # longer rows need more memory still
     print()

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from barqtrain_bench import peak
 from barqtrain_bench.e2e_worker import LEARNING_RATE, LORA_SETTINGS, LORA_TARGET_MODULES, UNSLOTH_ENVIRONMENT
 
 FRAMEWORKS = ("barqtrain", "hf", "unsloth")
@@ -60,6 +61,7 @@ class Attempt:
     model_dir: str | None = None
     tokenizer: str | None = None  # a tokenizer directory, saved beside the model for Unsloth
     layers: int | None = None  # the shape's first this many decoder layers (None: all of them)
+    peak_breakdown: bool = False  # record the allocator's trace: what is allocated at the peak (CUDA)
 
 
 def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
@@ -86,6 +88,10 @@ def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
     if device.type == "cuda":  # the steps' peak, not the model build's (a 16-bit model quantized after loading)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    traced = attempt.peak_breakdown and device.type == "cuda"
+    if traced:
+        allocated_before = torch.cuda.memory_allocated(device)
+        peak.start_recording()
     losses = []
     for _ in range(attempt.steps):
         ids = torch.randint(vocab, (1, attempt.seq), generator=generator).to(device)
@@ -102,6 +108,8 @@ def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         result["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    if traced:
+        result["peak_breakdown"] = peak.peak_breakdown(peak.stop_recording(device), allocated_before, device.index)
 
 
 def _barqtrain_model(attempt: Attempt, device: torch.device, result: dict[str, Any]) -> torch.nn.Module:
