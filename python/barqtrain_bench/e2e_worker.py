@@ -42,18 +42,20 @@ from barqtrain.train.graph_step import GraphedTrainStep
 # (barqtrain.compile_decoder_layers), in the warm-up steps; "+graph" replays the whole step from a
 # CUDA graph (barqtrain.train.graph_step, `cuda_graph: true` in a training config; AdamW capturable),
 # captured in the warm-up steps; "-qlora" is QLoRA: the base's linear layers in NF4
-# (barqtrain.quant.quantize_model, the output head kept), the rest as "barqtrain".
+# (barqtrain.quant.quantize_model, the output head kept), the rest as "barqtrain"; "-ternary"
+# likewise over a ternary base ({-1, 0, +1} and a scale per output row).
 BARQTRAIN_VARIANTS: dict[str, dict[str, Any]] = {
     "barqtrain": {},
     "barqtrain+compile": {},
     "barqtrain+graph": {},
     "barqtrain-qlora": {},
+    "barqtrain-ternary": {},
     "barqtrain-peft-precision": {"lora_precision": "peft"},
     "barqtrain+attention": {"ops": (*DEFAULT_OPS, "attention")},
 }
 COMPILED_VARIANTS = frozenset({"barqtrain+compile"})
 GRAPHED_VARIANTS = frozenset({"barqtrain+graph"})
-QUANTIZED_VARIANTS = {"barqtrain-qlora": "nf4"}
+QUANTIZED_VARIANTS = {"barqtrain-qlora": "nf4", "barqtrain-ternary": "ternary"}
 BASELINE_VARIANTS = ("hf", "liger", "unsloth")
 VARIANTS = ("hf", *BARQTRAIN_VARIANTS, "liger", "unsloth")
 LORA_SETTINGS = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)

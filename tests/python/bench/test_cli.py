@@ -36,7 +36,8 @@ def test_bench_defaults_run_every_suite_against_hf_liger_and_unsloth():
     assert args.compare == ("hf", "liger", "unsloth")
     assert args.models == ("llama-1b", "llama-8b")
     assert args.variants == (
-        "barqtrain", "barqtrain+compile", "barqtrain+graph", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"
+        "barqtrain", "barqtrain+compile", "barqtrain+graph", "barqtrain-qlora", "barqtrain-ternary",
+        "barqtrain-peft-precision", "barqtrain+attention",
     )
     assert not args.profile and args.tokenizer is None
     assert (args.steps, args.warmup) == (e2e.DEFAULT_STEPS, e2e.DEFAULT_WARMUP)

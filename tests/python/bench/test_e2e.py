@@ -14,7 +14,8 @@ from barqtrain_bench.e2e_worker import TOKENIZER_MISSING, VariantSpec
 from barqtrain_bench.models import TINY, WORKLOADS
 from barqtrain_bench.profile import CATEGORIES
 
-BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-peft-precision", "barqtrain+attention"]
+BARQTRAIN_VARIANTS = ["barqtrain", "barqtrain+compile", "barqtrain-qlora", "barqtrain-ternary", "barqtrain-peft-precision",
+                      "barqtrain+attention"]  # fmt: skip
 GRAPHED = "barqtrain+graph"  # CUDA only
 
 
@@ -55,6 +56,7 @@ def test_tiny_run_on_cpu_writes_rows_and_profiles_for_every_variant(tmp_path, ca
     assert "LoRA precision: mixed" in rows["barqtrain"]["patch_report"]
     assert rows["barqtrain+compile"]["patch_report"].endswith("compiled: 2 decoder layers")
     assert result_of("barqtrain-qlora", "lora") == "patched"
+    assert result_of("barqtrain-ternary", "lora") == "patched"
     assert result["environment"]["command"].startswith("barqtrain bench e2e --tiny")
     assert result["settings"]["lora"]["r"] == 16 and result["settings"]["profile"]["steps"] == 3
     assert (tmp_path / "e2e_profile.png").stat().st_size > 0
