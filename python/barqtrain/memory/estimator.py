@@ -20,9 +20,10 @@ Everything is counted from the model's config.json (or a named shape) and the Tr
   counts), and cuBLAS's workspaces;
 - per process under torchrun (`processes`, default WORLD_SIZE): with distributed.strategy fsdp
   every weight, adapter, gradient and optimizer state is 1/N, plus what FSDP gathers (the root
-  unit, FSDP_GATHERED_LAYERS decoder layers, an untied head for the loss); with ddp everything is whole, plus DDP's buckets,
-  an fp32 copy of the trainable gradients. Checked against the 2- and 4-GPU peaks of `barqtrain
-  bench scaling` (benchmarks/results/h200x4/) by tests/python/memory/test_estimate_distributed.py.
+  unit, FSDP_GATHERED_LAYERS decoder layers, an untied head for the loss); with ddp everything
+  is whole, plus DDP's buckets, an fp32 copy of the trainable gradients. Checked against the
+  peaks of `barqtrain bench scaling` on 2 and 4 GPUs (benchmarks/results/h200x2/ and h200x4/)
+  by tests/python/memory/test_estimate_distributed.py.
 
 The peak is the largest of three moments of a steady-state step (the optimizer states exist,
 as they do from the second step on): the end of the forward pass (all kept activations and the
@@ -87,9 +88,9 @@ ATTENTION_FRACTION = 0.82
 QUANTIZED_GEMM_SLOWDOWN = 1.1
 COPY_FRACTION = 0.8
 
-# FSDP2 keeps the root unit (final norm; tied embeddings and head) gathered through the step, and up to
-# three decoder layers' weights whole: the one computing, the next one it prefetches, and that
-# one's all-gather output until it is copied out into the layer's parameters.
+# FSDP2 keeps the root unit (final norm; tied embeddings and head) gathered through the step, and
+# up to three decoder layers' weights whole: the one computing, the next one it prefetches, and
+# that one's all-gather output until it is copied out into the layer's parameters.
 FSDP_GATHERED_LAYERS = 3
 
 # Pinned memory cannot be paged out: offloaded inputs beyond this fraction of the host's RAM

@@ -8,7 +8,8 @@ from barqtrain_bench import peak
 
 GIB = peak.GIB
 TORCH_FRAME = {"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 7, "name": "linear"}
-LORA_FRAME = {"filename": "/venv/lib/python3.12/site-packages/barqtrain/lora/functions.py", "line": 215, "name": "_project"}
+LORA_FRAME = {"filename": "/venv/lib/python3.12/site-packages/barqtrain/lora/functions.py", "line": 215,
+              "name": "_project"}  # fmt: skip
 HF_FRAME = {"filename": "/venv/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py", "line": 90,
             "name": "forward"}  # fmt: skip
 
