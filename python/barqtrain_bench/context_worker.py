@@ -109,7 +109,10 @@ def run_attempt(attempt: Attempt, result: dict[str, Any]) -> None:
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         result["reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     if traced:
-        result["peak_breakdown"] = peak.peak_breakdown(peak.stop_recording(device), allocated_before, device.index)
+        try:
+            result["peak_breakdown"] = peak.peak_breakdown(peak.stop_recording(device), allocated_before, device.index)
+        except ValueError as error:  # a trace that lost its first entries: the row's measurements stand
+            result["peak_breakdown"] = {"error": str(error)}
 
 
 def _barqtrain_model(attempt: Attempt, device: torch.device, result: dict[str, Any]) -> torch.nn.Module:

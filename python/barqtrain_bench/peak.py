@@ -92,6 +92,8 @@ def peak_breakdown(
 
 
 def format_breakdown(breakdown: dict[str, Any]) -> str:
+    if "error" in breakdown:
+        return f"    no breakdown of the peak: {breakdown['error']}"
     lines = [f"    at the peak ({breakdown['peak_gib']:.2f} GiB allocated):"]
     lines += [f"      {row['gib']:7.2f} GiB  {row['site']}" for row in breakdown["by_site"]]
     return "\n".join(lines)

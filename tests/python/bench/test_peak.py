@@ -46,8 +46,9 @@ def test_the_blocks_alive_at_the_most_allocated_moment_by_site():
 
 def test_a_trace_that_lost_its_first_entries_is_refused(monkeypatch):
     monkeypatch.setattr(peak, "MAX_TRACE_ENTRIES", 2)
-    with pytest.raises(ValueError, match="its first ones were dropped"):
+    with pytest.raises(ValueError, match="its first ones were dropped") as refused:
         peak.peak_breakdown({"device_traces": [[entry("alloc", 1, 1.0), entry("alloc", 2, 1.0)]]}, 0)
+    assert "no breakdown of the peak: the allocator's trace" in peak.format_breakdown({"error": str(refused.value)})
 
 
 @pytest.mark.gpu
