@@ -79,13 +79,15 @@ def _reason_not_to_fuse(model: nn.Module) -> str | None:
     return None
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs an nn.Linear in on `device_type`, or None where it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def _as_autocast_would(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The lm_head's inputs in the dtype that autocast would run the nn.Linear in."""
-    device_type = next(t for t in tensors if t is not None).device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+    dtype = _autocast_dtype(next(t for t in tensors if t is not None).device.type)
+    return tensors if dtype is None else tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def _shifted_labels(labels: torch.Tensor, ignore_index: int, shift_labels: torch.Tensor | None) -> torch.Tensor:
@@ -156,17 +158,17 @@ def _forward(
         **causal_mask.plain_causal_kwargs(self.config, attention_mask, position_ids, past_key_values, kwargs),
     )
     slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    hidden, weight, bias = _as_autocast_would(
-        outputs.last_hidden_state[:, slice_indices, :], self.lm_head.weight, self.lm_head.bias
-    )
-    if not fused_ops_support(hidden, weight, *([] if bias is None else [bias])):
+    hidden = outputs.last_hidden_state[:, slice_indices, :]
+    # Checked by dtype only: head_loss casts the head for autocast, once (a whole head's copy).
+    head = [t for t in (self.lm_head.weight, self.lm_head.bias) if t is not None]
+    if not fused_ops_support(hidden, *head, as_dtype=_autocast_dtype(hidden.device.type)):
         # Without autocast, Hugging Face's lm_head refuses these too, in its own words.
-        return fall_back(self, f"{hidden.dtype} hidden states for a {weight.dtype} lm_head")(**arguments)
+        return fall_back(self, f"{hidden.dtype} hidden states for a {head[0].dtype} lm_head")(**arguments)
 
     ignore_index = kwargs.get("ignore_index", -100)
     num_items_in_batch = kwargs.get("num_items_in_batch")
     loss = getattr(self.lm_head, HEAD_LOSS_METHOD, functools.partial(head_loss, self.lm_head))(
-        outputs.last_hidden_state[:, slice_indices, :],
+        hidden,
         _shifted_labels(labels, ignore_index, kwargs.get("shift_labels")).to(hidden.device),
         ignore_index,
         (self.config.final_logit_softcapping or 0.0) if softcapped else 0.0,

@@ -26,13 +26,14 @@ saved_class_forwards: dict[type, Callable[..., object]] = {}
 _warned: set[str] = set()
 
 
-def fused_ops_support(*tensors: torch.Tensor) -> bool:
-    """True when the tensors share one dtype and device type that the fused ops compute."""
+def fused_ops_support(*tensors: torch.Tensor, as_dtype: torch.dtype | None = None) -> bool:
+    """True when the tensors share one device, of a type the fused ops compute on, and one dtype
+    they compute in: as_dtype where all are cast to it (autocast's), else their own."""
     first = tensors[0]
     return (
-        first.dtype in _FUSED_DTYPES
+        (first.dtype if as_dtype is None else as_dtype) in _FUSED_DTYPES
         and first.device.type in _FUSED_DEVICE_TYPES
-        and all(t.dtype == first.dtype and t.device == first.device for t in tensors[1:])
+        and all((as_dtype is not None or t.dtype == first.dtype) and t.device == first.device for t in tensors[1:])
     )
 
 

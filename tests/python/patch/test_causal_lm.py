@@ -198,6 +198,30 @@ def test_float32_model_under_bfloat16_autocast_matches() -> None:
     assert_grads_close(grads, expected_grads, torch.bfloat16)
 
 
+@pytest.mark.filterwarnings("ignore:barqtrain.*run the original Hugging Face forward")
+def test_under_autocast_the_forward_casts_the_head_once() -> None:
+    """The check that the fused loss can run reads dtypes only; the head's 16-bit copy (a whole
+    vocabulary x hidden matrix) is made once, for the loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_model("qwen3")
+    head_shape = tuple(model.lm_head.weight.shape)
+    casts = []
+
+    class HeadCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == head_shape:
+                casts.append(kwargs.get("dtype"))
+            return func(*args, **(kwargs or {}))
+
+    patch_everything(model)
+    model.train()
+    batch = plain_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16), HeadCasts():
+        model(**batch).loss
+    assert casts == [torch.bfloat16]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_loss_and_gradients_on_cuda_no_worse_than_hugging_face(family: str) -> None:
