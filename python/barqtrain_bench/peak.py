@@ -59,15 +59,15 @@ def peak_breakdown(
     if len(trace) >= MAX_TRACE_ENTRIES:
         raise ValueError(f"the allocator's trace holds {len(trace):,} entries, its limit: its first ones were dropped")
 
-    def replay(stop: int | None) -> tuple[int, int, dict[int, tuple[int, str]], int]:
+    def replay(stop: int | None) -> tuple[int, int, dict[int, dict[str, Any]], int]:
         """Allocated bytes at the most (and the index of that entry) over trace[:stop]; the
-        blocks alive after trace[:stop] and the bytes of the earlier ones freed by then."""
+        allocations alive after trace[:stop] and the bytes of the earlier ones freed by then."""
         allocated, most, most_at = allocated_before, allocated_before, -1
-        live: dict[int, tuple[int, str]] = {}
+        live: dict[int, dict[str, Any]] = {}
         freed_earlier = 0
         for index, entry in enumerate(trace[:stop]):
             if entry["action"] == "alloc":
-                live[entry["addr"]] = (entry["size"], _site(entry.get("frames", [])))
+                live[entry["addr"]] = entry
                 allocated += entry["size"]
                 if allocated > most:
                     most, most_at = allocated, index
@@ -80,8 +80,8 @@ def peak_breakdown(
     peak, peak_at, _, _ = replay(None)
     _, _, live, freed_earlier = replay(peak_at + 1)
     sites = Counter()
-    for size, site in live.values():
-        sites[site] += size
+    for entry in live.values():  # only the blocks alive at the peak are named
+        sites[_site(entry.get("frames", []))] += entry["size"]
     sites[BEFORE_THE_TRACE] = allocated_before - freed_earlier
     ranked = sites.most_common()
     rows = [{"site": site, "gib": size / GIB} for site, size in ranked[:top]]
