@@ -544,9 +544,9 @@ def layer_backward_workspace(model: ModelShape, run: RunShape) -> int:
     if run.attention_tiled:
         attention = tiled_attention_backward_workspace(model, run)
     else:
-        # SDPA's backward without a mask (cuDNN's on an H100/H200): an fp32 dq accumulator, dq,
-        # dk and dv; the heads that share K and V sum their gradients inside the kernel. Checked
-        # at 400K and 500K tokens (`barqtrain bench context --layers 4`: docs/memory.md).
+        # SDPA's backward without a mask: an fp32 dq accumulator, dq, dk and dv, and no dk and dv
+        # per query head before grouped-query attention sums them (FlashAttention-2 makes those):
+        # the peaks measured at 400K and 500K tokens leave no room for them (docs/memory.md).
         attention = 4 * model.q_size * t + c * (model.q_size + 2 * model.kv_size) * t
     return flowing + max(mlp_backward_workspace(model, run), attention)
 
